@@ -1,0 +1,212 @@
+"""PPO math against hand-computed values, and the data-parallel invariance of every reduction."""
+
+import math
+
+import pytest
+import torch
+
+from rlhf_paro.ppo import core
+
+
+def t(rows):
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+# --- hand-computed values -------------------------------------------------------------------------
+
+def test_kl_estimators_match_hand_values():
+    # pi(y) = 0.5, ref(y) = 0.25: k1 = ln 2; k2 = (ln 2)^2 / 2;
+    # k3 = e^r - 1 - r with r = ln(0.25/0.5) = -ln 2, i.e. 0.5 - 1 + ln 2.
+    logp, ref_logp = t([[math.log(0.5)]]), t([[math.log(0.25)]])
+    ln2 = math.log(2)
+    assert core.kl_estimate(logp, ref_logp, "k1").item() == pytest.approx(ln2)
+    assert core.kl_estimate(logp, ref_logp, "k2").item() == pytest.approx(0.5 * ln2 ** 2)
+    assert core.kl_estimate(logp, ref_logp, "k3").item() == pytest.approx(ln2 - 0.5)
+
+
+def test_kl_estimate_rejects_unknown_kind_naming_the_allowed_ones():
+    with pytest.raises(ValueError, match="k1, k2, k3"):
+        core.kl_estimate(t([[0.0]]), t([[0.0]]), "k4")
+
+
+def test_token_rewards_put_score_on_last_valid_token():
+    # -0.5 * kl on every valid token; row 0 ends at t=2 (+1.0), row 1 ends at t=1 (+2.0);
+    # the padded kl of 9.0 in row 1 must not leak into the rewards.
+    score = t([1.0, 2.0])
+    kl = t([[0.1, 0.2, 0.3], [0.4, 0.5, 9.0]])
+    mask = t([[1, 1, 1], [1, 1, 0]])
+    rewards = core.token_rewards(score, kl, mask, kl_coef=0.5)
+    torch.testing.assert_close(rewards, t([[-0.05, -0.1, 0.85], [-0.2, 1.75, 0.0]]))
+
+
+def test_token_rewards_reject_empty_response():
+    with pytest.raises(ValueError, match="at least one valid token"):
+        core.token_rewards(t([1.0]), t([[0.0, 0.0]]), t([[0, 0]]), kl_coef=0.1)
+
+
+def test_gae_without_discount_is_reward_to_go_minus_value():
+    # gamma = lam = 1: returns are the undiscounted reward-to-go (1 everywhere), A = 1 - 0.5.
+    adv, ret = core.gae(t([[0.0, 0.0, 1.0]]), t([[0.5, 0.5, 0.5]]), t([[1, 1, 1]]), 1.0, 1.0)
+    torch.testing.assert_close(adv, t([[0.5, 0.5, 0.5]]))
+    torch.testing.assert_close(ret, t([[1.0, 1.0, 1.0]]))
+
+
+def test_gae_with_discount_and_padding():
+    # gamma = 0.9, lam = 0.5, the response ends at t=1 so V_2 counts as 0 and t=2 is padding:
+    #   t=1: delta = 1 + 0.9*0 - 0.4 = 0.6,            A_1 = 0.6
+    #   t=0: delta = 0 + 0.9*0.4 - 0.2 = 0.16,         A_0 = 0.16 + 0.9*0.5*0.6 = 0.43
+    # returns = A + V = [0.63, 1.0, 0].
+    rewards, values = t([[0.0, 1.0, 7.0]]), t([[0.2, 0.4, 5.0]])
+    adv, ret = core.gae(rewards, values, t([[1, 1, 0]]), gamma=0.9, lam=0.5)
+    torch.testing.assert_close(adv, t([[0.43, 0.6, 0.0]]))
+    torch.testing.assert_close(ret, t([[0.63, 1.0, 0.0]]))
+
+
+def test_masked_whiten_uses_valid_tokens_only():
+    # valid 1, 2, 3: mean 2, unbiased variance 1 -> -1, 0, 1; the padded 100 is ignored and zeroed.
+    x, mask = t([[1.0, 2.0, 3.0, 100.0]]), t([[1, 1, 1, 0]])
+    torch.testing.assert_close(core.masked_whiten(x, mask), t([[-1.0, 0.0, 1.0, 0.0]]))
+    # shift_mean=False adds the mean back after scaling: 1, 2, 3.
+    torch.testing.assert_close(core.masked_whiten(x, mask, shift_mean=False),
+                               t([[1.0, 2.0, 3.0, 0.0]]))
+
+
+def test_policy_loss_clips_hand_values():
+    # ratios 1.5, 0.5, 0.5 with advantages +1, +1, -1 and eps 0.2:
+    #   token 0: max(-1.5, -1.2) = -1.2 (clipped)
+    #   token 1: max(-0.5, -0.8) = -0.5
+    #   token 2: max(+0.5, +0.8) = +0.8 (clipped)
+    # token 3 is padding with a huge advantage that must not count. Mean (-1.2 - 0.5 + 0.8)/3.
+    old = t([[0.0, 0.0, 0.0, 0.0]])
+    logp = t([[math.log(1.5), math.log(0.5), math.log(0.5), 0.0]])
+    adv = t([[1.0, 1.0, -1.0, 1e6]])
+    mask = t([[1, 1, 1, 0]])
+    loss, metrics = core.policy_loss(logp, old, adv, mask, clip_eps=0.2)
+    assert loss.item() == pytest.approx(-0.3)
+    assert metrics["clipfrac"] == pytest.approx(2 / 3)
+    assert metrics["num_tokens"] == 3
+    assert metrics["ratio_mean"] == pytest.approx((1.5 + 0.5 + 0.5) / 3)
+
+
+def test_value_loss_clips_hand_values():
+    # token 0: V=1.0, old=0, R=0.5 -> V_clip=0.2: max(0.25, 0.09) = 0.25 -> 0.125
+    # token 1: V=0.3, old=0, R=1.0 -> V_clip=0.2: max(0.49, 0.64) = 0.64 -> 0.32 (clipped)
+    values, old, ret = t([[1.0, 0.3]]), t([[0.0, 0.0]]), t([[0.5, 1.0]])
+    loss, metrics = core.value_loss(values, old, ret, t([[1, 1]]), clip_eps=0.2)
+    assert loss.item() == pytest.approx((0.125 + 0.32) / 2)
+    assert metrics["vf_clipfrac"] == pytest.approx(0.5)
+
+
+def test_adaptive_kl_controller_follows_ziegler():
+    # beta *= 1 + clip(KL/target - 1, -0.2, 0.2) * n / horizon, with n/horizon = 0.1.
+    ctl = core.AdaptiveKLController(0.1, target=6.0, horizon=10000)
+    ctl.update(current_kl=12.0, n_steps=1000)  # error 1.0 clipped to 0.2 -> 0.1 * 1.02
+    assert ctl.value == pytest.approx(0.102)
+    ctl.update(current_kl=6.0, n_steps=1000)  # on target: unchanged
+    assert ctl.value == pytest.approx(0.102)
+    ctl.update(current_kl=5.4, n_steps=1000)  # error -0.1 -> * 0.99
+    assert ctl.value == pytest.approx(0.102 * 0.99)
+    fixed = core.kl_controller(0.05, adaptive=False, target=6.0, horizon=10000)
+    fixed.update(100.0, 1000)
+    assert fixed.value == 0.05
+
+
+# --- data-parallel invariance ---------------------------------------------------------------------
+
+def _rollout(batch=8, length=6, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, length + 1, (batch,), generator=gen)
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).double()
+    def rand():
+        return torch.randn(batch, length, generator=gen, dtype=torch.float64)
+    return mask, rand
+
+
+# Uneven rows per fake rank and per micro-batch: 2 ranks x 2 micro-batches of 1, 2, 4 and 1 rows.
+SPLITS = [1, 2, 4, 1]
+
+
+def _split(*tensors):
+    return zip(*(x.split(SPLITS) for x in tensors))
+
+
+def test_masked_mean_combines_over_ranks_as_sums_and_counts():
+    mask, rand = _rollout()
+    x = rand()
+    full = core.masked_mean(x, mask)
+    parts = list(_split(x, mask))
+    combined = sum(core.masked_sum(a, m) for a, m in parts) / sum(m.sum() for _, m in parts)
+    torch.testing.assert_close(combined, full)
+    # The mean of per-rank means is not the same number: the combination above is what matters.
+    naive = torch.stack([core.masked_mean(a, m) for a, m in parts]).mean()
+    assert not torch.allclose(naive, full)
+
+
+def test_masked_whiten_with_summed_moments_equals_full_batch():
+    mask, rand = _rollout()
+    x = rand() * 3 + 1
+    full = core.masked_whiten(x, mask)
+    parts = list(_split(x, mask))
+    moments = sum(core.masked_moments(a, m) for a, m in parts)  # the all-reduce
+    sharded = torch.cat([core.masked_whiten(a, m, moments=moments) for a, m in parts])
+    torch.testing.assert_close(sharded, full)
+    # Whitening a rank's slice with its own moments gives other numbers.
+    x2, m2 = parts[2]
+    assert not torch.allclose(core.masked_whiten(x2, m2), full[3:7])
+
+
+def test_rowwise_functions_are_invariant_to_the_split():
+    mask, rand = _rollout()
+    logp, ref_logp, values = rand(), rand(), rand()
+    score = torch.randn(mask.shape[0], dtype=torch.float64)
+    kl = core.kl_estimate(logp, ref_logp, "k3")
+    rewards = core.token_rewards(score, kl, mask, 0.1)
+    adv, ret = core.gae(rewards, values, mask, 0.99, 0.95)
+    parts = [core.gae(core.token_rewards(s, core.kl_estimate(a, b, "k3"), m, 0.1), v, m, 0.99, 0.95)
+             for a, b, v, m, s in _split(logp, ref_logp, values, mask, score)]
+    torch.testing.assert_close(torch.cat([p[0] for p in parts]), adv)
+    torch.testing.assert_close(torch.cat([p[1] for p in parts]), ret)
+
+
+@pytest.mark.parametrize("which", ["policy", "value"])
+def test_losses_are_global_token_mean_under_any_split(which):
+    """Each micro-batch divides its masked sum by (global valid tokens / num micro-batches); the
+    engine averages over ranks and micro-batches. The result, loss and gradient, equals the
+    full-batch token-mean although the micro-batches hold different numbers of valid tokens."""
+    mask, rand = _rollout(seed=1)
+    old, adv_or_ret = rand(), rand()
+    current = (old + 0.3 * rand()).requires_grad_(True)
+
+    def loss_fn(cur, o, a, m, num_tokens=None):
+        if which == "policy":
+            return core.policy_loss(cur, o, a, m, clip_eps=0.2, num_tokens=num_tokens)[0]
+        return core.value_loss(cur, o, a, m, clip_eps=0.2, num_tokens=num_tokens)[0]
+
+    full = loss_fn(current, old, adv_or_ret, mask)
+    (full_grad,) = torch.autograd.grad(full, current)
+
+    num_micro = len(SPLITS)  # N * s over all fake ranks
+    divisor = mask.sum().item() / num_micro
+    losses = [loss_fn(c, o, a, m, num_tokens=divisor)
+              for c, o, a, m in _split(current, old, adv_or_ret, mask)]
+    averaged = torch.stack(losses).mean()  # what the engine's gradient averaging amounts to
+    (split_grad,) = torch.autograd.grad(averaged, current)
+    torch.testing.assert_close(averaged, full)
+    torch.testing.assert_close(split_grad, full_grad)
+
+    # Dividing each micro-batch by its own token count would weight short micro-batches more.
+    local = torch.stack([loss_fn(c, o, a, m)
+                         for c, o, a, m in _split(current, old, adv_or_ret, mask)])
+    assert not torch.allclose(local.mean(), full)
+
+
+def test_loss_metrics_combine_by_token_count():
+    mask, rand = _rollout(seed=2)
+    old, adv = rand(), rand()
+    logp = old + 0.5 * rand()
+    _, full = core.policy_loss(logp, old, adv, mask, clip_eps=0.1)
+    parts = [core.policy_loss(a, b, c, m, clip_eps=0.1)[1]
+             for a, b, c, m in _split(logp, old, adv, mask)]
+    tokens = sum(p["num_tokens"] for p in parts)
+    weighted = sum(p["clipfrac"] * p["num_tokens"] for p in parts) / tokens
+    assert weighted == pytest.approx(full["clipfrac"])
