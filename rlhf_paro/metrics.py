@@ -1,0 +1,150 @@
+"""Per-model metrics of a PPO step, to the console, ``<output_dir>/metrics.jsonl`` and wandb.
+
+Every rank of every model sends the driver one ``RankReport`` per step (``actors/worker.py``);
+``model_metrics`` folds the N reports of a model into the names of DESIGN section 9:
+
+- ``m/comm/*`` are **summed over the model's N ranks**: the bytes that all of the model's ranks
+  put on intra-group and on inter-group links during this step (each rank counts what it sent,
+  so nothing is counted twice). ``m/comm/<phase>/{intra,inter}_bytes`` split them by phase.
+  ``m/comm/time_s`` is the slowest rank's time inside collectives.
+- ``m/mem/*`` are **per rank**, the largest over the model's ranks: what one device must hold.
+- ``m/time_s/<phase>`` is the slowest rank's wall time in that phase; ``m/tokens_per_s`` is every
+  token the model processed (all ranks, all phases) over the model's busy time (slowest rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlhf_paro.comm.meter import PHASES as COMM_PHASES
+
+ROLES = ("actor", "critic", "reward", "ref")
+TRAINED = ("actor", "critic")
+# Wall-time phases of each role (m/time_s/<phase>).
+ROLE_PHASES = {
+    "actor": ("generate", "inference", "train"),
+    "critic": ("inference", "train"),
+    "reward": ("inference",),
+    "ref": ("inference",),
+}
+LOOP_KEYS = (
+    "ppo/reward_mean", "ppo/task_score", "ppo/kl", "ppo/kl_coef", "ppo/advantage_mean",
+    "ppo/return_mean", "ppo/response_length",
+    "timing_s/generate", "timing_s/make_experience", "timing_s/train", "timing_s/step",
+    "perf/samples_per_s",
+)
+
+
+def model_keys(role: str) -> list[str]:
+    """The DESIGN-9 keys of one model (the per-phase comm split comes on top)."""
+    keys = [f"{role}/tokens_per_s", *(f"{role}/time_s/{p}" for p in ROLE_PHASES[role])]
+    keys += [f"{role}/comm/{k}" for k in ("intra_bytes", "inter_bytes", "time_s", "calls")]
+    keys += [f"{role}/mem/{k}_bytes" for k in ("params", "grads", "optim", "peak")]
+    if role in TRAINED:
+        keys += [f"{role}/{k}" for k in ("loss", "grad_norm", "lr")]
+        keys.append("actor/clipfrac" if role == "actor" else "critic/vf_clipfrac")
+    return keys
+
+
+def required_keys() -> list[str]:
+    """Every key DESIGN section 9 promises in every row of metrics.jsonl."""
+    return [k for role in ROLES for k in model_keys(role)] + list(LOOP_KEYS)
+
+
+@dataclass
+class RankReport:
+    """What one rank of one model did during one step."""
+
+    tokens: int  # tokens through the model (prompt + response), every phase
+    time_s: dict[str, float]  # wall time per role phase
+    comm: dict[str, dict[str, float]]  # CommMeter.by_phase()
+    memory: dict[str, int]  # engine.memory(): params, grads, optim bytes on this rank
+    peak_bytes: int  # process peak: CUDA max allocated, or peak RSS on CPU
+    train: dict[str, float] = field(default_factory=dict)  # loss, grad_norm, lr, clipfrac...
+
+
+def model_metrics(role: str, reports: list[RankReport]) -> dict[str, float]:
+    """Fold the reports of a model's ranks into its metrics (see the module docstring)."""
+    row: dict[str, float] = {}
+    busy = max(sum(r.time_s.values()) for r in reports)
+    row[f"{role}/tokens_per_s"] = sum(r.tokens for r in reports) / busy if busy > 0 else 0.0
+    for phase in ROLE_PHASES[role]:
+        row[f"{role}/time_s/{phase}"] = max(r.time_s.get(phase, 0.0) for r in reports)
+    for key in ("intra_bytes", "inter_bytes", "calls"):
+        row[f"{role}/comm/{key}"] = sum(t[key] for r in reports for t in r.comm.values())
+    row[f"{role}/comm/time_s"] = max(sum(t["seconds"] for t in r.comm.values()) for r in reports)
+    phases = list(COMM_PHASES) + [p for r in reports for p in r.comm if p not in COMM_PHASES]
+    for phase in dict.fromkeys(phases):
+        for key in ("intra_bytes", "inter_bytes"):
+            row[f"{role}/comm/{phase}/{key}"] = sum(r.comm.get(phase, {}).get(key, 0)
+                                                    for r in reports)
+    for key in ("params", "grads", "optim"):
+        row[f"{role}/mem/{key}_bytes"] = max(r.memory.get(key, 0) for r in reports)
+    row[f"{role}/mem/peak_bytes"] = max(r.peak_bytes for r in reports)
+    # Loss-like numbers are means of rank means: every rank trains on as many samples.
+    for key in dict.fromkeys(k for r in reports for k in r.train):
+        values = [r.train[key] for r in reports if key in r.train]
+        name = key if "/" in key else f"{role}/{key}"
+        row[name] = sum(values) / len(values)
+    return row
+
+
+class MetricsLogger:
+    """Writes each step's row to metrics.jsonl, the progress bar and wandb.
+
+    wandb is offline unless ``wandb_mode`` says otherwise: an offline run lands in
+    ``<output_dir>/wandb`` and ``wandb sync`` uploads it later.
+    """
+
+    def __init__(self, output_dir: str, num_steps: int, run_info: dict[str, Any],
+                 wandb_mode: str = "offline", project: str = "rlhf_paro",
+                 show_progress: bool = True) -> None:
+        from tqdm.auto import tqdm
+
+        os.makedirs(output_dir, exist_ok=True)
+        self.output_dir = output_dir
+        with open(os.path.join(output_dir, "run.json"), "w") as f:
+            json.dump(run_info, f, indent=2, default=str)
+        self._jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "w")
+        self._bar = tqdm(total=num_steps, desc="ppo", unit="step", dynamic_ncols=True,
+                         disable=not show_progress)
+        self._wandb = None
+        if wandb_mode != "disabled":
+            import wandb
+
+            self._wandb = wandb.init(project=project, dir=output_dir, mode=wandb_mode,
+                                     name=os.path.basename(os.path.normpath(output_dir)),
+                                     config=run_info,
+                                     # Quiet, and no system sampler: on small machines it steals
+                                     # a core from the workers.
+                                     settings=wandb.Settings(silent=True, console="off",
+                                                             x_disable_stats=True))
+            # One section per model and per loop group, all against the PPO step.
+            wandb.define_metric("step")
+            for prefix in (*ROLES, "ppo", "timing_s", "perf"):
+                wandb.define_metric(f"{prefix}/*", step_metric="step")
+
+    def log(self, step: int, row: dict[str, float]) -> None:
+        self._jsonl.write(json.dumps({"step": step, **row}) + "\n")
+        self._jsonl.flush()
+        if self._wandb is not None:
+            self._wandb.log({"step": step, **row})
+        self._bar.set_postfix_str(
+            f"score={row['ppo/task_score']:.3f} reward={row['ppo/reward_mean']:.2f} "
+            f"kl={row['ppo/kl']:.3f} {row['timing_s/step']:.1f}s", refresh=False)
+        self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()
+        self._jsonl.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_jsonl(path: str) -> list[dict[str, float]]:
+    """Rows of a metrics.jsonl, in step order."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

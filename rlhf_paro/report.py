@@ -1,0 +1,227 @@
+"""Dashboard of a run: ``python -m rlhf_paro.report <output_dir>`` -> ``<output_dir>/dashboard.png``.
+
+Reads ``metrics.jsonl`` (and ``run.json`` for the title) and draws, on one page: the learning
+curves (task score and reward, KL and its coefficient), where the time of a step goes, each
+model's throughput, each model's P/G/OS bytes per device, and each model's bytes on intra- and
+inter-group links per phase. Training runs it at the end; it also works on a run in progress.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on training machines
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.colors import LogNorm  # noqa: E402
+
+from rlhf_paro.comm.meter import PHASES  # noqa: E402
+from rlhf_paro.metrics import ROLES, read_jsonl  # noqa: E402
+
+COLORS = {"actor": "#3b6fb6", "critic": "#e07b39", "reward": "#3a9a5b", "ref": "#8e6bbf"}
+STATE_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optim": "#55a868"}
+TIMING_COLORS = {"generate": "#4c72b0", "make_experience": "#c44e52", "train": "#55a868"}
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1000
+    return f"{n:.3g} TB"
+
+
+def smooth(y: np.ndarray, window: int) -> np.ndarray:
+    """Trailing mean over ``window`` steps (shorter at the start), to read a noisy curve."""
+    c = np.cumsum(np.insert(y, 0, 0.0))
+    idx = np.arange(1, len(y) + 1)
+    lo = np.maximum(idx - window, 0)
+    return (c[idx] - c[lo]) / (idx - lo)
+
+
+def _series(rows: list[dict], key: str) -> np.ndarray:
+    return np.array([r.get(key, np.nan) for r in rows], dtype=float)
+
+
+def _strategy(run: dict, role: str) -> str:
+    return str(run.get("strategies", {}).get(role, "?"))
+
+
+def draw(output_dir: str, path: str | None = None) -> str:
+    """Draw the dashboard of the run in ``output_dir``; returns the PNG's path."""
+    rows = read_jsonl(os.path.join(output_dir, "metrics.jsonl"))
+    if not rows:
+        raise ValueError(f"{output_dir}/metrics.jsonl has no rows yet")
+    run_path = os.path.join(output_dir, "run.json")
+    run = json.load(open(run_path)) if os.path.exists(run_path) else {}
+    steps = _series(rows, "step")
+    window = max(1, len(rows) // 8)
+
+    plt.rcParams.update({"font.size": 9, "axes.titlesize": 10.5, "axes.titleweight": "bold",
+                         "axes.spines.top": False, "axes.spines.right": False})
+    fig = plt.figure(figsize=(17, 10), dpi=110)
+    grid = fig.add_gridspec(2, 3, hspace=0.42, wspace=0.3, left=0.05, right=0.97, top=0.88,
+                            bottom=0.08)
+    fig.suptitle(_title(run, rows), fontsize=13, fontweight="bold", x=0.05, ha="left")
+    fig.text(0.05, 0.925, _subtitle(run, rows), fontsize=9.5, color="#444", ha="left")
+
+    _learning(fig.add_subplot(grid[0, 0]), rows, steps, window)
+    _kl(fig.add_subplot(grid[0, 1]), rows, steps)
+    _timing(fig.add_subplot(grid[0, 2]), rows, steps)
+    _throughput(fig.add_subplot(grid[1, 0]), rows, steps, run, window)
+    _memory(fig.add_subplot(grid[1, 1]), rows, run)
+    _traffic(fig, grid[1, 2], rows, run)
+
+    path = path or os.path.join(output_dir, "dashboard.png")
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _title(run: dict, rows: list[dict]) -> str:
+    name = run.get("name") or "rlhf_paro run"
+    return f"{name}: PPO, {len(rows)} steps"
+
+
+def _subtitle(run: dict, rows: list[dict]) -> str:
+    parts = []
+    if "num_devices" in run:
+        n, m = run["num_devices"], run.get("group_size", run["num_devices"])
+        parts.append(f"{n} devices = {n // m} groups x {m}")
+    if "comm" in run:
+        parts.append(f"collectives: {run['comm']}")
+    parts.append("strategies (P G OS): " + ", ".join(f"{r} {_strategy(run, r)}" for r in ROLES))
+    parts.append(f"{np.nansum(_series(rows, 'timing_s/step')):.0f} s of steps")
+    return "   |   ".join(parts)
+
+
+def _learning(ax, rows, steps, window) -> None:
+    score = _series(rows, "ppo/task_score")
+    ax.plot(steps, score, color="#3b6fb6", alpha=0.3, lw=1)
+    ax.plot(steps, smooth(score, window), color="#3b6fb6", lw=2.2, label="task score (ground truth)")
+    ax.set_ylabel("task score", color="#3b6fb6")
+    ax.set_xlabel("PPO step")
+    twin = ax.twinx()
+    reward = _series(rows, "ppo/reward_mean")
+    twin.plot(steps, reward, color="#e07b39", alpha=0.3, lw=1)
+    twin.plot(steps, smooth(reward, window), color="#e07b39", lw=2.2, label="reward model score")
+    twin.set_ylabel("reward model score", color="#e07b39")
+    twin.spines["right"].set_visible(True)
+    first, last = np.nanmean(score[:window]), np.nanmean(score[-window:])
+    ax.set_title(f"Learning: task score {first:.3f} -> {last:.3f}")
+    lines = ax.get_lines()[1:] + twin.get_lines()[1:]
+    ax.legend(lines, [ln.get_label() for ln in lines], loc="lower right", frameon=False)
+    ax.grid(alpha=0.25)
+
+
+def _kl(ax, rows, steps) -> None:
+    ax.plot(steps, _series(rows, "ppo/kl"), color="#c44e52", lw=1.8, label="KL(policy || ref)")
+    ax.set_ylabel("KL per response (nats)", color="#c44e52")
+    ax.set_xlabel("PPO step")
+    twin = ax.twinx()
+    twin.plot(steps, _series(rows, "ppo/kl_coef"), color="#555", lw=1.5, ls="--",
+              label="KL coefficient")
+    twin.set_ylabel("KL coefficient", color="#555")
+    twin.spines["right"].set_visible(True)
+    length = np.nanmean(_series(rows, "ppo/response_length")[-max(1, len(rows) // 8):])
+    ax.set_title(f"Policy drift (response length now {length:.1f} tokens)")
+    lines = ax.get_lines() + twin.get_lines()
+    ax.legend(lines, [ln.get_label() for ln in lines], loc="upper left", frameon=False)
+    ax.grid(alpha=0.25)
+
+
+def _timing(ax, rows, steps) -> None:
+    parts = [_series(rows, f"timing_s/{k}") for k in TIMING_COLORS]
+    ax.stackplot(steps, *parts, labels=[k.replace("_", " ") for k in TIMING_COLORS],
+                 colors=list(TIMING_COLORS.values()), alpha=0.85)
+    rate = np.nanmean(_series(rows, "perf/samples_per_s"))
+    ax.set_title(f"Time per step ({rate:.1f} samples/s on average)")
+    ax.set_ylabel("seconds")
+    ax.set_xlabel("PPO step")
+    ax.legend(loc="upper right", frameon=False, ncol=3)
+    ax.grid(alpha=0.25)
+
+
+def _throughput(ax, rows, steps, run, window) -> None:
+    for role in ROLES:
+        y = _series(rows, f"{role}/tokens_per_s")
+        ax.plot(steps, smooth(y, window), color=COLORS[role], lw=2,
+                label=f"{role} ({_strategy(run, role)}): {np.nanmean(y):,.0f}")
+    ax.set_yscale("log")
+    ax.set_title("Throughput per model (tokens/s, all ranks)")
+    ax.set_xlabel("PPO step")
+    ax.legend(loc="lower left", frameon=False, ncol=2, title="mean tokens/s", fontsize=8.5)
+    ax.grid(alpha=0.25, which="both")
+
+
+def _memory(ax, rows, run) -> None:
+    last = rows[-1]
+    y = np.arange(len(ROLES))[::-1]
+    left = np.zeros(len(ROLES))
+    for state, color in STATE_COLORS.items():
+        values = np.array([last[f"{r}/mem/{state}_bytes"] for r in ROLES], dtype=float)
+        ax.barh(y, values, left=left, color=color, label={"params": "P (parameters)",
+                "grads": "G (gradients)", "optim": "OS (optimizer state)"}[state], height=0.6)
+        left += values
+    for yi, role, total in zip(y, ROLES, left):
+        peak = last[f"{role}/mem/peak_bytes"]
+        ax.text(total, yi, f"  {human_bytes(total)}  (process peak {human_bytes(peak)})",
+                va="center", fontsize=8.5, color="#333")
+    ax.set_yticks(y, [f"{r}\n{_strategy(run, r)}" for r in ROLES])
+    for tick, role in zip(ax.get_yticklabels(), ROLES):
+        tick.set_color(COLORS[role])
+        tick.set_fontweight("bold")
+    ax.set_xlim(0, left.max() * 1.9 if left.max() > 0 else 1)
+    ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: human_bytes(v)))
+    ax.set_title("Model states per device (P / G / OS bytes)")
+    ax.legend(loc="lower right", frameon=False, fontsize=8.5)
+
+
+def _traffic(fig, cell, rows, run) -> None:
+    """Two heatmaps (intra, inter): bytes per step, all ranks of the model, by phase."""
+    phases = [p for p in PHASES if any(r.get(f"{m}/comm/{p}/intra_bytes", 0)
+                                       or r.get(f"{m}/comm/{p}/inter_bytes", 0)
+                                       for r in rows for m in ROLES)] or ["forward"]
+    sub = cell.subgridspec(1, 2, wspace=0.08)
+    tables = {}
+    for link in ("intra", "inter"):
+        tables[link] = np.array([[np.mean([r.get(f"{m}/comm/{p}/{link}_bytes", 0) for r in rows])
+                                  for p in phases] for m in ROLES])
+    positive = np.concatenate([t[t > 0] for t in tables.values()])
+    norm = LogNorm(positive.min(), positive.max()) if positive.size else None
+    for k, link in enumerate(("intra", "inter")):
+        ax = fig.add_subplot(sub[0, k])
+        table = tables[link]
+        ax.imshow(np.where(table > 0, table, np.nan), cmap="YlOrRd", norm=norm, aspect="auto")
+        for (i, j), value in np.ndenumerate(table):
+            ax.text(j, i, human_bytes(value) if value > 0 else "0", ha="center", va="center",
+                    fontsize=7.5, color="#222" if value > 0 else "#aaa")
+        ax.set_xticks(range(len(phases)), phases, rotation=35, ha="right")
+        ax.set_yticks(range(len(ROLES)), [f"{r} {_strategy(run, r)}" for r in ROLES]
+                      if k == 0 else [])
+        ax.set_title(f"{'Intra' if link == 'intra' else 'Inter'}-group bytes / step")
+        ax.tick_params(length=0)
+        for side in ("left", "bottom"):
+            ax.spines[side].set_visible(False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        sys.exit("usage: python -m rlhf_paro.report <output_dir>")
+    metrics = os.path.join(argv[0], "metrics.jsonl")
+    if not os.path.exists(metrics):
+        sys.exit(f"no metrics at {metrics}; pass the trainer.output_dir of a run")
+    try:
+        print(draw(argv[0]))
+    except ValueError as err:
+        sys.exit(str(err))
+
+
+if __name__ == "__main__":
+    main()

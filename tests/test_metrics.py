@@ -1,0 +1,71 @@
+"""Folding per-rank reports into DESIGN-9 metrics, and where the rows go."""
+
+from __future__ import annotations
+
+import json
+
+from rlhf_paro.metrics import (LOOP_KEYS, MetricsLogger, RankReport, model_metrics, read_jsonl,
+                               required_keys)
+
+
+def _report(rank: int) -> RankReport:
+    # Rank r sent 100*(r+1) bytes inside its group in forward and 10 across groups at the
+    # boundary, held 1000*(r+1) parameter bytes, and was busy 1 + r seconds.
+    return RankReport(
+        tokens=50,
+        time_s={"inference": 0.5, "train": 0.5 + rank},
+        comm={"forward": {"intra_bytes": 100 * (rank + 1), "inter_bytes": 0, "calls": 2,
+                          "seconds": 0.1},
+              "boundary": {"intra_bytes": 0, "inter_bytes": 10, "calls": 1, "seconds": 0.2}},
+        memory={"params": 1000 * (rank + 1), "grads": 10, "optim": 20},
+        peak_bytes=5000 + rank,
+        train={"loss": float(rank), "grad_norm": 1.0, "lr": 1e-3, "vf_clipfrac": 0.5},
+    )
+
+
+def test_comm_is_summed_over_ranks_and_memory_is_the_largest_rank():
+    row = model_metrics("critic", [_report(0), _report(1)])
+    assert row["critic/comm/intra_bytes"] == 100 + 200
+    assert row["critic/comm/inter_bytes"] == 20
+    assert row["critic/comm/forward/intra_bytes"] == 300
+    assert row["critic/comm/boundary/inter_bytes"] == 20
+    assert row["critic/comm/backward/intra_bytes"] == 0  # every phase has a column
+    assert row["critic/comm/calls"] == 6
+    assert abs(row["critic/comm/time_s"] - 0.3) < 1e-12  # slowest rank, not the sum
+    assert row["critic/mem/params_bytes"] == 2000
+    assert row["critic/mem/peak_bytes"] == 5001
+    # 100 tokens over the slowest rank's 2 busy seconds.
+    assert row["critic/tokens_per_s"] == 50.0
+    assert row["critic/time_s/train"] == 1.5
+    assert row["critic/loss"] == 0.5
+    assert row["critic/vf_clipfrac"] == 0.5
+    assert set(row) >= {k for k in required_keys() if k.startswith("critic/")}
+
+
+def test_required_keys_cover_design_section_9():
+    keys = set(required_keys())
+    for role in ("actor", "critic", "reward", "ref"):
+        for name in ("tokens_per_s", "comm/intra_bytes", "comm/inter_bytes", "comm/time_s",
+                     "comm/calls", "mem/params_bytes", "mem/grads_bytes", "mem/optim_bytes",
+                     "mem/peak_bytes"):
+            assert f"{role}/{name}" in keys
+        assert any(k.startswith(f"{role}/time_s/") for k in keys)
+    for name in ("actor/loss", "actor/grad_norm", "actor/lr", "critic/loss", "critic/grad_norm",
+                 "critic/lr", "actor/clipfrac", "critic/vf_clipfrac", *LOOP_KEYS):
+        assert name in keys
+    assert "reward/loss" not in keys
+
+
+def test_logger_writes_one_row_per_step_and_an_offline_wandb_run(tmp_path):
+    out = tmp_path / "run"
+    logger = MetricsLogger(str(out), num_steps=2, run_info={"name": "t"}, wandb_mode="offline",
+                           show_progress=False)
+    row = {k: 0.25 for k in required_keys()}
+    logger.log(0, row)
+    logger.log(1, row)
+    logger.close()
+    rows = read_jsonl(str(out / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(set(required_keys()) <= set(r) for r in rows)
+    assert json.loads((out / "run.json").read_text()) == {"name": "t"}
+    assert list((out / "wandb").glob("offline-run-*")), "wandb should have written an offline run"

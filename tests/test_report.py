@@ -1,0 +1,47 @@
+"""The dashboard draws from metrics.jsonl alone, and its command line fails cleanly."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from rlhf_paro.comm.meter import PHASES
+from rlhf_paro.metrics import ROLES, required_keys
+from rlhf_paro.report import draw, human_bytes
+
+
+def _write_run(path, steps: int = 6) -> None:
+    path.mkdir()
+    (path / "run.json").write_text(json.dumps({
+        "name": "t", "num_devices": 4, "group_size": 2, "comm": "native",
+        "strategies": {"actor": "IGG", "critic": "NIG", "reward": "I", "ref": "G"}}))
+    with open(path / "metrics.jsonl", "w") as f:
+        for step in range(steps):
+            row = {k: 1.0 + step for k in required_keys()}
+            for role in ROLES:
+                for phase in PHASES:
+                    row[f"{role}/comm/{phase}/intra_bytes"] = 1000.0 * (phase == "forward")
+                    row[f"{role}/comm/{phase}/inter_bytes"] = 0.0
+            f.write(json.dumps({"step": step, **row}) + "\n")
+
+
+def test_dashboard_is_a_png(tmp_path):
+    _write_run(tmp_path / "run")
+    path = draw(str(tmp_path / "run"))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_human_bytes():
+    assert human_bytes(0) == "0 B"
+    assert human_bytes(1500) == "1.5 KB"
+    assert human_bytes(2.5e9) == "2.5 GB"
+
+
+def test_cli_without_metrics_exits_with_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "rlhf_paro.report", str(tmp_path / "none")],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().count("\n") == 0 and "metrics" in proc.stderr
+    assert "Traceback" not in proc.stderr
