@@ -1,0 +1,114 @@
+"""Conf loading, overrides and the one-line errors of every kind of user mistake."""
+
+import pytest
+
+from rlhf_paro.config import (
+    ConfigError, available_confs, build_config, cli_errors, load_config,
+)
+
+
+def error_of(argv):
+    with pytest.raises(ConfigError) as info:
+        load_config(argv)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_default_conf_is_ppo_tiny_with_four_strategies_on_two_groups_of_two():
+    cfg = load_config([])
+    assert (cfg.cluster.num_devices, cfg.cluster.group_size, cfg.cluster.num_groups) == (4, 2, 2)
+    assert [cfg.model(r).strategy for r in ("actor", "critic", "reward", "ref")] == \
+        ["IGG", "NIG", "I", "G"]
+    # critic, reward and ref name no model: they inherit the actor's inline config.
+    assert cfg.ref.config == cfg.actor.config and cfg.ref.config is not cfg.actor.config
+    # 32 sequences per step / 4 devices / 4 per micro-batch = 2 micro-batches.
+    assert cfg.grad_accum_steps("actor") == 2
+
+
+def test_overrides_parse_as_yaml_and_normalise_strategies():
+    cfg = load_config(["actor.strategy=zero3", "critic.strategy=mics", "ref.strategy=NNG",
+                       "comm.algorithm=horing", "ppo.rollout_batch_size=128",
+                       "actor.optim.betas=[0.8, 0.9]", "actor.config.hidden_size=32",
+                       "logger.wandb.name=7", "trainer.seed=3"])
+    assert (cfg.actor.strategy, cfg.critic.strategy, cfg.ref.strategy) == ("GGG", "III", "N")
+    assert cfg.comm.algorithm == "horing"
+    assert cfg.ppo.rollout_batch_size == 128
+    assert cfg.actor.optim.betas == (0.8, 0.9)
+    assert cfg.actor.config["hidden_size"] == 32 and cfg.ref.config["hidden_size"] == 32
+    assert cfg.logger.wandb.name == "7"
+    assert load_config(["actor.strategy=auto"]).actor.strategy == "auto"
+
+
+def test_conf_by_path_with_defaults_merged_first(tmp_path):
+    (tmp_path / "base.yaml").write_text(
+        "cluster: {num_devices: 8, group_size: 4}\ntrainer: {steps: 5, seed: 1}\n"
+        "actor: {config: {hidden_size: 16}, strategy: GGG}\n"
+        "ppo: {rollout_batch_size: 64, mini_batch_size: 32}\n")
+    (tmp_path / "run.yaml").write_text("defaults: [base]\ntrainer: {steps: 7}\n")
+    cfg = load_config([f"conf={tmp_path / 'run.yaml'}", "cluster.group_size=2"])
+    assert (cfg.trainer.steps, cfg.trainer.seed) == (7, 1)  # merged key by key
+    assert (cfg.cluster.num_devices, cfg.cluster.group_size) == (8, 2)
+    (tmp_path / "loop.yaml").write_text("defaults: [loop]\n")
+    assert "includes itself" in error_of([f"conf={tmp_path / 'loop.yaml'}"])
+
+
+def test_nodes_and_gpus_per_node_define_the_cluster():
+    cfg = build_config({"actor": {"config": {}}, "cluster": {"nodes": 16, "gpus_per_node": 8},
+                        "ppo": {"rollout_batch_size": 512, "mini_batch_size": 512}})
+    assert (cfg.cluster.num_devices, cfg.cluster.group_size) == (128, 8)
+    with pytest.raises(ConfigError, match="cluster.num_devices: 4 disagrees"):
+        build_config({"actor": {"config": {}},
+                      "cluster": {"num_devices": 4, "nodes": 2, "gpus_per_node": 8}})
+
+
+@pytest.mark.parametrize("argv, key, allowed", [
+    (["acter.strategy=IGG"], "acter", "did you mean actor?"),
+    (["actor.optimizer.lr=1"], "actor.optimizer", "allowed: path, config, strategy"),
+    (["actor.micro_batch_size=abc"], "actor.micro_batch_size", "expected an integer"),
+    (["actor.micro_batch_size=true"], "actor.micro_batch_size", "expected an integer"),
+    (["actor.optim.lr=fast"], "actor.optim.lr", "expected a number"),
+    (["actor.gradient_checkpointing=2"], "actor.gradient_checkpointing", "true or false"),
+    (["actor.precision=fp16"], "actor.precision", "allowed: fp32, bf16"),
+    (["comm.algorithm=tree"], "comm.algorithm", "native, ring, hring, horing"),
+    (["actor.strategy=XYZ"], "actor.strategy", "a triple of N/I/G"),
+    (["actor.strategy=GNN"], "actor.strategy", "nearest valid strategy: GNG"),
+    (["critic.strategy=N"], "critic.strategy", "a trained model needs"),
+    (["ref.strategy=Q"], "ref.strategy", "N, I, G"),
+    (["cluster.group_size=3"], "cluster.group_size", "allowed: 1, 2, 4"),
+    (["ppo.rollout_batch_size=-4"], "ppo.rollout_batch_size", "must be positive"),
+    (["ppo.mini_batch_size=0"], "ppo.mini_batch_size", "must be positive"),
+    (["ppo.mini_batch_size=24"], "ppo.mini_batch_size", "must divide ppo.rollout_batch_size"),
+    (["actor.micro_batch_size=16"], "ppo.mini_batch_size", "actor.micro_batch_size"),
+    (["ppo.rollout_batch_size=66", "ppo.mini_batch_size=66"], "ppo.rollout_batch_size",
+     "multiple of cluster.num_devices"),
+    (["ppo.lam=1.5"], "ppo.lam", "[0, 1]"),
+    (["ref.lora.enabled=true"], "ref.lora.enabled", "actor and critic"),
+    (["conf=no_such_conf"], "conf", "ppo_tiny"),
+    (["actor.path=/no/such/model"], "actor.path", "not both"),
+    (["actor.config=null", "actor.path=/no/such/model"], "actor.path", "never downloaded"),
+    (["actor.config=null"], "actor", "actor.path"),
+    (["ppo.gamma"], "ppo.gamma", "key=value"),
+    (["ppo.max_prompt_len=3"], "task.prompt_len", "ppo.max_prompt_len=3"),
+    (["cluster=4"], "cluster", "expected a section"),
+    (["cluster.num_devices.x=1"], "cluster.num_devices", "not a section"),
+])
+def test_every_mistake_is_one_line_naming_the_key(argv, key, allowed):
+    message = error_of(argv)
+    assert message.startswith(f"{key}: ") or message.startswith(f"{key} "), message
+    assert allowed in message
+
+
+def test_cli_errors_exit_2_with_only_the_message(capsys):
+    with pytest.raises(SystemExit) as info:
+        with cli_errors():
+            load_config(["actor.strategy=XYZ"])
+    assert info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("error: actor.strategy: unknown strategy 'XYZ'")
+    assert err.count("\n") == 1
+
+
+def test_shipped_confs_all_load():
+    assert {"ppo_tiny", "ppo_llama7b"} <= set(available_confs())
