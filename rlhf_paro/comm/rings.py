@@ -1,11 +1,337 @@
 """World-scope all-gather and reduce-scatter built on point-to-point operations.
 
-Each algorithm takes and returns buffers in the nested chunk order of
-``rlhf_paro.sharding.topology`` and returns the ``LinkBytes`` this rank actually sent.
+Every algorithm here is a *schedule*: a list of lock-step steps, each a set of sends and receives
+of element ranges of the nested-order buffer (``rlhf_paro.sharding.topology``). One executor runs
+any schedule with ``batch_isend_irecv``, so our own code decides which link every byte crosses,
+and it counts the bytes where the sends are issued. Schedules are pure functions of the topology,
+which lets ``comm/simulate.py`` time exactly the steps that run here.
+
+Algorithms (c = S/N elements per chunk, chunk (i, j) = nested chunk ``j*g + i``):
+
+- ``ring``: one ring over the N ranks in rank order, N-1 steps of one chunk.
+- ``hring``: inter ring (g-1 steps of one chunk), then intra ring (M-1 steps of g chunks).
+- ``horing``: the paper's HO-Ring (section 3.4, Figure 4), see [Note: HO-Ring all-gather].
+- ``horing_pipelined``: HO-Ring whose final intra ring starts on each piece of a chunk as soon
+  as the inter ring delivers it, see [Note: pipelined HO-Ring].
+
+[Note: reduce-scatter is the transposed all-gather]
+An all-gather schedule moves every chunk from its owner along a tree that reaches every rank,
+each rank receiving each range exactly once and forwarding it only in a later step. Running the
+steps backwards with sends and receives swapped, and adding instead of copying what arrives,
+turns each broadcast tree into a reduction tree towards the owner: a rank sends a range only
+after every partial sum it will ever receive for that range has been added. So one schedule
+gives both collectives, with the same bytes on the same kind of link. The reduce-scatter uses
+the all-gather schedule of the rings running in the opposite direction, so that its rings run
+forward again (for ``ring`` this puts its inter-group sends on the same ranks as native's).
+Each range is summed in the order of its reduction tree: exact for integer-valued data, equal to
+native up to the summation order otherwise.
 """
 
 from __future__ import annotations
 
-# name -> object with all_gather(out, shard, topo) and reduce_scatter(out, full, topo),
-# each returning LinkBytes. Filled by the Ring / H-Ring / HO-Ring implementations.
-ALGORITHMS: dict = {}
+import functools
+from typing import TYPE_CHECKING, Callable, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from rlhf_paro.comm.meter import LinkBytes, ring_bytes
+
+if TYPE_CHECKING:  # the sharding package imports comm: only the type is needed here
+    from rlhf_paro.sharding.topology import Topology
+
+OPS = ("all_gather", "reduce_scatter")
+
+
+class Transfer(NamedTuple):
+    """One message: elements [lo, hi) of the nested-order buffer, to or from world rank ``peer``."""
+
+    peer: int
+    lo: int
+    hi: int
+
+
+class Step(NamedTuple):
+    """Transfers issued together in one batch; the next step starts when all of them are done."""
+
+    sends: tuple[Transfer, ...]
+    recvs: tuple[Transfer, ...]
+
+
+# (topology with this rank, chunk numel, direction of every ring: +1 or -1) -> all-gather steps
+Schedule = Callable[["Topology", int, int], list[Step]]
+
+Range = tuple[int, int]
+
+
+# -- building blocks of schedules ------------------------------------------------------------------
+def _ring_step(members: list[int], pos: int, blocks: list[list[Range]], step: int,
+               direction: int) -> Step:
+    """Step ``step`` of a ring all-gather among ``members`` (world ranks), seen from position
+    ``pos``: ``blocks[q]`` are the ranges first held by position q. Each step a rank forwards to
+    its successor the block it received in the step before (its own block at step 0)."""
+    n = len(members)
+    nxt, prev = members[(pos + direction) % n], members[(pos - direction) % n]
+    send = blocks[(pos - direction * step) % n]
+    recv = blocks[(pos - direction * (step + 1)) % n]
+    return Step(tuple(Transfer(nxt, lo, hi) for lo, hi in send),
+                tuple(Transfer(prev, lo, hi) for lo, hi in recv))
+
+
+def _coalesce(transfers: list[Transfer]) -> tuple[Transfer, ...]:
+    """Merge adjacent ranges to the same peer into one message and drop empty ones. Both ends of
+    a message see the same set of ranges, so both merge them the same way and, sorted by (peer,
+    lo), post them in the same order: that order is what matches sends to receives."""
+    merged: list[Transfer] = []
+    for t in sorted(t for t in transfers if t.hi > t.lo):
+        last = merged[-1] if merged else None
+        if last is not None and last.peer == t.peer and last.hi == t.lo:
+            merged[-1] = Transfer(t.peer, last.lo, t.hi)
+        else:
+            merged.append(t)
+    return tuple(merged)
+
+
+def _merge(*steps: Step) -> Step:
+    """Several rings' steps issued in one batch, so that they use their links at the same time."""
+    return Step(_coalesce([t for s in steps for t in s.sends]),
+                _coalesce([t for s in steps for t in s.recvs]))
+
+
+class _Rings:
+    """The members and blocks of the rings a rank (i, j) takes part in."""
+
+    def __init__(self, topo: Topology, c: int) -> None:
+        g, m, i, j = topo.num_groups, topo.group_size, topo.group_index, topo.local_index
+        self.g, self.m, self.i, self.j, self.c = g, m, i, j, c
+        self.inter = [ii * m + j for ii in range(g)]  # ranks (., j) in group order
+        self.intra = [i * m + jj for jj in range(m)]  # ranks (i, .) in local order
+
+    def chunk(self, i: int, j: int, piece: int = 0, num_pieces: int = 1) -> Range:
+        """Piece ``piece`` of ``num_pieces`` of chunk (i, j); pieces differ by at most one."""
+        base = (j * self.g + i) * self.c
+        return base + piece * self.c // num_pieces, base + (piece + 1) * self.c // num_pieces
+
+
+# -- the algorithms ----------------------------------------------------------------------------------
+def _ring_schedule(topo: Topology, c: int, direction: int) -> list[Step]:
+    n = topo.num_ranks
+    blocks = [[(topo.chunk_index(r) * c, (topo.chunk_index(r) + 1) * c)] for r in range(n)]
+    return [_merge(_ring_step(list(range(n)), topo.rank, blocks, s, direction))
+            for s in range(n - 1)]
+
+
+def _hring_schedule(topo: Topology, c: int, direction: int) -> list[Step]:
+    r = _Rings(topo, c)
+    inter_blocks = [[r.chunk(ii, r.j)] for ii in range(r.g)]
+    # After the inter ring, rank (i, j) holds block j: chunks (0..g-1, j), contiguous.
+    intra_blocks = [[(jj * r.g * c, (jj + 1) * r.g * c)] for jj in range(r.m)]
+    return ([_merge(_ring_step(r.inter, r.i, inter_blocks, s, direction)) for s in range(r.g - 1)]
+            + [_merge(_ring_step(r.intra, r.j, intra_blocks, s, direction))
+               for s in range(r.m - 1)])
+
+
+def _horing_schedule(topo: Topology, c: int, direction: int) -> list[Step]:
+    """[Note: HO-Ring all-gather]
+    Step 1, max(g-1, M-1) batches: in the same batch as inter-ring step s (rank (i, j) gathers
+    c(., j), its I-block) goes intra-ring step s of the own chunks (rank (i, j) gathers c(i, .)).
+    The two rings use disjoint links, so both are busy at once; neither waits for the other
+    because each only forwards what it received itself.
+    Step 2, M-1 batches: an intra ring passes each rank's g-1 other chunks of its block, received
+    in step 1 from the other groups, so that every rank holds all N chunks. Those chunks are the
+    block minus chunk i: two contiguous ranges, sent as two messages at most."""
+    r = _Rings(topo, c)
+    inter_blocks = [[r.chunk(ii, r.j)] for ii in range(r.g)]
+    own_blocks = [[r.chunk(r.i, jj)] for jj in range(r.m)]
+    rest_blocks = [[r.chunk(ii, jj) for ii in range(r.g) if ii != r.i] for jj in range(r.m)]
+    step1 = []
+    for s in range(max(r.g - 1, r.m - 1)):
+        lanes = []
+        if s < r.g - 1:
+            lanes.append(_ring_step(r.inter, r.i, inter_blocks, s, direction))
+        if s < r.m - 1:
+            lanes.append(_ring_step(r.intra, r.j, own_blocks, s, direction))
+        step1.append(_merge(*lanes))
+    step2 = [_merge(_ring_step(r.intra, r.j, rest_blocks, s, direction)) for s in range(r.m - 1)]
+    return step1 + step2
+
+
+def _horing_pipelined_schedule(topo: Topology, c: int, direction: int,
+                               num_pieces: int = 4) -> list[Step]:
+    """[Note: pipelined HO-Ring]
+    Each chunk is cut into P = ``num_pieces`` pieces and time into slots. The inter ring sends
+    one piece per slot: piece p of its step s in slot s*P + p, so it never idles. "Layer" d of
+    group i is the chunks c(i - d, .) (d = 0: the group's own chunks); rank (i, j) holds c(i-d, j)
+    once its inter ring delivered it, which for piece p is the end of slot (d-1)*P + p. The intra
+    ring of (layer d, piece p) starts in the next slot and runs M-1 slots, one per slot, so the
+    final intra ring of HO-Ring overlaps the inter ring instead of following it. Layer 0 is there
+    from the start; its pieces start one per slot, to spread its load like the others'.
+    Every rank of group i receives layer d's pieces in the same slot (the inter rings of the M
+    rails run in step), so each intra ring only forwards what its sender already holds.
+    Per slot the intra link carries at most 2(M-1) pieces and the inter link one, so with P
+    large enough the total time approaches what the busier link needs for its bytes alone."""
+    r = _Rings(topo, c)
+    num_slots = (r.g - 1) * num_pieces + r.m - 1 if r.g > 1 else num_pieces + r.m - 2
+    slots: list[list[Step]] = [[] for _ in range(max(num_slots, 0))]
+    for s in range(r.g - 1):
+        for p in range(num_pieces):
+            blocks = [[r.chunk(ii, r.j, p, num_pieces)] for ii in range(r.g)]
+            slots[s * num_pieces + p].append(_ring_step(r.inter, r.i, blocks, s, direction))
+    for d in range(r.g):
+        # The inter ring's step d-1 delivers block (i - direction*d): that is layer d here.
+        src = (r.i - direction * d) % r.g
+        for p in range(num_pieces):
+            blocks = [[r.chunk(src, jj, p, num_pieces)] for jj in range(r.m)]
+            start = p if d == 0 else (d - 1) * num_pieces + p + 1
+            for u in range(r.m - 1):
+                slots[start + u].append(_ring_step(r.intra, r.j, blocks, u, direction))
+    return [_merge(*lanes) for lanes in slots]
+
+
+# -- execution ----------------------------------------------------------------------------------------
+def _transpose(steps: list[Step]) -> list[Step]:
+    """See [Note: reduce-scatter is the transposed all-gather]."""
+    return [Step(s.recvs, s.sends) for s in reversed(steps)]
+
+
+def _execute(buf: torch.Tensor, steps: list[Step], topo: Topology, reduce: bool) -> LinkBytes:
+    """Run ``steps`` on the flat nested-order ``buf``; received ranges are copied in (all-gather)
+    or added in (reduce-scatter). Returns the bytes this rank sent, by kind of link."""
+    intra = inter = 0
+    elem = buf.element_size()
+    for step in steps:
+        if not step.sends and not step.recvs:
+            continue  # e.g. HO-Ring's second intra ring on a single group: nothing left to pass
+        ops: list[dist.P2POp] = []
+        arrived: list[tuple[Transfer, torch.Tensor]] = []
+        for t in step.recvs:
+            # A range may arrive from two peers in one step of a reduce-scatter (HO-Ring's last
+            # step adds the inter and the intra partial sums): each gets its own landing buffer.
+            dst = torch.empty(t.hi - t.lo, dtype=buf.dtype, device=buf.device) if reduce \
+                else buf[t.lo:t.hi]
+            arrived.append((t, dst))
+            ops.append(dist.P2POp(dist.irecv, dst, group=topo.world, group_peer=t.peer))
+        for t in step.sends:
+            ops.append(dist.P2POp(dist.isend, buf[t.lo:t.hi], group=topo.world,
+                                  group_peer=t.peer))
+            if t.peer // topo.group_size == topo.group_index:
+                intra += (t.hi - t.lo) * elem
+            else:
+                inter += (t.hi - t.lo) * elem
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        if reduce:
+            for t, dst in arrived:
+                buf[t.lo:t.hi].add_(dst)
+    return LinkBytes(intra, inter)
+
+
+def _chunk_numel(total: int, n: int) -> int:
+    return -(-total // n)
+
+
+class Algorithm:
+    """A world-scope all-gather / reduce-scatter defined by its all-gather schedule."""
+
+    def __init__(self, name: str, schedule: Schedule,
+                 link_bytes: Callable[[int, Topology], LinkBytes]) -> None:
+        self.name = name
+        self.schedule = schedule  # pure: the simulator times it, the tests check it
+        self._link_bytes = link_bytes  # (chunk bytes, topology) -> what this rank sends
+
+    def steps(self, op: str, topo: Topology, c: int) -> list[Step]:
+        """The steps this rank runs for ``op`` on chunks of ``c`` elements."""
+        if op == "all_gather":
+            return self.schedule(topo, c, 1)
+        if op == "reduce_scatter":
+            return _transpose(self.schedule(topo, c, -1))
+        raise ValueError(f"unknown collective {op!r}; allowed: {', '.join(OPS)}")
+
+    @torch.no_grad()
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, topo: Topology) -> LinkBytes:
+        """Fill ``out`` with the N chunks in nested order; ``shard`` is chunk
+        ``topo.chunk_index()``. ``out`` may be shorter than N chunks by less than one chunk per
+        rank (a size not divisible by N): the tail of the padded result is dropped."""
+        c, n = shard.numel(), topo.num_ranks
+        if _chunk_numel(out.numel(), n) != c:
+            raise ValueError(f"all_gather: out has {out.numel()} elements, expected "
+                             f"{n} chunks of {c} (the last rank's chunk may be padded)")
+        exact = out.numel() == n * c and out.is_contiguous()
+        work = out.view(-1) if exact else out.new_empty(n * c)
+        k = topo.chunk_index()
+        work[k * c:(k + 1) * c].copy_(shard.reshape(-1))
+        sent = _execute(work, self.steps("all_gather", topo, c), topo, reduce=False)
+        if not exact:
+            out.copy_(work[:out.numel()].view_as(out))
+        return sent
+
+    @torch.no_grad()
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, topo: Topology) -> LinkBytes:
+        """Sum ``full`` (N chunks in nested order, possibly short of a padded tail) over all
+        ranks and write this rank's chunk ``topo.chunk_index()`` to ``out``. ``full`` is left
+        as it was: the partial sums live in a working copy."""
+        c, n = out.numel(), topo.num_ranks
+        if _chunk_numel(full.numel(), n) != c:
+            raise ValueError(f"reduce_scatter: full has {full.numel()} elements, expected "
+                             f"{n} chunks of {c} (the last rank's chunk may be padded)")
+        work = full.new_zeros(n * c)
+        work[:full.numel()].copy_(full.reshape(-1))
+        sent = _execute(work, self.steps("reduce_scatter", topo, c), topo, reduce=True)
+        k = topo.chunk_index()
+        out.copy_(work[k * c:(k + 1) * c].view_as(out))
+        return sent
+
+    def link_bytes(self, op: str, numel: int, elem_size: int, topo: Topology) -> LinkBytes:
+        """Closed form of the bytes this rank sends (intra, inter) for ``op`` on a buffer of
+        ``numel`` elements, padded to N chunks of ceil(numel / N)."""
+        if op not in OPS:
+            raise ValueError(f"unknown collective {op!r}; allowed: {', '.join(OPS)}")
+        return self._link_bytes(_chunk_numel(numel, topo.num_ranks) * elem_size, topo)
+
+
+def _ring_link_bytes(chunk: int, topo: Topology) -> LinkBytes:
+    # The ring's only cross-group hop leaves the last rank of each group (both directions of
+    # the ring are used: see the reduce-scatter note), N-1 chunks in all.
+    sent = (topo.num_ranks - 1) * chunk
+    crosses = topo.num_groups > 1 and topo.local_index == topo.group_size - 1
+    return LinkBytes(0, sent) if crosses else LinkBytes(sent, 0)
+
+
+def _two_level_link_bytes(chunk: int, topo: Topology) -> LinkBytes:
+    # H-Ring and both HO-Rings: the inter ring sends g-1 chunks, the intra rings g(M-1) chunks.
+    g, m = topo.num_groups, topo.group_size
+    return LinkBytes(g * (m - 1) * chunk, (g - 1) * chunk)
+
+
+ALGORITHMS: dict[str, Algorithm] = {
+    "ring": Algorithm("ring", _ring_schedule, _ring_link_bytes),
+    "hring": Algorithm("hring", _hring_schedule, _two_level_link_bytes),
+    "horing": Algorithm("horing", _horing_schedule, _two_level_link_bytes),
+    "horing_pipelined": Algorithm("horing_pipelined", _horing_pipelined_schedule,
+                                  _two_level_link_bytes),
+}
+
+
+def pipelined(num_pieces: int) -> Algorithm:
+    """Pipelined HO-Ring with chunks cut into ``num_pieces`` pieces (the registered one uses 4)."""
+    if num_pieces < 1:
+        raise ValueError(f"num_pieces={num_pieces} must be at least 1")
+    return Algorithm("horing_pipelined",
+                     functools.partial(_horing_pipelined_schedule, num_pieces=num_pieces),
+                     _two_level_link_bytes)
+
+
+def predicted_world_bytes(algorithm: str, op: str, numel: int, elem_size: int,
+                          topo: Topology) -> LinkBytes:
+    """Bytes this rank sends for a world-scope ``op`` under ``algorithm``, native included
+    (native is attributed by the ring model of ``comm.meter``)."""
+    if algorithm == "native":
+        if op not in OPS:
+            raise ValueError(f"unknown collective {op!r}; allowed: {', '.join(OPS)}")
+        sent = ring_bytes(op, numel, elem_size, topo.num_ranks)
+        crosses = topo.num_groups > 1 and topo.local_index == topo.group_size - 1
+        return LinkBytes(0, sent) if crosses else LinkBytes(sent, 0)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"comm.algorithm={algorithm!r} is unknown; allowed: native, "
+                         f"{', '.join(ALGORITHMS)}")
+    return ALGORITHMS[algorithm].link_bytes(op, numel, elem_size, topo)
