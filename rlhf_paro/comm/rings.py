@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # the sharding package imports comm: only the type is needed 
     from rlhf_paro.sharding.topology import Topology
 
 OPS = ("all_gather", "reduce_scatter")
+PIPELINE_PIECES = 4  # pieces per chunk of the registered pipelined HO-Ring
 
 
 class Transfer(NamedTuple):
@@ -157,7 +158,7 @@ def _horing_schedule(topo: Topology, c: int, direction: int) -> list[Step]:
 
 
 def _horing_pipelined_schedule(topo: Topology, c: int, direction: int,
-                               num_pieces: int = 4) -> list[Step]:
+                               num_pieces: int = PIPELINE_PIECES) -> list[Step]:
     """[Note: pipelined HO-Ring]
     Each chunk is cut into P = ``num_pieces`` pieces and time into slots. The inter ring sends
     one piece per slot: piece p of its step s in slot s*P + p, so it never idles. "Layer" d of
@@ -313,7 +314,7 @@ ALGORITHMS: dict[str, Algorithm] = {
 
 
 def pipelined(num_pieces: int) -> Algorithm:
-    """Pipelined HO-Ring with chunks cut into ``num_pieces`` pieces (the registered one uses 4)."""
+    """Pipelined HO-Ring with chunks cut into ``num_pieces`` pieces."""
     if num_pieces < 1:
         raise ValueError(f"num_pieces={num_pieces} must be at least 1")
     return Algorithm("horing_pipelined",
