@@ -354,7 +354,7 @@ class Config:
         return getattr(self, role)
 
     def grad_accum_steps(self, role: str) -> int:
-        """Micro-batches per optimizer step on one device (the s of the paper) for a trained role."""
+        """Micro-batches per optimizer step on one device (the paper's s) of a trained role."""
         per_device = self.ppo.mini_batch_size // self.cluster.num_devices
         return per_device // self.model(role).micro_batch_size
 
@@ -440,6 +440,10 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         # Numbers are fine as strings (a run name "1"), booleans and lists are not.
         str: isinstance(value, (str, int, float)) and not isinstance(value, bool),
     }
+    if tp is float and isinstance(value, str):
+        # YAML 1.1 reads 1e-5 (no dot) as a string; a user writing lr=1e-5 means the number.
+        with contextlib.suppress(ValueError):
+            return float(value)
     if tp not in ok:
         raise TypeError(f"unsupported schema type {tp}")
     if not ok[tp]:

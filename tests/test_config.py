@@ -30,13 +30,14 @@ def test_overrides_parse_as_yaml_and_normalise_strategies():
     cfg = load_config(["actor.strategy=zero3", "critic.strategy=mics", "ref.strategy=NNG",
                        "comm.algorithm=horing", "ppo.rollout_batch_size=128",
                        "actor.optim.betas=[0.8, 0.9]", "actor.config.hidden_size=32",
-                       "logger.wandb.name=7", "trainer.seed=3"])
+                       "logger.wandb.name=7", "trainer.seed=3", "critic.optim.lr=5e-3"])
     assert (cfg.actor.strategy, cfg.critic.strategy, cfg.ref.strategy) == ("GGG", "III", "N")
     assert cfg.comm.algorithm == "horing"
     assert cfg.ppo.rollout_batch_size == 128
     assert cfg.actor.optim.betas == (0.8, 0.9)
     assert cfg.actor.config["hidden_size"] == 32 and cfg.ref.config["hidden_size"] == 32
     assert cfg.logger.wandb.name == "7"
+    assert cfg.critic.optim.lr == 5e-3  # YAML 1.1 reads 5e-3 as a string; a float field takes it
     assert load_config(["actor.strategy=auto"]).actor.strategy == "auto"
 
 

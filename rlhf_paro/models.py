@@ -1,0 +1,250 @@
+"""The four PPO models as plain ``nn.Module``s over Hugging Face backbones.
+
+actor, ref  ``CausalLM``: forward(input_ids, attention_mask, response_len) -> (B, R) log-probs of
+            the last R tokens (or (B, T, V) logits without ``response_len``)
+critic      ``ValueModel(per_token=True)``: -> (B, R) value of the state before each response token
+reward      ``ValueModel(per_token=False)``: -> (B,) score at the last valid token
+
+The Hugging Face model stays a submodule, so the sharding engine finds its blocks (the classes in
+``_no_split_modules``, e.g. ``LlamaDecoderLayer``) and wraps each one as a unit. A model comes from
+a local directory (``path``; never downloaded) or from an inline config (random init, seeded, so
+actor and ref built with the same seed start from the same weights). ``meta=True`` builds on the
+meta device: parameter counts and unit sizes without allocating a byte, for the planner.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlhf_paro.config import FROZEN_ROLES, ROLES, Config, ConfigError, ModelConfig
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+
+def _transformers():
+    # Imported on first use: it takes seconds, and config errors should not wait for it.
+    import transformers
+
+    return transformers
+
+
+def hf_config(role: str, model_cfg: ModelConfig, vocab_size: int) -> Any:
+    """The Hugging Face config of a model section; inline keys are checked against its class.
+
+    ``vocab_size`` is the task tokenizer's: an inline config without one gets it, and a model
+    whose vocabulary is smaller cannot embed the task's tokens.
+    """
+    transformers = _transformers()
+    if model_cfg.path is not None:
+        config = transformers.AutoConfig.from_pretrained(model_cfg.path, local_files_only=True)
+        key = f"{role}.path"
+    else:
+        options = dict(model_cfg.config or {})
+        model_type = options.pop("model_type", "llama")
+        mapping = transformers.CONFIG_MAPPING
+        if model_type not in mapping:
+            close = difflib.get_close_matches(str(model_type), list(mapping.keys()), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"{role}.config.model_type", f"unknown model type {model_type!r}"
+                              f"{hint}; allowed: a Hugging Face model type such as llama")
+        config_class = mapping[model_type]
+        known = set(config_class().to_dict())
+        for name in options:
+            if name not in known:
+                close = difflib.get_close_matches(name, sorted(known), n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise ConfigError(f"{role}.config.{name}", f"unknown key{hint}; allowed: the "
+                                  f"fields of {config_class.__name__}")
+        options.setdefault("vocab_size", vocab_size)
+        try:
+            config = config_class(**options)
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"{role}.config", f"rejected by {config_class.__name__}: "
+                              f"{str(err).splitlines()[0]}") from None
+        key = f"{role}.config.vocab_size"
+    if config.vocab_size < vocab_size:
+        raise ConfigError(key, f"vocabulary of {config.vocab_size} is smaller than the task "
+                               f"tokenizer's {vocab_size}; allowed: at least {vocab_size}")
+    return config
+
+
+def check_model_configs(cfg: Config, vocab_size: int) -> None:
+    """Raise ``ConfigError`` for a bad inline model config of any role (run before any output)."""
+    for role in ROLES:
+        hf_config(role, cfg.model(role), vocab_size)
+
+
+def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    # Positions count valid tokens only, so a left-padded prompt sees the same positions as an
+    # unpadded one (what Hugging Face generation does too).
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+class CausalLM(nn.Module):
+    """A causal LM whose forward returns a tensor: logits, or log-probs of the response tokens."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm  # Hugging Face *ForCausalLM, or a PEFT model around one
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                response_len: int | None = None, temperature: float = 1.0) -> torch.Tensor:
+        """(B, T) tokens -> (B, response_len) float32 log-probs of the last ``response_len`` tokens
+        under ``softmax(logits / temperature)``, or (B, T, V) logits if ``response_len`` is None."""
+        position_ids = _position_ids(attention_mask)
+        if response_len is None:
+            return self.lm(input_ids=input_ids, attention_mask=attention_mask,
+                           position_ids=position_ids, use_cache=False).logits
+        # Logits at position t predict token t + 1: keep the R + 1 last positions, drop the final.
+        logits = self.lm(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=position_ids, use_cache=False,
+                         logits_to_keep=response_len + 1).logits[:, :-1]
+        logits = logits.float() / temperature
+        targets = input_ids[:, -response_len:]
+        picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return picked - logits.logsumexp(-1)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 **kwargs: Any) -> torch.Tensor:
+        """Hugging Face sampling; returns prompt + response tokens (B, T_prompt + T_response)."""
+        return self.lm.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+
+class ValueModel(nn.Module):
+    """A backbone with a scalar head: per-token values (critic) or a sequence score (reward)."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int, per_token: bool) -> None:
+        super().__init__()
+        self.backbone = backbone  # Hugging Face base model (no LM head), or a PEFT model
+        self.value_head = nn.Linear(hidden_size, 1)
+        self.per_token = per_token
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                response_len: int | None = None) -> torch.Tensor:
+        """Critic: (B, response_len) values of the states before each of the last
+        ``response_len`` tokens ((B, T) without it). Reward: (B,) score at the last valid token."""
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=_position_ids(attention_mask),
+                               use_cache=False).last_hidden_state
+        values = self.value_head(hidden).squeeze(-1).float()
+        if self.per_token:
+            return values if response_len is None else values[:, -response_len - 1:-1]
+        positions = torch.arange(values.shape[1], device=values.device)
+        last = (attention_mask.long() * positions).argmax(-1)
+        return values[torch.arange(values.shape[0], device=values.device), last]
+
+
+def _with_lora(module: nn.Module, model_cfg: ModelConfig) -> nn.Module:
+    import peft
+
+    lora = model_cfg.lora
+    return peft.get_peft_model(module, peft.LoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules)))
+
+
+def _backbone(model_cfg: ModelConfig, config: Any, auto_class: Any, meta: bool) -> nn.Module:
+    """The Hugging Face module of a section (weights from ``path`` or fresh), with checkpointing
+    and LoRA as configured. Call under a seeded RNG: fresh weights come from it."""
+    device = "meta" if meta else "cpu"
+    if meta or model_cfg.path is None:
+        with torch.device(device):
+            module = auto_class.from_config(config)
+    else:
+        module = auto_class.from_pretrained(model_cfg.path, local_files_only=True,
+                                            dtype=torch.float32)
+    if model_cfg.gradient_checkpointing and not meta:
+        module.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    if model_cfg.lora.enabled:
+        with torch.device(device):
+            module = _with_lora(module, model_cfg)
+    return module
+
+
+def build_causal_lm(model_cfg: ModelConfig, vocab_size: int, *, role: str = "actor",
+                    seed: int = 0, meta: bool = False) -> CausalLM:
+    """Actor or ref: a Hugging Face causal LM (LoRA on top if enabled)."""
+    config = hf_config(role, model_cfg, vocab_size)
+    transformers = _transformers()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        lm = _backbone(model_cfg, config, transformers.AutoModelForCausalLM, meta)
+    return CausalLM(lm)
+
+
+def build_value_model(model_cfg: ModelConfig, vocab_size: int, *, role: str = "critic",
+                      per_token: bool = True, seed: int = 0, meta: bool = False) -> ValueModel:
+    """Critic (per token) or reward (per sequence): the backbone of a causal LM + a scalar head.
+
+    From a ``path``, a value head saved next to the weights (``save_value_model``) is loaded;
+    without one the head starts fresh, which only makes sense for a critic.
+    """
+    config = hf_config(role, model_cfg, vocab_size)
+    transformers = _transformers()
+    head_file = Path(model_cfg.path or "") / VALUE_HEAD_FILE
+    if not per_token and model_cfg.path is not None and not head_file.is_file():
+        raise ConfigError(f"{role}.path", f"{model_cfg.path!r} has no {VALUE_HEAD_FILE}; "
+                          "allowed: a reward model saved by rlhf_paro (save_value_model)")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        backbone = _backbone(model_cfg, config, transformers.AutoModel, meta)
+        with torch.device("meta" if meta else "cpu"):
+            model = ValueModel(backbone, config.hidden_size, per_token)
+        if not meta:
+            # A small head keeps initial values near 0 whatever the backbone's scale.
+            nn.init.normal_(model.value_head.weight, std=1.0 / (config.hidden_size + 1))
+            nn.init.zeros_(model.value_head.bias)
+    if model_cfg.path is not None and head_file.is_file() and not meta:
+        from safetensors.torch import load_file
+
+        model.value_head.load_state_dict(load_file(str(head_file)))
+    return model
+
+
+def save_value_model(model: ValueModel, directory: str | Path) -> None:
+    """Backbone in Hugging Face format plus the head, loadable with ``path: directory``."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    model.backbone.save_pretrained(directory)
+    head = {k: v.detach().contiguous() for k, v in model.value_head.state_dict().items()}
+    save_file(head, str(directory / VALUE_HEAD_FILE))
+
+
+def build_model(role: str, model_cfg: ModelConfig, vocab_size: int, *, seed: int = 0,
+                meta: bool = False) -> nn.Module:
+    """The module of one PPO role; ref and reward come frozen (no parameter requires grad)."""
+    if role in ("actor", "ref"):
+        model: nn.Module = build_causal_lm(model_cfg, vocab_size, role=role, seed=seed, meta=meta)
+    elif role in ("critic", "reward"):
+        model = build_value_model(model_cfg, vocab_size, role=role, per_token=role == "critic",
+                                  seed=seed, meta=meta)
+    else:
+        raise ValueError(f"unknown model role {role!r}; allowed: {', '.join(ROLES)}")
+    if role in FROZEN_ROLES:
+        model.requires_grad_(False)
+        model.eval()
+    return model
+
+
+def count_parameters(role: str, model_cfg: ModelConfig, vocab_size: int) -> tuple[int, int]:
+    """(Psi, Psi'): all parameters and trainable ones, counted on the meta device."""
+    model = build_model(role, model_cfg, vocab_size, meta=True)
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return total, trainable
+
+
+def describe(model_cfg: ModelConfig) -> str:
+    """One line naming the model source, for logs and the planner."""
+    if model_cfg.path is not None:
+        return f"path {model_cfg.path}"
+    return "inline " + json.dumps(model_cfg.config, sort_keys=True)

@@ -1,0 +1,90 @@
+"""The counting task: tokenizer, prompts, ground-truth score, preference pairs, reward model."""
+
+import pytest
+import torch
+
+from rlhf_paro.config import load_config
+from rlhf_paro.models import build_model
+from rlhf_paro.ppo import data
+
+
+@pytest.fixture(scope="module")
+def task():
+    return data.CountingTask(num_symbols=16, prompt_len=4, response_len=8)
+
+
+def ids(task, text):
+    return torch.tensor([task.tokenizer.encode(text)])
+
+
+def test_tokenizer_round_trip(task):
+    tok = task.tokenizer
+    assert tok.vocab_size == 3 + 16
+    assert tok.decode(tok.encode("<bos> a b p <eos>")) == "<bos> a b p <eos>"
+    with pytest.raises(ValueError, match="'z'"):
+        tok.encode("a z")
+
+
+def test_prompts_are_seeded_runs_of_consecutive_symbols(task):
+    gen = torch.Generator().manual_seed(0)
+    prompts = task.sample_prompts(64, gen)
+    assert prompts.shape == (64, 4)
+    assert (prompts[:, 0] == task.tokenizer.bos_token_id).all()
+    # Each symbol is the successor of the one before it, wrapping from p back to a.
+    assert (prompts[:, 2:] == task._successor(prompts[:, 1:-1])).all()
+    assert torch.equal(prompts, task.sample_prompts(64, torch.Generator().manual_seed(0)))
+    assert len({tuple(p.tolist()) for p in prompts}) > 8
+
+
+def test_score_hand_values(task):
+    prompt = ids(task, "<bos> n o p")
+    # Perfect continuation wraps p -> a: 8/8.
+    assert task.score(prompt, ids(task, "a b c d e f g h")).item() == 1.0
+    # A wrong symbol costs its own slot only: k (not c), then l m n o p count on from k: 7/8.
+    assert task.score(prompt, ids(task, "a b k l m n o p")).item() == 7 / 8
+    # Stopping early: a b c are right, <eos> is not, the padding after it counts for nothing.
+    assert task.score(prompt, ids(task, "a b c <eos> <pad> <pad> <pad> <pad>")).item() == 3 / 8
+    # Repeating the last symbol is never right.
+    assert task.score(prompt, ids(task, "p p p p p p p p")).item() == 0.0
+
+
+def test_response_mask_covers_tokens_through_the_first_eos():
+    responses = torch.tensor([[5, 2, 0, 0], [5, 6, 7, 8], [2, 5, 2, 0]])
+    expected = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]).float()
+    torch.testing.assert_close(data.response_mask(responses), expected)
+
+
+def test_random_policy_scores_low_and_pairs_are_ordered(task):
+    gen = torch.Generator().manual_seed(1)
+    prompts = task.sample_prompts(4000, gen)
+    uniform = torch.randint(3, 19, (4000, 8), generator=gen)
+    assert task.score(prompts, uniform).mean().item() == pytest.approx(1 / 16, abs=0.01)
+    pairs = task.preference_pairs(500, seed=0)
+    assert pairs.chosen.shape == (500, 8)
+    margin = task.score(pairs.prompts, pairs.chosen) - task.score(pairs.prompts, pairs.rejected)
+    assert (margin > 0).all()
+    # Mixed-quality responses cover the whole range the policy will go through.
+    scores = task.score(pairs.prompts, pairs.chosen)
+    assert scores.min() < 0.2 and scores.max() == 1.0
+
+
+def test_reward_model_ranks_held_out_pairs_and_is_cached(tmp_path):
+    cfg = load_config([f"task.cache_dir={tmp_path}", "task.reward_steps=150",
+                       "task.reward_pairs=2048", "task.reward_eval_pairs=256"])
+    trained = data.train_reward_model(cfg)
+    assert not trained.cached
+    assert trained.accuracy >= 0.85
+    again = data.train_reward_model(cfg)
+    assert again.cached and again.path == trained.path
+    assert [p.name for p in tmp_path.iterdir()] == [trained.path.name]  # no scratch left behind
+
+    # The model the trainer builds from the cache is the one that was measured.
+    reward_cfg = data.reward_model_config(cfg)
+    assert reward_cfg.path == str(trained.path) and reward_cfg.strategy == cfg.reward.strategy
+    model = build_model("reward", reward_cfg, data.task_from_config(cfg).tokenizer.vocab_size)
+    held_out = data.task_from_config(cfg).preference_pairs(256, seed=2)
+    assert data.pairwise_accuracy(model, held_out) == trained.accuracy
+
+    # A different task is a different model.
+    other = load_config([f"task.cache_dir={tmp_path}", "task.num_symbols=8"])
+    assert data.reward_cache_key(other) != data.reward_cache_key(cfg)

@@ -1,0 +1,137 @@
+"""Model building: tensor outputs, seeded init, padding, frozen roles, meta counts, paths, LoRA."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from rlhf_paro.config import ConfigError, ModelConfig, load_config
+from rlhf_paro.models import (
+    build_model, count_parameters, hf_config, save_value_model,
+)
+from rlhf_paro.sharding.layout import unit_sizes
+
+VOCAB = 19
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return load_config([])
+
+
+def batch(seed=0, batch_size=3, length=10):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch_size, length), generator=gen)
+
+
+def test_actor_and_ref_from_the_same_seed_are_identical(cfg):
+    ids = batch()
+    mask = torch.ones_like(ids)
+    actor = build_model("actor", cfg.actor, VOCAB, seed=5)
+    ref = build_model("ref", cfg.ref, VOCAB, seed=5)
+    other = build_model("actor", cfg.actor, VOCAB, seed=6)
+    torch.testing.assert_close(actor(ids, mask, response_len=4), ref(ids, mask, response_len=4))
+    assert not torch.allclose(actor(ids, mask, response_len=4), other(ids, mask, response_len=4))
+    assert all(p.requires_grad for p in actor.parameters())
+    assert not any(p.requires_grad for p in ref.parameters())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_response_log_probs_match_full_log_softmax(cfg, temperature):
+    ids = batch()
+    mask = torch.ones_like(ids)
+    actor = build_model("actor", cfg.actor, VOCAB)
+    logp = actor(ids, mask, response_len=4, temperature=temperature)
+    logits = actor(ids, mask)  # (B, T, V): position t predicts token t + 1
+    assert logits.shape == (3, 10, VOCAB)
+    full = (logits / temperature).log_softmax(-1)[:, -5:-1]
+    torch.testing.assert_close(logp, full.gather(-1, ids[:, -4:, None]).squeeze(-1))
+
+
+def test_left_padding_does_not_change_log_probs_or_values(cfg):
+    # Positions count valid tokens only, so a left-padded row sees what the unpadded row sees.
+    ids = batch(length=8)
+    padded = torch.cat([torch.zeros(3, 2, dtype=torch.long), ids], dim=1)
+    padded_mask = torch.cat([torch.zeros(3, 2, dtype=torch.long), torch.ones_like(ids)], dim=1)
+    actor = build_model("actor", cfg.actor, VOCAB)
+    critic = build_model("critic", cfg.critic, VOCAB)
+    torch.testing.assert_close(actor(padded, padded_mask, response_len=3),
+                               actor(ids, torch.ones_like(ids), response_len=3))
+    torch.testing.assert_close(critic(padded, padded_mask, response_len=3),
+                               critic(ids, torch.ones_like(ids), response_len=3))
+
+
+def test_critic_values_per_token_and_reward_at_last_valid_token(cfg):
+    ids = batch()
+    mask = torch.ones_like(ids)
+    critic = build_model("critic", cfg.critic, VOCAB)
+    all_values = critic(ids, mask)
+    assert all_values.shape == (3, 10)
+    # The value of response token k is read at the position before it.
+    torch.testing.assert_close(critic(ids, mask, response_len=4), all_values[:, -5:-1])
+
+    reward = build_model("reward", cfg.reward, VOCAB)
+    right_padded = torch.cat([ids[:, :7], torch.zeros(3, 3, dtype=torch.long)], dim=1)
+    right_mask = torch.cat([torch.ones(3, 7, dtype=torch.long),
+                            torch.zeros(3, 3, dtype=torch.long)], dim=1)
+    scores = reward(right_padded, right_mask)
+    assert scores.shape == (3,)
+    torch.testing.assert_close(scores, reward(ids[:, :7], mask[:, :7]))
+    assert not any(p.requires_grad for p in reward.parameters())
+
+
+def test_meta_models_give_engine_units_and_llama2_7b_counts():
+    llama = load_config(["conf=ppo_llama7b"])
+    # Llama-2-7B: 32 x (4*4096^2 + 3*4096*11008 + 2*4096) + 2*32000*4096 + 4096.
+    assert count_parameters("ref", llama.ref, VOCAB) == (6_738_415_616, 0)
+    assert count_parameters("actor", llama.actor, VOCAB) == (6_738_415_616, 6_738_415_616)
+    # The critic drops the LM head (32000*4096) and adds a value head (4096 + 1).
+    assert count_parameters("critic", llama.critic, VOCAB)[0] == 6_738_415_616 - 32000 * 4096 + 4097
+    units = unit_sizes(build_model("actor", llama.actor, VOCAB, meta=True))
+    assert len(units) == 1 + 32  # the root unit and one per LlamaDecoderLayer
+    assert units[1].trainable == 4 * 4096 ** 2 + 3 * 4096 * 11008 + 2 * 4096
+
+
+def test_lora_trains_adapters_only_and_starts_as_the_base(cfg):
+    ids = batch()
+    mask = torch.ones_like(ids)
+    lora_cfg = dataclasses.replace(cfg.actor,
+                                   lora=dataclasses.replace(cfg.actor.lora, enabled=True))
+    base = build_model("actor", cfg.actor, VOCAB, seed=1)
+    lora = build_model("actor", lora_cfg, VOCAB, seed=1)
+    torch.testing.assert_close(lora(ids, mask, response_len=4), base(ids, mask, response_len=4))
+    total, trainable = count_parameters("actor", lora_cfg, VOCAB)
+    # r=8 adapters on q, k, v, o of 2 layers: 2 * 4 * (64*8 + 8*64) trainable elements.
+    assert trainable == 2 * 4 * (64 * 8 + 8 * 64)
+    assert total == count_parameters("actor", cfg.actor, VOCAB)[0] + trainable
+    units = unit_sizes(build_model("actor", lora_cfg, VOCAB, meta=True))
+    assert units[0].trainable == 0 and units[1].frozen > 0 and units[1].trainable > 0
+
+
+def test_models_load_from_a_local_directory(cfg, tmp_path):
+    ids = batch()
+    mask = torch.ones_like(ids)
+    actor = build_model("actor", cfg.actor, VOCAB, seed=2)
+    actor.lm.save_pretrained(tmp_path / "actor")
+    loaded = build_model("actor", ModelConfig(path=str(tmp_path / "actor")), VOCAB)
+    torch.testing.assert_close(loaded(ids, mask, response_len=4), actor(ids, mask, response_len=4))
+
+    reward = build_model("reward", cfg.reward, VOCAB, seed=3)
+    save_value_model(reward, tmp_path / "reward")
+    again = build_model("reward", ModelConfig(path=str(tmp_path / "reward")), VOCAB)
+    torch.testing.assert_close(again(ids, mask), reward(ids, mask))
+    # A causal LM directory has no value head: fine for a critic, not for a reward model.
+    build_model("critic", ModelConfig(path=str(tmp_path / "actor")), VOCAB)
+    with pytest.raises(ConfigError, match="reward.path: .*value_head"):
+        build_model("reward", ModelConfig(path=str(tmp_path / "actor")), VOCAB)
+
+
+@pytest.mark.parametrize("inline, key, allowed", [
+    ({"hiden_size": 64}, "actor.config.hiden_size", "did you mean hidden_size"),
+    ({"model_type": "lama"}, "actor.config.model_type", "did you mean llama"),
+    ({"vocab_size": 10}, "actor.config.vocab_size", "at least 19"),
+])
+def test_bad_inline_configs_name_the_key(inline, key, allowed):
+    with pytest.raises(ConfigError) as info:
+        hf_config("actor", ModelConfig(config=inline), VOCAB)
+    assert str(info.value).startswith(f"{key}: ") and allowed in str(info.value)
