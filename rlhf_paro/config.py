@@ -144,10 +144,6 @@ class ModelConfig:
                                           "(needs config.json); allowed: an existing local "
                                           "directory, models are never downloaded")
 
-    @property
-    def source(self) -> tuple[str | None, dict[str, Any] | None]:
-        return self.path, self.config
-
 
 # --- the other components -------------------------------------------------------------------------
 

@@ -15,7 +15,6 @@ meta device: parameter counts and unit sizes without allocating a byte, for the 
 from __future__ import annotations
 
 import difflib
-import json
 from pathlib import Path
 from typing import Any
 
@@ -242,9 +241,3 @@ def count_parameters(role: str, model_cfg: ModelConfig, vocab_size: int) -> tupl
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return total, trainable
 
-
-def describe(model_cfg: ModelConfig) -> str:
-    """One line naming the model source, for logs and the planner."""
-    if model_cfg.path is not None:
-        return f"path {model_cfg.path}"
-    return "inline " + json.dumps(model_cfg.config, sort_keys=True)

@@ -172,11 +172,6 @@ def task_from_config(cfg: Config) -> CountingTask:
     return CountingTask(cfg.task.num_symbols, cfg.task.prompt_len, cfg.ppo.max_new_tokens)
 
 
-def sample_prompts(cfg: Config, num: int, seed: int) -> torch.Tensor:
-    """(num, prompt_len) prompts of the configured task, reproducible from ``seed``."""
-    return task_from_config(cfg).sample_prompts(num, torch.Generator().manual_seed(seed))
-
-
 # --- reward model ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
