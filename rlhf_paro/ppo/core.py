@@ -267,7 +267,9 @@ class AdaptiveKLController:
     the coefficient grows when the policy drifts beyond the target KL and shrinks below it, by at
     most 20% of ``n_steps / horizon`` per update. ``current_kl`` is the mean per-sequence KL
     (summed over the response tokens), the quantity the target is stated in; ``n_steps`` the number
-    of samples (sequences) behind that estimate.
+    of samples (sequences) behind that estimate. With data parallelism pass the mean over the
+    whole rollout (sum of per-sequence KL and number of sequences all-reduced), so every rank
+    holds the same coefficient.
     """
 
     def __init__(self, init_kl_coef: float, target: float, horizon: int) -> None:
