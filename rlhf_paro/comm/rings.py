@@ -195,35 +195,44 @@ def _transpose(steps: list[Step]) -> list[Step]:
     return [Step(s.recvs, s.sends) for s in reversed(steps)]
 
 
+def step_bytes(step: Step, rank: int, group_size: int, elem_size: int) -> LinkBytes:
+    """Bytes ``rank`` sends in ``step`` to ranks of its own group (intra) and of others."""
+    intra = inter = 0
+    for t in step.sends:
+        if t.peer // group_size == rank // group_size:
+            intra += (t.hi - t.lo) * elem_size
+        else:
+            inter += (t.hi - t.lo) * elem_size
+    return LinkBytes(intra, inter)
+
+
 def _execute(buf: torch.Tensor, steps: list[Step], topo: Topology, reduce: bool) -> LinkBytes:
     """Run ``steps`` on the flat nested-order ``buf``; received ranges are copied in (all-gather)
     or added in (reduce-scatter). Returns the bytes this rank sent, by kind of link."""
     intra = inter = 0
-    elem = buf.element_size()
     for step in steps:
         if not step.sends and not step.recvs:
             continue  # e.g. HO-Ring's second intra ring on a single group: nothing left to pass
         ops: list[dist.P2POp] = []
-        arrived: list[tuple[Transfer, torch.Tensor]] = []
+        landed: list[tuple[Transfer, torch.Tensor]] = []
         for t in step.recvs:
-            # A range may arrive from two peers in one step of a reduce-scatter (HO-Ring's last
-            # step adds the inter and the intra partial sums): each gets its own landing buffer.
-            dst = torch.empty(t.hi - t.lo, dtype=buf.dtype, device=buf.device) if reduce \
-                else buf[t.lo:t.hi]
-            arrived.append((t, dst))
+            if reduce:
+                # A range may arrive from two peers in one step (HO-Ring's last reduce-scatter
+                # step adds the inter and the intra partial sums): each gets its own buffer.
+                dst = torch.empty(t.hi - t.lo, dtype=buf.dtype, device=buf.device)
+                landed.append((t, dst))
+            else:
+                dst = buf[t.lo:t.hi]
             ops.append(dist.P2POp(dist.irecv, dst, group=topo.world, group_peer=t.peer))
         for t in step.sends:
             ops.append(dist.P2POp(dist.isend, buf[t.lo:t.hi], group=topo.world,
                                   group_peer=t.peer))
-            if t.peer // topo.group_size == topo.group_index:
-                intra += (t.hi - t.lo) * elem
-            else:
-                inter += (t.hi - t.lo) * elem
+        sent = step_bytes(step, topo.rank, topo.group_size, buf.element_size())
+        intra, inter = intra + sent.intra, inter + sent.inter
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-        if reduce:
-            for t, dst in arrived:
-                buf[t.lo:t.hi].add_(dst)
+        for t, dst in landed:
+            buf[t.lo:t.hi].add_(dst)
     return LinkBytes(intra, inter)
 
 

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from rlhf_paro.sharding.topology import Topology
-from rlhf_paro.comm.rings import ALGORITHMS, OPS, PIPELINE_PIECES, Algorithm, pipelined
+from rlhf_paro.comm.rings import (ALGORITHMS, OPS, PIPELINE_PIECES, Algorithm, pipelined,
+                                  step_bytes)
 
 PAPER = {"size": 1e9, "nodes": 16, "gpus_per_node": 8, "ring": 0.288, "hring": 0.183,
          "horing": 0.162}
@@ -83,12 +84,7 @@ def step_times(name: str, op: str, size: float, nodes: int, gpus_per_node: int, 
     for k in range(len(per_rank[0])):
         slowest = 0.0
         for r, steps in enumerate(per_rank):
-            intra = inter = 0
-            for t in steps[k].sends:
-                if t.peer // gpus_per_node == r // gpus_per_node:
-                    intra += t.hi - t.lo
-                else:
-                    inter += t.hi - t.lo
+            intra, inter = step_bytes(steps[k], r, gpus_per_node, 1)
             slowest = max(slowest,
                           links.intra_lat + intra / links.intra_bw if intra else 0.0,
                           links.inter_lat + inter / links.inter_bw if inter else 0.0)

@@ -45,13 +45,8 @@ def _check_matching(steps: list[list[rings.Step]]) -> int:
 
 
 def _sent_bytes(steps: list[rings.Step], topo: Topology, elem: int) -> LinkBytes:
-    intra = inter = 0
-    for step in steps:
-        for t in step.sends:
-            same = t.peer // topo.group_size == topo.group_index
-            intra += (t.hi - t.lo) * elem if same else 0
-            inter += 0 if same else (t.hi - t.lo) * elem
-    return LinkBytes(intra, inter)
+    per_step = [rings.step_bytes(s, topo.rank, topo.group_size, elem) for s in steps]
+    return LinkBytes(sum(b.intra for b in per_step), sum(b.inter for b in per_step))
 
 
 @pytest.mark.parametrize("name", list(ALGORITHMS))
