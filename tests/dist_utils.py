@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import socket
@@ -26,7 +27,11 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, results: Any, ar
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
-        results.put((rank, True, out))
+        # Bytes, not tensors: a tensor sent through a queue is shared by file descriptor, which
+        # dies with this process before the parent reads it.
+        data = io.BytesIO()
+        torch.save(out, data)
+        results.put((rank, True, data.getvalue()))
     except BaseException:  # noqa: BLE001 - the parent re-raises with this traceback
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -54,7 +59,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                                    f"result within {timeout}s") from None
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            out[rank] = payload
+            import torch
+
+            out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     finally:
         for p in procs:
             p.join(timeout=5 if len(out) == world_size else 0.1)
