@@ -1,0 +1,36 @@
+"""The critic: values of the rollout's response tokens, then clipped value regression."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_paro.actors.worker import Batch, Worker
+from rlhf_paro.ppo import core
+
+
+class CriticWorker(Worker):
+    trained = True
+
+    @torch.no_grad()
+    def values(self, rollout: Batch) -> torch.Tensor:
+        """(B, T) values of this rank's rollout, kept here as the old values of the update."""
+        self._rollout = rollout
+        with self.timed("inference", rollout["sequences"].numel()):
+            self._old_values = self.in_micro_batches(rollout, self._values)
+        return self._old_values
+
+    def _values(self, rows: Batch, train: bool = False) -> torch.Tensor:
+        return self.forward(rows, train=train, response_len=rows["action_mask"].shape[1])
+
+    def train(self, targets: Batch) -> None:
+        rollout, returns = self._rollout, targets["returns"]
+
+        def micro_loss(idx: torch.Tensor, num_tokens: float) -> tuple[torch.Tensor, dict]:
+            rows = {k: v[idx] for k, v in rollout.items()}
+            loss, stats = core.value_loss(
+                self._values(rows, train=True), self._old_values[idx].to(self.device),
+                returns[idx].to(self.device), rows["action_mask"].to(self.device),
+                self.cfg.ppo.value_clip_eps, num_tokens)
+            return loss, {"critic/vf_clipfrac": stats["vf_clipfrac"]}
+
+        self.ppo_update(rollout["action_mask"], micro_loss)

@@ -1,0 +1,18 @@
+"""The reference policy: the actor's initial weights, frozen; scores rollouts for the KL penalty."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_paro.actors.actor import logprobs
+from rlhf_paro.actors.worker import Batch, Worker
+
+
+class RefWorker(Worker):
+    """Built like the actor, from the same seed: it starts as the actor's exact copy."""
+
+    @torch.no_grad()
+    def logprobs(self, rollout: Batch) -> torch.Tensor:
+        """(B, T) log-probs of this rank's rollout under the reference policy."""
+        with self.timed("inference", rollout["sequences"].numel()):
+            return self.in_micro_batches(rollout, lambda rows: logprobs(self, rows))

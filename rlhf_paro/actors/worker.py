@@ -1,0 +1,187 @@
+"""The per-rank worker every role builds on: its own process group, its model, its engine.
+
+A worker is one Ray actor: rank r of one model. ``setup`` joins the model's own process group
+(gloo on CPU, NCCL on GPU), builds the model identically on every rank (same seed), and wraps it
+with ``shard(...)`` under the model's strategy. The driver calls the role's methods on all ranks
+at once; between steps it collects one ``RankReport`` per rank (``report``), which also resets
+the step's timers and the engine's comm meter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import socket
+import time
+from collections import defaultdict
+from typing import Any, Callable, Iterator
+
+import ray
+import torch
+import torch.distributed as dist
+import transformers
+
+from rlhf_paro import models
+from rlhf_paro.metrics import RankReport
+from rlhf_paro.ppo.data import task_from_config
+from rlhf_paro.sharding import Strategy, Topology, shard
+
+Batch = dict[str, Any]
+
+
+class Worker:
+    """Rank ``rank`` of model ``role`` (one of actor, critic, reward, ref)."""
+
+    trained = False  # actor and critic override: they get an optimizer
+
+    def __init__(self, cfg: Any, role: str, rank: int, num_ranks: int) -> None:
+        self.cfg = cfg
+        self.role = role
+        self.model_cfg = getattr(cfg, role)
+        self.rank = rank
+        self.num_ranks = num_ranks
+        # Ray hides the other GPUs of the node: the bundle's GPU is always device 0.
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.type == "cpu":
+            # Four models share each CPU slot: one thread per worker, or 4N workers fight
+            # over the cores and every collective waits for a descheduled rank.
+            torch.set_num_threads(1)
+        self.engine: Any = None
+        self._time_s: dict[str, float] = defaultdict(float)  # role phase -> seconds, this step
+        self._tokens = 0  # tokens through the model, this step
+        self._train_stats: dict[str, list[float]] = defaultdict(list)
+
+    # -- rendezvous --------------------------------------------------------------------------
+    def free_address(self) -> tuple[str, int]:
+        """This node's IP and a port free on it: rank 0's answer is the model's rendezvous."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, master_addr: str, master_port: int) -> None:
+        """Join this model's process group, build the model and shard it."""
+        if master_addr.startswith("127."):
+            # A loopback rendezvous means one machine: keep gloo's sockets on loopback too.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
+                                rank=self.rank, world_size=self.num_ranks)
+        topology = Topology.from_process_group(group_size=self.cfg.cluster.group_size)
+        # N ranks x 4 models loading weights would each draw a progress bar.
+        transformers.utils.logging.disable_progress_bar()
+        # Built from the same seed on every rank (and ref from the actor's): identical weights.
+        model = self.build_model().to(self.device)
+        strategy = Strategy.parse(self.model_cfg.strategy, frozen=not self.trained)
+        self.engine = shard(model, strategy=strategy, topology=topology,
+                            comm=self.cfg.comm.algorithm, model_name=self.role,
+                            precision=self.model_cfg.precision, **self.train_options())
+        # Each rank samples and shuffles differently from here on.
+        torch.manual_seed(self.cfg.trainer.seed * 1000 + self.rank + 1)
+
+    def build_model(self) -> torch.nn.Module:
+        vocab_size = task_from_config(self.cfg).tokenizer.vocab_size
+        return models.build_model(self.role, self.model_cfg, vocab_size, seed=self.cfg.trainer.seed)
+
+    def train_options(self) -> dict[str, Any]:
+        """Extra ``shard`` arguments: the optimizer of trained models, nothing for frozen ones."""
+        if not self.trained:
+            return {}
+        optim = self.model_cfg.optim
+        return {"optim": optim.adamw(), "max_grad_norm": optim.max_grad_norm,
+                "grad_accum_steps": self.cfg.grad_accum_steps(self.role)}
+
+    # -- per-step accounting -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def timed(self, phase: str, tokens: int) -> Iterator[None]:
+        """Time a role phase (``generate``, ``inference``, ``train``) and count its tokens."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._time_s[phase] += time.perf_counter() - start
+            self._tokens += tokens
+
+    def record_train(self, stats: dict[str, float]) -> None:
+        for key, value in stats.items():
+            self._train_stats[key].append(float(value))
+
+    def report(self) -> RankReport:
+        """This step's report; resets the timers, the token count and the comm meter."""
+        report = RankReport(
+            tokens=self._tokens,
+            time_s=dict(self._time_s),
+            comm=self.engine.meter.by_phase(),
+            memory=self.engine.memory(),
+            peak_bytes=peak_bytes(self.device),
+            train={k: sum(v) / len(v) for k, v in self._train_stats.items()},
+        )
+        self._time_s.clear()
+        self._tokens = 0
+        self._train_stats.clear()
+        self.engine.meter.reset()
+        return report
+
+    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum small statistics over this model's ranks (outside the engine: not metered)."""
+        values = values.to(self.device)
+        dist.all_reduce(values)
+        return values.cpu()
+
+    # -- PPO updates (actor and critic) ------------------------------------------------------
+    def ppo_update(self, mask: torch.Tensor,
+                   micro_loss: Callable[[torch.Tensor, float], tuple[torch.Tensor, dict]]) -> None:
+        """``ppo.ppo_epochs`` passes over this rank's rollout; one optimizer step per mini-batch.
+
+        ``micro_loss(indices, num_tokens)`` returns the loss of one micro-batch (rows
+        ``indices`` of the rollout) and its metrics; ``num_tokens`` makes it a share of the
+        global mini-batch's token-mean (see ``ppo/core.py``).
+        """
+        seq_len = self._rollout["sequences"].shape[1]
+        for _ in range(self.cfg.ppo.ppo_epochs):
+            for mini, num_tokens in self._mini_batches(mask):
+                for idx in micro_batches(mini, self.model_cfg.micro_batch_size):
+                    with self.timed("train", len(idx) * seq_len):
+                        loss, stats = micro_loss(idx, num_tokens)
+                        self.engine.backward(loss)
+                    self.record_train({"loss": loss.item(), **stats})
+                with self.timed("train", 0):
+                    grad_norm = self.engine.step()
+                self.record_train({"grad_norm": grad_norm, "lr": self.engine.lr})
+
+    def _mini_batches(self, mask: torch.Tensor) -> list[tuple[torch.Tensor, float]]:
+        """This rank's shuffled mini-batches, each with ``num_tokens``: the global mini-batch's
+        valid tokens (summed over ranks) / (ranks * micro-batches per step)."""
+        size = self.cfg.ppo.mini_batch_size // self.num_ranks
+        minis = micro_batches(torch.randperm(mask.shape[0]), size)
+        local = torch.tensor([float(mask[m].sum()) for m in minis], dtype=torch.float64)
+        total = self.all_reduce_sum(local)
+        per_micro = self.num_ranks * self.engine.grad_accum_steps
+        return [(m, float(t) / per_micro) for m, t in zip(minis, total)]
+
+    def in_micro_batches(self, rollout: Batch, fn: Callable[[Batch], torch.Tensor]
+                         ) -> torch.Tensor:
+        """``fn`` on ``micro_batch_size`` rows at a time (bounds activation memory), results
+        concatenated on the CPU, ready to travel."""
+        rows = torch.arange(rollout["sequences"].shape[0])
+        return torch.cat([fn({k: v[idx] for k, v in rollout.items()}).float().cpu()
+                          for idx in micro_batches(rows, self.model_cfg.micro_batch_size)])
+
+    def forward(self, batch: Batch, train: bool = False, **kwargs: Any) -> torch.Tensor:
+        """The model's forward on rows of a rollout (log-probs, values or scores)."""
+        self.engine.module.train(train)
+        return self.engine(input_ids=batch["sequences"].to(self.device),
+                           attention_mask=batch["attention_mask"].to(self.device), **kwargs)
+
+
+def peak_bytes(device: torch.device) -> int:
+    """Process peak memory: CUDA max allocated on GPU, peak resident set size on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    # Linux reports ru_maxrss in KiB.
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def micro_batches(indices: torch.Tensor, size: int) -> list[torch.Tensor]:
+    return [indices[i:i + size] for i in range(0, len(indices), size)]
