@@ -19,7 +19,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf_paro.comm.meter import PHASES as COMM_PHASES
 
 ROLES = ("actor", "critic", "reward", "ref")
 TRAINED = ("actor", "critic")
@@ -30,6 +29,9 @@ ROLE_PHASES = {
     "reward": ("inference",),
     "ref": ("inference",),
 }
+# Comm phases every row has a column for: the engine's four and the actor's generation. Any
+# other phase a meter reports (e.g. a checkpoint's "gather") gets columns when it occurs.
+COMM_PHASES = ("forward", "backward", "boundary", "update", "generate")
 LOOP_KEYS = (
     "ppo/reward_mean", "ppo/task_score", "ppo/kl", "ppo/kl_coef", "ppo/advantage_mean",
     "ppo/return_mean", "ppo/response_length",

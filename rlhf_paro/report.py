@@ -20,7 +20,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 
-from rlhf_paro.comm.meter import PHASES  # noqa: E402
 from rlhf_paro.metrics import ROLES, read_jsonl  # noqa: E402
 
 COLORS = {"actor": "#3b6fb6", "critic": "#e07b39", "reward": "#3a9a5b", "ref": "#8e6bbf"}
@@ -64,9 +63,9 @@ def draw(output_dir: str, path: str | None = None) -> str:
 
     plt.rcParams.update({"font.size": 9, "axes.titlesize": 10.5, "axes.titleweight": "bold",
                          "axes.spines.top": False, "axes.spines.right": False})
-    fig = plt.figure(figsize=(17, 10), dpi=110)
-    grid = fig.add_gridspec(2, 3, hspace=0.42, wspace=0.3, left=0.05, right=0.97, top=0.88,
-                            bottom=0.08)
+    fig = plt.figure(figsize=(18, 10.5), dpi=110)
+    grid = fig.add_gridspec(2, 3, hspace=0.45, wspace=0.32, left=0.05, right=0.98, top=0.87,
+                            bottom=0.09, width_ratios=[1, 1, 1.25])
     fig.suptitle(_title(run, rows), fontsize=13, fontweight="bold", x=0.05, ha="left")
     fig.text(0.05, 0.925, _subtitle(run, rows), fontsize=9.5, color="#444", ha="left")
 
@@ -113,24 +112,28 @@ def _learning(ax, rows, steps, window) -> None:
     twin.set_ylabel("reward model score", color="#e07b39")
     twin.spines["right"].set_visible(True)
     first, last = np.nanmean(score[:window]), np.nanmean(score[-window:])
-    ax.set_title(f"Learning: task score {first:.3f} -> {last:.3f}")
+    ax.set_title(f"Learning: task score {first:.3f} \u2192 {last:.3f}")
     lines = ax.get_lines()[1:] + twin.get_lines()[1:]
     ax.legend(lines, [ln.get_label() for ln in lines], loc="lower right", frameon=False)
     ax.grid(alpha=0.25)
 
 
 def _kl(ax, rows, steps) -> None:
-    ax.plot(steps, _series(rows, "ppo/kl"), color="#c44e52", lw=1.8, label="KL(policy || ref)")
+    coef = _series(rows, "ppo/kl_coef")
+    fixed = np.nanmax(coef) == np.nanmin(coef)
+    ax.plot(steps, _series(rows, "ppo/kl"), color="#c44e52", lw=1.8,
+            label="KL(policy || ref)" + (f", coefficient fixed at {coef[0]:g}" if fixed else ""))
     ax.set_ylabel("KL per response (nats)", color="#c44e52")
     ax.set_xlabel("PPO step")
-    twin = ax.twinx()
-    twin.plot(steps, _series(rows, "ppo/kl_coef"), color="#555", lw=1.5, ls="--",
-              label="KL coefficient")
-    twin.set_ylabel("KL coefficient", color="#555")
-    twin.spines["right"].set_visible(True)
+    lines = ax.get_lines()
+    if not fixed:  # an adaptive coefficient gets its own axis
+        twin = ax.twinx()
+        twin.plot(steps, coef, color="#555", lw=1.5, ls="--", label="KL coefficient")
+        twin.set_ylabel("KL coefficient", color="#555")
+        twin.spines["right"].set_visible(True)
+        lines = lines + twin.get_lines()
     length = np.nanmean(_series(rows, "ppo/response_length")[-max(1, len(rows) // 8):])
-    ax.set_title(f"Policy drift (response length now {length:.1f} tokens)")
-    lines = ax.get_lines() + twin.get_lines()
+    ax.set_title(f"Policy drift (responses now {length:.1f} tokens long)")
     ax.legend(lines, [ln.get_label() for ln in lines], loc="upper left", frameon=False)
     ax.grid(alpha=0.25)
 
@@ -153,9 +156,12 @@ def _throughput(ax, rows, steps, run, window) -> None:
         ax.plot(steps, smooth(y, window), color=COLORS[role], lw=2,
                 label=f"{role} ({_strategy(run, role)}): {np.nanmean(y):,.0f}")
     ax.set_yscale("log")
+    low, high = ax.get_ylim()
+    ax.set_ylim(low / 8, high)  # room for the legend below the curves
     ax.set_title("Throughput per model (tokens/s, all ranks)")
     ax.set_xlabel("PPO step")
-    ax.legend(loc="lower left", frameon=False, ncol=2, title="mean tokens/s", fontsize=8.5)
+    ax.legend(loc="lower center", frameon=False, ncol=2, title="model (strategy): mean tokens/s",
+              fontsize=8.5, title_fontsize=8.5)
     ax.grid(alpha=0.25, which="both")
 
 
@@ -184,27 +190,36 @@ def _memory(ax, rows, run) -> None:
 
 def _traffic(fig, cell, rows, run) -> None:
     """Two heatmaps (intra, inter): bytes per step, all ranks of the model, by phase."""
-    phases = [p for p in PHASES if any(r.get(f"{m}/comm/{p}/intra_bytes", 0)
-                                       or r.get(f"{m}/comm/{p}/inter_bytes", 0)
-                                       for r in rows for m in ROLES)] or ["forward"]
-    sub = cell.subgridspec(1, 2, wspace=0.08)
+    # Phases in the order the metrics list them, those with no traffic at all left out.
+    keys = [k.split("/") for k in rows[-1] if k.endswith("_bytes") and k.count("/") == 3]
+    phases = [p for p in dict.fromkeys(k[2] for k in keys if k[1] == "comm")
+              if any(r.get(f"{m}/comm/{p}/{link}_bytes", 0) for r in rows for m in ROLES
+                     for link in ("intra", "inter"))] or ["forward"]
+    sub = cell.subgridspec(1, 2, wspace=0.05)
     tables = {}
     for link in ("intra", "inter"):
         tables[link] = np.array([[np.mean([r.get(f"{m}/comm/{p}/{link}_bytes", 0) for r in rows])
                                   for p in phases] for m in ROLES])
     positive = np.concatenate([t[t > 0] for t in tables.values()])
     norm = LogNorm(positive.min(), positive.max()) if positive.size else None
+    cmaps = {"intra": plt.get_cmap("Blues"), "inter": plt.get_cmap("Oranges")}
     for k, link in enumerate(("intra", "inter")):
         ax = fig.add_subplot(sub[0, k])
         table = tables[link]
-        ax.imshow(np.where(table > 0, table, np.nan), cmap="YlOrRd", norm=norm, aspect="auto")
+        ax.imshow(np.where(table > 0, table, np.nan), cmap=cmaps[link], norm=norm, aspect="auto")
         for (i, j), value in np.ndenumerate(table):
-            ax.text(j, i, human_bytes(value) if value > 0 else "0", ha="center", va="center",
-                    fontsize=7.5, color="#222" if value > 0 else "#aaa")
-        ax.set_xticks(range(len(phases)), phases, rotation=35, ha="right")
+            # White text on the darker half of the scale, dark text elsewhere.
+            dark = value > 0 and norm is not None and norm(value) > 0.55
+            ax.text(j, i, human_bytes(value) if value > 0 else "\u00b7", ha="center",
+                    va="center", fontsize=8, color="white" if dark else "#222" if value else "#bbb")
+        ax.set_xticks(range(len(phases)), phases, rotation=30, ha="right")
         ax.set_yticks(range(len(ROLES)), [f"{r} {_strategy(run, r)}" for r in ROLES]
                       if k == 0 else [])
-        ax.set_title(f"{'Intra' if link == 'intra' else 'Inter'}-group bytes / step")
+        for tick, role in zip(ax.get_yticklabels(), ROLES):
+            tick.set_color(COLORS[role])
+            tick.set_fontweight("bold")
+        where = "inside a group" if link == "intra" else "across groups"
+        ax.set_title(f"Bytes sent {where}\nper step, all ranks", fontsize=10)
         ax.tick_params(length=0)
         for side in ("left", "bottom"):
             ax.spines[side].set_visible(False)

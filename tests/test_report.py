@@ -6,8 +6,7 @@ import json
 import subprocess
 import sys
 
-from rlhf_paro.comm.meter import PHASES
-from rlhf_paro.metrics import ROLES, required_keys
+from rlhf_paro.metrics import COMM_PHASES, ROLES, required_keys
 from rlhf_paro.report import draw, human_bytes
 
 
@@ -20,7 +19,7 @@ def _write_run(path, steps: int = 6) -> None:
         for step in range(steps):
             row = {k: 1.0 + step for k in required_keys()}
             for role in ROLES:
-                for phase in PHASES:
+                for phase in COMM_PHASES:
                     row[f"{role}/comm/{phase}/intra_bytes"] = 1000.0 * (phase == "forward")
                     row[f"{role}/comm/{phase}/inter_bytes"] = 0.0
             f.write(json.dumps({"step": step, **row}) + "\n")
