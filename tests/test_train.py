@@ -1,0 +1,47 @@
+"""The training command line: bad input fails in one line, before anything is written."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rlhf_paro.config import CONF_DIR
+
+
+def _train(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlhf_paro.train", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args, names", [
+    (["actor.strategy=GNN"], "actor.strategy"),  # breaks Principle 1
+    (["actor.strategyy=IGG"], "actor.strategyy"),  # unknown key
+    (["trainer.steps=many"], "trainer.steps"),  # wrong type
+    (["cluster.group_size=3"], "group_size"),  # M does not divide N
+    (["ppo.rollout_batch_size=-8"], "rollout_batch_size"),
+    (["conf=no_such_conf"], "conf"),
+    (["actor.config=null", "actor.path=/no/such/model"], "actor.path"),
+])
+def test_bad_input_exits_with_one_line_and_writes_nothing(tmp_path, args, names):
+    out = tmp_path / "out"
+    proc = _train(*args, f"trainer.output_dir={out}", cwd=tmp_path)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and names in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not out.exists() and os.listdir(tmp_path) == []
+
+
+def test_gpu_conf_without_gpus_says_what_it_needs(tmp_path):
+    conf = "ppo_llama7b" if (CONF_DIR / "ppo_llama7b.yaml").is_file() else "ppo_tiny"
+    out = tmp_path / "out"
+    proc = _train(f"conf={conf}", "cluster.device=cuda", f"trainer.output_dir={out}",
+                  cwd=tmp_path)
+    assert proc.returncode != 0
+    message = proc.stderr.strip()
+    assert len(message.splitlines()) == 1, message
+    assert "CUDA GPUs" in message and "ppo_tiny" in message and "rlhf_paro.plan" in message
+    assert not out.exists()
