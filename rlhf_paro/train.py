@@ -20,10 +20,13 @@ def main(argv: list[str] | None = None) -> None:
     with cli_errors():
         cfg = load_config(argv)
         require_gpus(cfg, conf=parse_overrides(argv)[0])
+        # Everything below needs transformers; a bad command line has failed before it.
+        from rlhf_paro import models, plan
+        from rlhf_paro.ppo.data import task_from_config
+        from rlhf_paro.ppo.trainer import PPOTrainer
 
-    from rlhf_paro.ppo.trainer import PPOTrainer  # transformers: only for a valid run
-
-    with cli_errors():
+        models.check_model_configs(cfg, task_from_config(cfg).tokenizer.vocab_size)
+        cfg = plan.resolve_auto(cfg)
         trainer = PPOTrainer(cfg)
     dashboard = trainer.fit()
     trainer.shutdown()

@@ -24,6 +24,7 @@ def _train(*args: str, cwd) -> subprocess.CompletedProcess:
     (["ppo.rollout_batch_size=-8"], "rollout_batch_size"),
     (["conf=no_such_conf"], "conf"),
     (["actor.config=null", "actor.path=/no/such/model"], "actor.path"),
+    (["actor.config.num_hidden_layerz=2"], "actor.config.num_hidden_layerz"),  # checked by HF
 ])
 def test_bad_input_exits_with_one_line_and_writes_nothing(tmp_path, args, names):
     out = tmp_path / "out"
@@ -38,8 +39,9 @@ def test_bad_input_exits_with_one_line_and_writes_nothing(tmp_path, args, names)
 def test_gpu_conf_without_gpus_says_what_it_needs(tmp_path):
     conf = "ppo_llama7b" if (CONF_DIR / "ppo_llama7b.yaml").is_file() else "ppo_tiny"
     out = tmp_path / "out"
-    proc = _train(f"conf={conf}", "cluster.device=cuda", f"trainer.output_dir={out}",
-                  cwd=tmp_path)
+    # ray.address=null: this machine's GPUs are counted, no Ray cluster is looked for.
+    proc = _train(f"conf={conf}", "cluster.device=cuda", "ray.address=null",
+                  f"trainer.output_dir={out}", cwd=tmp_path)
     assert proc.returncode != 0
     message = proc.stderr.strip()
     assert len(message.splitlines()) == 1, message

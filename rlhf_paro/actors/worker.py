@@ -10,7 +10,6 @@ the step's timers and the engine's comm meter.
 from __future__ import annotations
 
 import contextlib
-import os
 import resource
 import socket
 import time
@@ -62,9 +61,6 @@ class Worker:
 
     def setup(self, master_addr: str, master_port: int) -> None:
         """Join this model's process group, build the model and shard it."""
-        if master_addr.startswith("127."):
-            # A loopback rendezvous means one machine: keep gloo's sockets on loopback too.
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
                                 rank=self.rank, world_size=self.num_ranks)
