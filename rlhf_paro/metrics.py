@@ -102,8 +102,10 @@ class MetricsLogger:
     """
 
     def __init__(self, output_dir: str, num_steps: int, run_info: dict[str, Any],
-                 wandb_mode: str = "offline", project: str = "rlhf_paro",
+                 wandb_mode: str = "offline", wandb_init: dict[str, Any] | None = None,
                  show_progress: bool = True) -> None:
+        """``wandb_init``: extra ``wandb.init`` arguments (project, entity, name, tags); the
+        run is named after the output directory unless it gives a name."""
         from tqdm.auto import tqdm
 
         os.makedirs(output_dir, exist_ok=True)
@@ -117,9 +119,9 @@ class MetricsLogger:
         if wandb_mode != "disabled":
             import wandb
 
-            self._wandb = wandb.init(project=project, dir=output_dir, mode=wandb_mode,
-                                     name=os.path.basename(os.path.normpath(output_dir)),
-                                     config=run_info,
+            init = {"project": "rlhf_paro", **(wandb_init or {})}
+            init["name"] = init.get("name") or os.path.basename(os.path.normpath(output_dir))
+            self._wandb = wandb.init(dir=output_dir, mode=wandb_mode, config=run_info, **init,
                                      # Quiet, and no system sampler: on small machines it steals
                                      # a core from the workers.
                                      settings=wandb.Settings(silent=True, console="off",

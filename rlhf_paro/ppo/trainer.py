@@ -62,9 +62,11 @@ class PPOTrainer:
     def fit(self) -> str:
         """Run ``trainer.steps`` steps, logging each; returns the dashboard's path."""
         cfg = self.cfg
+        wandb_cfg = cfg.logger.wandb
         logger = MetricsLogger(cfg.trainer.output_dir, cfg.trainer.steps, run_info(cfg),
-                               wandb_mode=cfg.logger.wandb.mode, project=cfg.logger.wandb.project,
-                               show_progress=cfg.logger.progress)
+                               wandb_mode=wandb_cfg.mode, show_progress=cfg.logger.progress,
+                               wandb_init={"project": wandb_cfg.project, "name": wandb_cfg.name,
+                                           "entity": wandb_cfg.entity, "tags": wandb_cfg.tags})
         try:
             for step in range(cfg.trainer.steps):
                 logger.log(step, self.step())
