@@ -25,7 +25,7 @@ SHARE = 0.25
 
 
 def init_ray(address: str | None, num_cpus: int | None, num_devices: int) -> None:
-    """Join the cluster at ``address`` or start a private, loopback-only Ray on this machine."""
+    """Join the cluster at ``address`` or start a private Ray on this machine."""
     if ray.is_initialized():
         return
     if address:
@@ -33,7 +33,8 @@ def init_ray(address: str | None, num_cpus: int | None, num_devices: int) -> Non
         return
     # A CPU bundle is a placement slot, not a core: N devices need N slots even on 2 cores.
     num_cpus = num_cpus or max(os.cpu_count() or 1, num_devices)
-    # Loopback only and no dashboard: a local run opens no port to the network.
+    # No dashboard, and the node asks for the loopback address (Ray on Linux still publishes
+    # the machine's own address for its internal services).
     ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
 
 
@@ -46,14 +47,13 @@ def missing_devices(num_devices: int, use_gpu: bool) -> str | None:
     return f"needs {num_devices} {kind}s (cluster.num_devices) but the Ray cluster has {have}"
 
 
-def make_placement_group(num_devices: int, use_gpu: bool, cpus_per_device: int = 1
-                         ) -> tuple[PlacementGroup, list[int]]:
+def make_placement_group(num_devices: int, use_gpu: bool) -> tuple[PlacementGroup, list[int]]:
     """One bundle per device; returns the group and the bundle of each rank.
 
     Ranks are assigned to bundles sorted by node, so that the M consecutive ranks of a
     topology group land on one node whenever each node holds M bundles.
     """
-    bundle = {"CPU": cpus_per_device, **({"GPU": 1} if use_gpu else {})}
+    bundle = {"CPU": 1, **({"GPU": 1} if use_gpu else {})}
     pg = placement_group([dict(bundle) for _ in range(num_devices)], strategy="PACK")
     ray.get(pg.ready())
     nodes = placement_group_table(pg)["bundles_to_node_id"]
@@ -65,13 +65,13 @@ class ModelGroup:
     """N Ray actors of one worker class, rank r on bundle ``bundles[r]``, in one process group."""
 
     def __init__(self, worker_cls: type, role: str, cfg: Any, pg: PlacementGroup,
-                 bundles: Sequence[int], use_gpu: bool, cpus_per_device: int = 1) -> None:
+                 bundles: Sequence[int], use_gpu: bool) -> None:
         self.role = role
         self.num_ranks = len(bundles)
         remote_cls = ray.remote(worker_cls)
         self.workers = [
             remote_cls.options(
-                num_cpus=SHARE * cpus_per_device,
+                num_cpus=SHARE,
                 num_gpus=SHARE if use_gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=bundle),
