@@ -142,8 +142,10 @@ def traffic(strategy: Strategy, units: Sequence[UnitSizes], num_ranks: int, grou
     if rank is not None:
         return _rank_traffic(strategy, units, topo.with_rank(rank), grad_accum_steps, precision,
                              algorithm)
-    per_rank = [_rank_traffic(strategy, units, topo.with_rank(r), grad_accum_steps, precision,
-                              algorithm) for r in range(num_ranks)]
-    return {phase: LinkBytes(sum(p[phase].intra for p in per_rank) / num_ranks,
-                             sum(p[phase].inter for p in per_rank) / num_ranks)
+    # Every group is laid out alike, so a rank's traffic depends only on its local index j:
+    # the mean over the M ranks of one group is the mean over all N.
+    per_rank = [_rank_traffic(strategy, units, topo.with_rank(j), grad_accum_steps, precision,
+                              algorithm) for j in range(group_size)]
+    return {phase: LinkBytes(sum(p[phase].intra for p in per_rank) / group_size,
+                             sum(p[phase].inter for p in per_rank) / group_size)
             for phase in TRAFFIC_PHASES}

@@ -1,0 +1,76 @@
+"""User errors of the engine, on one process (N = M = 1 needs no process group)."""
+
+import pytest
+import torch
+from torch import nn
+
+from rlhf_paro.sharding import EngineError, Strategy, StrategyError, Topology, shard
+
+
+class TwoLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x)).sum()
+
+
+def test_step_before_the_accumulation_boundary_is_an_error() -> None:
+    engine = shard(TwoLayer(), Strategy.parse("IGG"), Topology(1, 1), grad_accum_steps=2)
+    engine.backward(engine(torch.ones(2, 3)))
+    with pytest.raises(EngineError, match="step\\(\\) called after 1 of grad_accum_steps=2"):
+        engine.step()
+    engine.backward(engine(torch.ones(2, 3)))
+    engine.step()  # now at the boundary
+    with pytest.raises(EngineError, match="step\\(\\) called after 0"):
+        engine.step()
+
+
+def test_too_many_backward_calls_without_step_is_an_error() -> None:
+    engine = shard(TwoLayer(), "NNN", Topology(1, 1), grad_accum_steps=1)
+    engine.backward(engine(torch.ones(2, 3)))
+    with pytest.raises(EngineError, match="without step"):
+        engine.backward(engine(torch.ones(2, 3)))
+
+
+def test_frozen_model_has_no_backward_and_no_step() -> None:
+    engine = shard(TwoLayer(), "G", Topology(1, 1))
+    assert engine.strategy.frozen and engine.memory()["optim"] == 0
+    with torch.no_grad():
+        engine(torch.ones(2, 3))
+    with pytest.raises(EngineError, match="frozen"):
+        engine.backward(torch.zeros(()))
+    with pytest.raises(EngineError, match="no optimizer"):
+        engine.step()
+
+
+def test_bad_strategy_and_bad_option_are_value_errors() -> None:
+    with pytest.raises(StrategyError, match="Principle 1"):
+        shard(TwoLayer(), "GGN", Topology(1, 1))
+    with pytest.raises(ValueError, match="precision='fp16' is unknown; allowed: fp32, bf16"):
+        shard(TwoLayer(), "NNN", Topology(1, 1), precision="fp16")
+    with pytest.raises(ValueError, match="unknown optimizer key"):
+        shard(TwoLayer(), "NNN", Topology(1, 1), optim={"momentum": 0.9})
+    with pytest.raises(ValueError, match="comm.algorithm='tree' is unknown"):
+        shard(TwoLayer(), "NNN", Topology(1, 1), comm="tree")
+
+
+def test_plain_module_without_blocks_is_one_root_unit_and_trains() -> None:
+    torch.manual_seed(0)
+    model = TwoLayer()
+    ref = TwoLayer()
+    ref.load_state_dict(model.state_dict())
+    engine = shard(model, "GGG", Topology(1, 1), optim=dict(lr=0.1), max_grad_norm=None)
+    assert len(engine.units) == 1
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.1, betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=0.0)
+    x = torch.randn(5, 3)
+    for _ in range(3):
+        engine.backward(engine(x))
+        engine.step()
+        ref(x).backward()
+        opt.step()
+        opt.zero_grad()
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(engine.full_state_dict()[key], value, rtol=1e-6, atol=1e-7)
