@@ -10,14 +10,16 @@ Every call is recorded in the ``CommMeter`` with the bytes this rank sent on eac
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from rlhf_paro.comm import rings
 from rlhf_paro.comm.meter import CommMeter, LinkBytes, ring_bytes
-from rlhf_paro.sharding.topology import Topology
+
+if TYPE_CHECKING:  # sharding imports comm; only the type is needed here
+    from rlhf_paro.sharding.topology import Topology
 
 SCOPES = ("intra", "inter", "world")
 
