@@ -78,8 +78,9 @@ class _FlatBuffer:
         self.offsets = [sum(self.numels[:k]) for k in range(len(params))]
         self.numel = sum(self.numels)
         self.size = padded(self.numel, topo.num_ranks)  # S
+        self.device = params[0].device
         # fp32 copy of the initial values, kept only until the optimizer took its master shard.
-        initial = torch.zeros(self.size, dtype=torch.float32)
+        initial = torch.zeros(self.size, dtype=torch.float32, device=self.device)
         for p, off, n in zip(params, self.offsets, self.numels):
             initial[off:off + n].copy_(p.detach().reshape(-1))
         self.initial: torch.Tensor | None = initial
@@ -137,7 +138,7 @@ class _FlatBuffer:
 
     def flat_grad(self) -> torch.Tensor:
         """The parameters' gradients as one padded flat tensor (zeros where none); clears them."""
-        out = torch.zeros(self.size, dtype=self.full.dtype)
+        out = torch.zeros(self.size, dtype=self.full.dtype, device=self.device)
         for p, off, n in zip(self.params, self.offsets, self.numels):
             if p.grad is not None:
                 out[off:off + n].copy_(p.grad.reshape(-1))
@@ -257,7 +258,7 @@ class ShardedEngine:
             if buf is None:
                 continue
             unit.grad_acc = torch.zeros(buf.size // self._ways(self.strategy.grads),
-                                        dtype=self.dtype)
+                                        dtype=self.dtype, device=buf.device)
             os_slice = buf.level_slice(self.strategy.optim)
             if self.dtype == torch.float32:
                 # The fp32 parameters are their own master: the OS shard is a view of P.
@@ -407,7 +408,7 @@ class ShardedEngine:
         group = self.topo.intra if scope == "intra" else self.topo.world
         n = self.comm.size(scope)
         own = buf.shard.detach().double().sum().reshape(1)
-        sums = torch.empty(n, dtype=torch.float64)
+        sums = own.new_empty(n)
         if n > 1:
             _all_gather_single(sums, own, group=group)
         else:
@@ -456,7 +457,7 @@ class ShardedEngine:
                               "call it once at the accumulation boundary")
         trained = [u for u in self.units if u.trainable is not None]
         grads = [self._boundary_reduce(u) for u in trained]
-        sq = torch.zeros(1, dtype=torch.float32)
+        sq = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else None)
         for g in grads:
             sq += g.pow(2).sum()
         norm_scope = {Level.I: "intra", Level.G: "world"}.get(self.strategy.optim)
@@ -486,17 +487,17 @@ class ShardedEngine:
             self.comm.all_reduce(acc, "world", "boundary")
             out = acc
         elif g_os == (Level.N, Level.I):
-            out = torch.empty(acc.numel() // m, dtype=acc.dtype)
+            out = acc.new_empty(acc.numel() // m)
             self.comm.reduce_scatter(out, acc, "intra", "boundary")
             self.comm.all_reduce(out, "inter", "boundary")
         elif g_os == (Level.N, Level.G):
-            out = torch.empty(acc.numel() // self.topo.num_ranks, dtype=acc.dtype)
+            out = acc.new_empty(acc.numel() // self.topo.num_ranks)
             self.comm.reduce_scatter(out, acc, "world", "boundary")
         elif g_os == (Level.I, Level.I):
             self.comm.all_reduce(acc, "inter", "boundary")
             out = acc
         elif g_os == (Level.I, Level.G):
-            out = torch.empty(acc.numel() // self.topo.num_groups, dtype=acc.dtype)
+            out = acc.new_empty(acc.numel() // self.topo.num_groups)
             self.comm.reduce_scatter(out, acc, "inter", "boundary")
         else:  # G -> G: the accumulator already is the OS shard's sum
             out = acc
