@@ -33,8 +33,11 @@ def init_ray(address: str | None, num_cpus: int | None, num_devices: int) -> Non
         return
     # A CPU bundle is a placement slot, not a core: N devices need N slots even on 2 cores.
     num_cpus = num_cpus or max(os.cpu_count() or 1, num_devices)
-    # No dashboard, and the node asks for the loopback address (Ray on Linux still publishes
-    # the machine's own address for its internal services).
+    # A private Ray binds loopback only, with no dashboard. On Linux Ray resolves "127.0.0.1"
+    # to the machine's routable address unless its cluster mode is off; the variable carries
+    # that to the raylet and the workers it starts, the constant to this already-imported driver.
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
     ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
 
 
