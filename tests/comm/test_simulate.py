@@ -7,7 +7,6 @@ import random
 
 import pytest
 
-from rlhf_paro.sharding.topology import Topology  # noqa: F401  (imports sharding before comm)
 from rlhf_paro.comm import simulate
 from rlhf_paro.comm.simulate import FITTED, PAPER, Links, collective_time, lower_bounds
 
