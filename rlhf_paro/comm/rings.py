@@ -208,31 +208,50 @@ def step_bytes(step: Step, rank: int, group_size: int, elem_size: int) -> LinkBy
 
 def _execute(buf: torch.Tensor, steps: list[Step], topo: Topology, reduce: bool) -> LinkBytes:
     """Run ``steps`` on the flat nested-order ``buf``; received ranges are copied in (all-gather)
-    or added in (reduce-scatter). Returns the bytes this rank sent, by kind of link."""
+    or added in (reduce-scatter). Returns the bytes this rank sent, by kind of link.
+
+    [Note: dataflow execution]
+    The steps say what may overlap; they are not barriers. Every receive is posted at once, and
+    each send is posted, in step order, as soon as the receives it forwards have landed: a send
+    of range R in step t waits only for the receives of step < t that overlap R (for a
+    reduce-scatter, all the partial sums of R it will ever get, see the transpose note). So a
+    rank whose inter ring has delivered piece p forwards it at once, whatever the other lanes of
+    that step are still doing. Both ends post the messages between two ranks in the same order
+    (step, then (peer, lo)), which is what pairs sends with receives; and since a send depends
+    only on earlier steps, the order is deadlock-free whenever the lock-step schedule is.
+    """
     intra = inter = 0
-    for step in steps:
-        if not step.sends and not step.recvs:
-            continue  # e.g. HO-Ring's second intra ring on a single group: nothing left to pass
-        ops: list[dist.P2POp] = []
-        landed: list[tuple[Transfer, torch.Tensor]] = []
+    recvs: list[tuple[int, Transfer, torch.Tensor, object]] = []  # (step, range, landing, work)
+    for index, step in enumerate(steps):
         for t in step.recvs:
+            # Reduce-scatter: a range may arrive from two peers in one step (HO-Ring's last
+            # step adds the inter and the intra partial sums), so each gets its own buffer.
+            dst = buf.new_empty(t.hi - t.lo) if reduce else buf[t.lo:t.hi]
+            work = dist.irecv(dst, group=topo.world, group_src=t.peer)
+            recvs.append((index, t, dst, work))
+    landed = [False] * len(recvs)
+
+    def land(k: int) -> None:
+        if not landed[k]:
+            _, t, dst, work = recvs[k]
+            work.wait()
             if reduce:
-                # A range may arrive from two peers in one step (HO-Ring's last reduce-scatter
-                # step adds the inter and the intra partial sums): each gets its own buffer.
-                dst = torch.empty(t.hi - t.lo, dtype=buf.dtype, device=buf.device)
-                landed.append((t, dst))
-            else:
-                dst = buf[t.lo:t.hi]
-            ops.append(dist.P2POp(dist.irecv, dst, group=topo.world, group_peer=t.peer))
+                buf[t.lo:t.hi].add_(dst)
+            landed[k] = True
+
+    sends = []
+    for index, step in enumerate(steps):
         for t in step.sends:
-            ops.append(dist.P2POp(dist.isend, buf[t.lo:t.hi], group=topo.world,
-                                  group_peer=t.peer))
+            for k, (rstep, r, _, _) in enumerate(recvs):
+                if rstep < index and r.lo < t.hi and t.lo < r.hi:
+                    land(k)
+            sends.append(dist.isend(buf[t.lo:t.hi], group=topo.world, group_dst=t.peer))
         sent = step_bytes(step, topo.rank, topo.group_size, buf.element_size())
         intra, inter = intra + sent.intra, inter + sent.inter
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        for t, dst in landed:
-            buf[t.lo:t.hi].add_(dst)
+    for k in range(len(recvs)):
+        land(k)
+    for work in sends:
+        work.wait()
     return LinkBytes(intra, inter)
 
 
