@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf_paro.comm import rings
-from rlhf_paro.comm.meter import CommMeter, LinkBytes, ring_bytes
+from rlhf_paro.comm.meter import CommMeter, LinkBytes, native_bytes
 
 if TYPE_CHECKING:  # sharding imports comm; only the type is needed here
     from rlhf_paro.sharding.topology import Topology
@@ -72,12 +72,7 @@ class Communicator:
         return {"intra": self.topo.intra, "inter": self.topo.inter, "world": self.topo.world}[scope]
 
     def _native_bytes(self, op: str, numel: int, elem_size: int, scope: str) -> LinkBytes:
-        sent = ring_bytes(op, numel, elem_size, self.size(scope))
-        t = self.topo
-        crosses = scope == "inter" or (
-            scope == "world" and t.num_groups > 1 and t.local_index == t.group_size - 1
-        )
-        return LinkBytes(0, sent) if crosses else LinkBytes(sent, 0)
+        return native_bytes(op, numel, elem_size, scope, self.topo)
 
     def _world_is_nested(self) -> bool:
         # With one group or groups of one, rank order and nested order coincide.

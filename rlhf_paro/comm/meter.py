@@ -10,7 +10,10 @@ g of the N ranks send on inter links and N-g on intra links.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:  # sharding imports comm; only the type is needed here
+    from rlhf_paro.sharding.topology import Topology
 
 PHASES = ("forward", "backward", "boundary", "update", "generate", "gather")
 
@@ -45,6 +48,19 @@ def ring_bytes(op: str, numel: int, elem_size: int, group_ranks: int) -> int:
     if op in ("all_gather", "reduce_scatter"):
         return steps * chunk
     raise ValueError(f"unknown collective {op!r}; allowed: all_gather, reduce_scatter, all_reduce")
+
+
+def sends_across_groups(topo: Topology) -> bool:
+    """Whether this rank's successor on the world ring (rank order) is in another group."""
+    return topo.num_groups > 1 and topo.local_index == topo.group_size - 1
+
+
+def native_bytes(op: str, numel: int, elem_size: int, scope: str, topo: Topology) -> LinkBytes:
+    """What this rank sends in a native collective on ``scope``, by the ring model."""
+    size = {"intra": topo.group_size, "inter": topo.num_groups, "world": topo.num_ranks}[scope]
+    sent = ring_bytes(op, numel, elem_size, size)
+    crosses = scope == "inter" or (scope == "world" and sends_across_groups(topo))
+    return LinkBytes(0, sent) if crosses else LinkBytes(sent, 0)
 
 
 class CommMeter:

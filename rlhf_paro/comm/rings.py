@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from rlhf_paro.comm.meter import LinkBytes, ring_bytes
+from rlhf_paro.comm.meter import LinkBytes, native_bytes, sends_across_groups
 
 if TYPE_CHECKING:  # the sharding package imports comm: only the type is needed here
     from rlhf_paro.sharding.topology import Topology
@@ -322,8 +322,7 @@ def _ring_link_bytes(chunk: int, topo: Topology) -> LinkBytes:
     # The ring's only cross-group hop leaves the last rank of each group (both directions of
     # the ring are used: see the reduce-scatter note), N-1 chunks in all.
     sent = (topo.num_ranks - 1) * chunk
-    crosses = topo.num_groups > 1 and topo.local_index == topo.group_size - 1
-    return LinkBytes(0, sent) if crosses else LinkBytes(sent, 0)
+    return LinkBytes(0, sent) if sends_across_groups(topo) else LinkBytes(sent, 0)
 
 
 def _two_level_link_bytes(chunk: int, topo: Topology) -> LinkBytes:
@@ -357,9 +356,7 @@ def predicted_world_bytes(algorithm: str, op: str, numel: int, elem_size: int,
     if algorithm == "native":
         if op not in OPS:
             raise ValueError(f"unknown collective {op!r}; allowed: {', '.join(OPS)}")
-        sent = ring_bytes(op, numel, elem_size, topo.num_ranks)
-        crosses = topo.num_groups > 1 and topo.local_index == topo.group_size - 1
-        return LinkBytes(0, sent) if crosses else LinkBytes(sent, 0)
+        return native_bytes(op, numel, elem_size, "world", topo)
     if algorithm not in ALGORITHMS:
         raise ValueError(f"comm.algorithm={algorithm!r} is unknown; allowed: native, "
                          f"{', '.join(ALGORITHMS)}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from rlhf_paro.comm.meter import LinkBytes, ring_bytes
+from rlhf_paro.comm.meter import LinkBytes, native_bytes
 from rlhf_paro.sharding.layout import UnitSizes, padded
 from rlhf_paro.sharding.strategy import Level, Strategy
 from rlhf_paro.sharding.topology import Topology
@@ -63,17 +63,11 @@ def memory(strategy: Strategy, units: Sequence[UnitSizes], num_ranks: int, group
 def _scoped(op: str, numel: int, elem_size: int, scope: str, topo: Topology,
             algorithm: str) -> LinkBytes:
     """Bytes this rank sends in one collective of ``numel`` elements (the full buffer)."""
-    if scope == "intra":
-        return LinkBytes(ring_bytes(op, numel, elem_size, topo.group_size), 0)
-    if scope == "inter":
-        return LinkBytes(0, ring_bytes(op, numel, elem_size, topo.num_groups))
-    if algorithm != "native" and op != "all_reduce":
+    if scope == "world" and algorithm != "native" and op != "all_reduce":
         from rlhf_paro.comm import rings
 
         return rings.ALGORITHMS[algorithm].link_bytes(op, numel, elem_size, topo)
-    sent = ring_bytes(op, numel, elem_size, topo.num_ranks)
-    crosses = topo.num_groups > 1 and topo.local_index == topo.group_size - 1
-    return LinkBytes(0, sent) if crosses else LinkBytes(sent, 0)
+    return native_bytes(op, numel, elem_size, scope, topo)
 
 
 def _rank_traffic(strategy: Strategy, units: Sequence[UnitSizes], topo: Topology, s: int,

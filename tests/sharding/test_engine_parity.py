@@ -159,9 +159,8 @@ def test_checksum_option_names_the_unit_and_the_rank_of_a_bad_chunk(grid: list[d
         assert f"unit 'root': the chunk gathered from rank {owner} does not match" in message
 
 
-def test_parameters_move_and_differ_between_strategies_only_by_rounding(grid: list[dict]) -> None:
-    # Guards against a vacuous pass: training must change the parameters.
+def test_training_changes_the_parameters(grid: list[dict]) -> None:
+    # Guards against a vacuous pass: the compared parameters must have moved.
     initial = build_model("base").state_dict()
     final = grid[0][Case("GGG").key]["state"]
-    assert any(not torch.allclose(initial[k], final[k]) for k in initial)
-    assert make_batches("base", WORLD).shape == (STEPS, WORLD, MICRO, 2, 8)
+    assert all(not torch.allclose(initial[k], final[k]) for k in initial)
