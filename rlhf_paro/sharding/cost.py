@@ -1,10 +1,12 @@
 """Closed forms of the paper's Table 2 (memory) and Table 3 (traffic) for all 14 strategies.
 
 Everything is per rank and exact for the engine: a unit's trainable and frozen flat buffers are
-each padded to a multiple of N, bytes per element are 4 (fp32) or 2 (bf16) for P and G, and the
-optimizer state is K bytes per trainable element, K = 8 in fp32 (Adam moments; the fp32
-parameters themselves are the master copy) and K = 12 in bf16 (fp32 master + moments), the K of
-Table 2 for mixed precision.
+each padded to a multiple of N, bytes per element are 4 (fp32) or 2 (bf16) for P, 4 for G (the
+engine accumulates gradients in fp32 whatever the parameter precision, where Table 2 counts 2 in
+mixed precision; see the engine's [Note: gradient precision]), and the optimizer state is K bytes
+per trainable element, K = 8 in fp32 (Adam moments; the fp32 parameters themselves are the master
+copy) and K = 12 in bf16 (fp32 master + moments), the K of Table 2 for mixed precision. Gradient
+reductions send ``reduce_dtype`` elements (fp32 by default; bf16 is Table 3's setting).
 
 Traffic follows the schedule of DESIGN section 4, one optimizer step of s micro-batches:
   forward   s x (P gather of every unit)
@@ -26,6 +28,7 @@ from rlhf_paro.sharding.topology import Topology
 __all__ = ["UnitSizes", "bytes_per_element", "memory", "optimizer_bytes_per_element", "traffic"]
 
 TRAFFIC_PHASES = ("forward", "backward", "boundary", "update")
+GRAD_BYTES = 4  # the fp32 gradient accumulator
 
 
 def bytes_per_element(precision: str) -> int:
@@ -54,7 +57,7 @@ def memory(strategy: Strategy, units: Sequence[UnitSizes], num_ranks: int, group
     params = everything * b // _ways(strategy.params, num_ranks, group_size)
     if strategy.frozen:
         return {"params": params, "grads": 0, "optim": 0}
-    grads = trainable * b // _ways(strategy.grads, num_ranks, group_size)
+    grads = trainable * GRAD_BYTES // _ways(strategy.grads, num_ranks, group_size)
     optim = (trainable * optimizer_bytes_per_element(precision)
              // _ways(strategy.optim, num_ranks, group_size))
     return {"params": params, "grads": grads, "optim": optim}
@@ -71,8 +74,9 @@ def _scoped(op: str, numel: int, elem_size: int, scope: str, topo: Topology,
 
 
 def _rank_traffic(strategy: Strategy, units: Sequence[UnitSizes], topo: Topology, s: int,
-                  precision: str, algorithm: str) -> dict[str, LinkBytes]:
+                  precision: str, algorithm: str, reduce_dtype: str) -> dict[str, LinkBytes]:
     b = bytes_per_element(precision)
+    rb = bytes_per_element(reduce_dtype)
     n, m = topo.num_ranks, topo.group_size
     totals = {phase: [0, 0] for phase in TRAFFIC_PHASES}
 
@@ -94,21 +98,21 @@ def _rank_traffic(strategy: Strategy, units: Sequence[UnitSizes], topo: Topology
         if strategy.frozen:
             continue
         if strategy.grads == Level.I:
-            add("backward", "reduce_scatter", t, "intra", s)
+            add("backward", "reduce_scatter", t, "intra", s, elem=rb)
         elif strategy.grads == Level.G:
-            add("backward", "reduce_scatter", t, "world", s)
+            add("backward", "reduce_scatter", t, "world", s, elem=rb)
         g_os = (strategy.grads, strategy.optim)
         if g_os == (Level.N, Level.N):
-            add("boundary", "all_reduce", t, "world")
+            add("boundary", "all_reduce", t, "world", elem=rb)
         elif g_os == (Level.N, Level.I):
-            add("boundary", "reduce_scatter", t, "intra")
-            add("boundary", "all_reduce", t // m, "inter")
+            add("boundary", "reduce_scatter", t, "intra", elem=rb)
+            add("boundary", "all_reduce", t // m, "inter", elem=rb)
         elif g_os == (Level.N, Level.G):
-            add("boundary", "reduce_scatter", t, "world")
+            add("boundary", "reduce_scatter", t, "world", elem=rb)
         elif g_os == (Level.I, Level.I):
-            add("boundary", "all_reduce", t // m, "inter")
+            add("boundary", "all_reduce", t // m, "inter", elem=rb)
         elif g_os == (Level.I, Level.G):
-            add("boundary", "reduce_scatter", t // m, "inter")
+            add("boundary", "reduce_scatter", t // m, "inter", elem=rb)
         os_p = (strategy.optim, strategy.params)
         if os_p == (Level.I, Level.N):
             add("update", "all_gather", t, "intra")
@@ -125,7 +129,7 @@ def _rank_traffic(strategy: Strategy, units: Sequence[UnitSizes], topo: Topology
 
 def traffic(strategy: Strategy, units: Sequence[UnitSizes], num_ranks: int, group_size: int,
             grad_accum_steps: int = 1, precision: str = "fp32", algorithm: str = "native",
-            rank: int | None = None) -> dict[str, LinkBytes]:
+            rank: int | None = None, reduce_dtype: str = "fp32") -> dict[str, LinkBytes]:
     """Bytes one rank sends per optimizer step, by phase, on intra and inter links.
 
     For a frozen (inference-only) strategy the step is ``grad_accum_steps`` forward passes.
@@ -135,11 +139,11 @@ def traffic(strategy: Strategy, units: Sequence[UnitSizes], num_ranks: int, grou
     topo = Topology(num_ranks, group_size)
     if rank is not None:
         return _rank_traffic(strategy, units, topo.with_rank(rank), grad_accum_steps, precision,
-                             algorithm)
+                             algorithm, reduce_dtype)
     # Every group is laid out alike, so a rank's traffic depends only on its local index j:
     # the mean over the M ranks of one group is the mean over all N.
     per_rank = [_rank_traffic(strategy, units, topo.with_rank(j), grad_accum_steps, precision,
-                              algorithm) for j in range(group_size)]
+                              algorithm, reduce_dtype) for j in range(group_size)]
     return {phase: LinkBytes(sum(p[phase].intra for p in per_rank) / group_size,
                              sum(p[phase].inter for p in per_rank) / group_size)
             for phase in TRAFFIC_PHASES}

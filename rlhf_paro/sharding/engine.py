@@ -135,9 +135,10 @@ class _FlatBuffer:
             self.full.untyped_storage().resize_(0)
             self.gathered = False
 
-    def flat_grad(self) -> torch.Tensor:
-        """The parameters' gradients as one padded flat tensor (zeros where none); clears them."""
-        out = torch.zeros(self.size, dtype=self.full.dtype, device=self.device)
+    def flat_grad(self, dtype: torch.dtype) -> torch.Tensor:
+        """The parameters' gradients as one padded flat ``dtype`` tensor (zeros where none);
+        clears them. A bf16 gradient widens to fp32 exactly."""
+        out = torch.zeros(self.size, dtype=dtype, device=self.device)
         for p, off, n in zip(self.params, self.offsets, self.numels):
             if p.grad is not None:
                 out[off:off + n].copy_(p.grad.reshape(-1))
@@ -158,7 +159,7 @@ class _Unit:
         self.armed = False  # inputs wrapped in this pass: a post-backward will fire
         self.backward_gathered = False  # pre-backward ran in this pass
         self.backward_done = False  # post-backward ran in this pass
-        # Gradient accumulator at the G level, and optimizer state at the OS level.
+        # fp32 gradient accumulator at the G level, and optimizer state at the OS level.
         self.grad_acc: torch.Tensor | None = None
         self.master: torch.Tensor | None = None
 
@@ -196,10 +197,13 @@ class ShardedEngine:
     def __init__(self, module: nn.Module, strategy: Strategy, topology: Topology, *,
                  optim: dict | None = None, max_grad_norm: float | None = None,
                  grad_accum_steps: int = 1, comm: str = "native", precision: str = "fp32",
-                 model_name: str = "model", unit_classes: list[str] | None = None,
-                 prefetch: bool = True, verify_gathers: bool = False) -> None:
+                 reduce_dtype: str = "fp32", model_name: str = "model",
+                 unit_classes: list[str] | None = None, prefetch: bool = True,
+                 verify_gathers: bool = False) -> None:
         if precision not in _DTYPES:
             raise ValueError(f"precision={precision!r} is unknown; allowed: fp32, bf16")
+        if reduce_dtype not in _DTYPES:
+            raise ValueError(f"reduce_dtype={reduce_dtype!r} is unknown; allowed: fp32, bf16")
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps={grad_accum_steps} must be a positive integer")
         if topology.world is None and topology.num_ranks > 1:
@@ -210,6 +214,12 @@ class ShardedEngine:
         self.topo = topology
         self.precision = precision
         self.dtype = _DTYPES[precision]
+        # [Note: gradient precision] Gradients are summed over micro-batches in fp32 whatever the
+        # parameter precision: a bf16 accumulator rounds every addition to 8 bits, so the result
+        # would depend on the order in which ranks and micro-batches are added. The reductions
+        # between ranks run in ``reduce_dtype``: fp32 keeps the whole sum in fp32 (the error
+        # bound of docs/design.md), bf16 halves the gradient traffic.
+        self.reduce_dtype = _DTYPES[reduce_dtype]
         self.grad_accum_steps = grad_accum_steps
         self.max_grad_norm = max_grad_norm
         self.meter = CommMeter(model_name)
@@ -257,7 +267,7 @@ class ShardedEngine:
             if buf is None:
                 continue
             unit.grad_acc = torch.zeros(buf.size // self._ways(self.strategy.grads),
-                                        dtype=self.dtype, device=buf.device)
+                                        dtype=torch.float32, device=buf.device)
             os_slice = buf.level_slice(self.strategy.optim)
             if self.dtype == torch.float32:
                 # The fp32 parameters are their own master: the OS shard is a view of P.
@@ -378,13 +388,13 @@ class ShardedEngine:
         unit.backward_done = True
         buf = unit.trainable
         if buf is not None:
-            grad = buf.flat_grad()
+            grad = buf.flat_grad(self.reduce_dtype)
             grad.div_(self.topo.num_ranks)
             level = self.strategy.grads
             if level == Level.N:
                 unit.grad_acc.add_(grad)
             else:
-                part = torch.empty_like(unit.grad_acc)
+                part = unit.grad_acc.new_empty(unit.grad_acc.shape, dtype=self.reduce_dtype)
                 scope = "intra" if level == Level.I else "world"
                 self.comm.reduce_scatter(part, grad, scope, "backward")
                 unit.grad_acc.add_(part)
@@ -454,6 +464,12 @@ class ShardedEngine:
             raise EngineError(f"step() called after {self._micro_batches} of "
                               f"grad_accum_steps={self.grad_accum_steps} backward() calls; "
                               "call it once at the accumulation boundary")
+        if self._hold:
+            raise EngineError("step() inside gathered(): the gathered copies would go stale")
+        # The optimizer writes the shards that gathers read: finish every gather still in
+        # flight (a prefetch nobody consumed) and free it, before any shard changes.
+        for unit in self.units:
+            self._free(unit)
         trained = [u for u in self.units if u.trainable is not None]
         grads = [self._boundary_reduce(u) for u in trained]
         sq = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else None)
@@ -480,8 +496,10 @@ class ShardedEngine:
 
     def _boundary_reduce(self, unit: _Unit) -> torch.Tensor:
         """The globally summed gradient of this rank's OS shard, in fp32 (DESIGN 4, G -> OS)."""
-        acc, m = unit.grad_acc, self.topo.group_size
         g_os = (self.strategy.grads, self.strategy.optim)
+        if g_os == (Level.G, Level.G):  # the accumulator already is the OS shard's sum
+            return unit.grad_acc.clone()
+        acc, m = unit.grad_acc.to(self.reduce_dtype), self.topo.group_size
         if g_os == (Level.N, Level.N):
             self.comm.all_reduce(acc, "world", "boundary")
             out = acc
@@ -498,8 +516,6 @@ class ShardedEngine:
         elif g_os == (Level.I, Level.G):
             out = acc.new_empty(acc.numel() // self.topo.num_groups)
             self.comm.reduce_scatter(out, acc, "inter", "boundary")
-        else:  # G -> G: the accumulator already is the OS shard's sum
-            out = acc
         return out.to(torch.float32, copy=True)
 
     def _refresh(self, unit: _Unit) -> None:
@@ -569,8 +585,9 @@ class ShardedEngine:
 def shard(model: nn.Module, strategy: Strategy | str, topology: Topology, *,
           optim: dict | None = None, max_grad_norm: float | None = None,
           grad_accum_steps: int = 1, comm: str = "native", precision: str = "fp32",
-          model_name: str = "model", unit_classes: list[str] | None = None,
-          prefetch: bool = True, verify_gathers: bool = False) -> ShardedEngine:
+          reduce_dtype: str = "fp32", model_name: str = "model",
+          unit_classes: list[str] | None = None, prefetch: bool = True,
+          verify_gathers: bool = False) -> ShardedEngine:
     """Shard ``model`` in place by ``strategy`` over ``topology`` (DESIGN section 5).
 
     A frozen strategy (one P level, e.g. ``Strategy.parse("G", frozen=True)``) gives an
@@ -580,5 +597,5 @@ def shard(model: nn.Module, strategy: Strategy | str, topology: Topology, *,
         strategy = Strategy.parse(strategy, frozen=len(strategy.strip()) == 1)
     return ShardedEngine(model, strategy, topology, optim=optim, max_grad_norm=max_grad_norm,
                          grad_accum_steps=grad_accum_steps, comm=comm, precision=precision,
-                         model_name=model_name, unit_classes=unit_classes, prefetch=prefetch,
+                         reduce_dtype=reduce_dtype, model_name=model_name, unit_classes=unit_classes, prefetch=prefetch,
                          verify_gathers=verify_gathers)

@@ -12,14 +12,15 @@ UNITS = [UnitSizes(PSI, 0)]
 
 
 @pytest.mark.parametrize("name,p,g,os", [
-    # Table 2 with mixed precision: 2 bytes per P/G element, K = 12.
-    ("NNG", 2 * PSI, 2 * PSI, 12 * PSI // N),          # ZeRO-1
-    ("NGG", 2 * PSI, 2 * PSI // N, 12 * PSI // N),     # ZeRO-2
-    ("GGG", 2 * PSI // N, 2 * PSI // N, 12 * PSI // N),  # ZeRO-3
-    ("III", 2 * PSI // M, 2 * PSI // M, 12 * PSI // M),  # MiCS
-    ("IGG", 2 * PSI // M, 2 * PSI // N, 12 * PSI // N),
-    ("IIG", 2 * PSI // M, 2 * PSI // M, 12 * PSI // N),
-    ("NIG", 2 * PSI, 2 * PSI // M, 12 * PSI // N),
+    # Table 2 with mixed precision: 2 bytes per P element, K = 12; G is 4 bytes per element
+    # where Table 2 has 2, because gradients accumulate in fp32 (cost.py's docstring).
+    ("NNG", 2 * PSI, 4 * PSI, 12 * PSI // N),          # ZeRO-1
+    ("NGG", 2 * PSI, 4 * PSI // N, 12 * PSI // N),     # ZeRO-2
+    ("GGG", 2 * PSI // N, 4 * PSI // N, 12 * PSI // N),  # ZeRO-3
+    ("III", 2 * PSI // M, 4 * PSI // M, 12 * PSI // M),  # MiCS
+    ("IGG", 2 * PSI // M, 4 * PSI // N, 12 * PSI // N),
+    ("IIG", 2 * PSI // M, 4 * PSI // M, 12 * PSI // N),
+    ("NIG", 2 * PSI, 4 * PSI // M, 12 * PSI // N),
 ])
 def test_memory_matches_table_2(name: str, p: int, g: int, os: int) -> None:
     assert memory(Strategy.parse(name), UNITS, N, M, "bf16") == {"params": p, "grads": g,
@@ -41,9 +42,9 @@ def test_padding_is_counted() -> None:
 
 
 def _total(name: str, s: int, phase: str) -> tuple[float, float]:
-    """Table 3 is the sum over all N ranks; traffic() averages, so multiply by N (1 byte/elem
-    would need fp32/bf16 -> divide by 2 for bf16)."""
-    sent = traffic(Strategy.parse(name), UNITS, N, M, s, "bf16")[phase]
+    """Table 3 is the sum over all N ranks in elements, with bf16 parameters and gradient
+    reductions; traffic() averages bytes over ranks, so multiply by N and divide by 2."""
+    sent = traffic(Strategy.parse(name), UNITS, N, M, s, "bf16", reduce_dtype="bf16")[phase]
     return sent.intra * N / 2, sent.inter * N / 2
 
 
@@ -81,7 +82,7 @@ def test_two_step_reduce_scatter_saves_equation_1() -> None:
     # dC = s*Psi/N*(N-1) - (s*Psi/M*(M-1) + Psi/N*(g-1)) = Psi*(s-1)*(g-1)/N.
     s = 8
     def per_rank(name: str) -> float:
-        t = traffic(Strategy.parse(name), UNITS, N, M, s, "bf16")
+        t = traffic(Strategy.parse(name), UNITS, N, M, s, "bf16", reduce_dtype="bf16")
         return (sum(t["backward"]) + sum(t["boundary"])) / 2  # bytes -> elements
     # Both have OS = G, so their gradient-norm all-reduces are the same and cancel.
     saving = per_rank("NGG") - per_rank("NIG")
