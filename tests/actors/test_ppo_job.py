@@ -39,7 +39,7 @@ def job(tmp_path_factory):
         f"trainer.steps={STEPS}", "logger.wandb.mode=disabled", "logger.progress=false",
     ])
     init_ray(None, num_cpus=N, num_devices=N)
-    from rlhf_paro.ppo.trainer import PPOTrainer
+    from rlhf_paro.trainer import PPOTrainer
 
     trainer = PPOTrainer(cfg)
     dashboard = trainer.fit()
