@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from rlhf_paro.actors.worker import Batch, Worker
 from rlhf_paro.ppo import core
-from rlhf_paro.ppo.data import join, response_mask, task_from_config
+from rlhf_paro.ppo.task import join, response_mask, task_from_config
 
 
 class ActorWorker(Worker):

@@ -23,7 +23,7 @@ import transformers
 
 from rlhf_paro import models
 from rlhf_paro.metrics import RankReport
-from rlhf_paro.ppo.data import task_from_config
+from rlhf_paro.ppo.task import task_from_config
 from rlhf_paro.sharding import Strategy, Topology, shard
 
 Batch = dict[str, Any]
