@@ -152,7 +152,7 @@ def make_plan(cfg: Config, vocab_size: int | None = None,
               fixed: dict[str, Strategy] | None = None) -> Plan:
     """Plan all four models; ``fixed`` pins the strategies of some of them."""
     if vocab_size is None:
-        from rlhf_paro.ppo.data import task_from_config
+        from rlhf_paro.ppo.task import task_from_config
 
         vocab_size = task_from_config(cfg).tokenizer.vocab_size
     models = {role: model_plan(cfg, role, vocab_size) for role in ROLES}

@@ -22,8 +22,8 @@ def main(argv: list[str] | None = None) -> None:
         require_gpus(cfg, conf=parse_overrides(argv)[0])
         # Everything below needs transformers; a bad command line has failed before it.
         from rlhf_paro import models, plan
-        from rlhf_paro.ppo.data import task_from_config
-        from rlhf_paro.ppo.trainer import PPOTrainer
+        from rlhf_paro.ppo.task import task_from_config
+        from rlhf_paro.trainer import PPOTrainer
 
         models.check_model_configs(cfg, task_from_config(cfg).tokenizer.vocab_size)
         cfg = plan.resolve_auto(cfg)

@@ -12,14 +12,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rlhf_paro.actors.worker import Batch, Worker
+from rlhf_paro.actors.worker import Batch, TrainedWorker, Worker
 from rlhf_paro.ppo import core
-from rlhf_paro.ppo.data import join, response_mask, task_from_config
+from rlhf_paro.ppo.task import join, response_mask, task_from_config
 
 
-class ActorWorker(Worker):
-    trained = True
-
+class ActorWorker(TrainedWorker):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.task = task_from_config(self.cfg)  # token ids and the ground-truth score

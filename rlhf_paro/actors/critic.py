@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_paro.actors.worker import Batch, Worker
+from rlhf_paro.actors.worker import Batch, TrainedWorker
 from rlhf_paro.ppo import core
 
 
-class CriticWorker(Worker):
-    trained = True
-
+class CriticWorker(TrainedWorker):
     @torch.no_grad()
     def values(self, rollout: Batch) -> torch.Tensor:
         """(B, T) values of this rank's rollout, kept here as the old values of the update."""

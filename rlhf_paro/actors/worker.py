@@ -5,6 +5,9 @@ A worker is one Ray actor: rank r of one model. ``setup`` joins the model's own 
 with ``shard(...)`` under the model's strategy. The driver calls the role's methods on all ranks
 at once; between steps it collects one ``RankReport`` per rank (``report``), which also resets
 the step's timers and the engine's comm meter.
+
+``Worker`` is all a frozen model (ref, reward) is; ``TrainedWorker`` adds what the models PPO
+trains (actor, critic) need: an optimizer, the PPO epochs over the rollout, training statistics.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import transformers
 
 from rlhf_paro import models
 from rlhf_paro.metrics import RankReport
-from rlhf_paro.ppo.data import task_from_config
+from rlhf_paro.ppo.task import task_from_config
 from rlhf_paro.sharding import Strategy, Topology, shard
 
 Batch = dict[str, Any]
@@ -32,7 +35,7 @@ Batch = dict[str, Any]
 class Worker:
     """Rank ``rank`` of model ``role`` (one of actor, critic, reward, ref)."""
 
-    trained = False  # actor and critic override: they get an optimizer
+    trained = False  # TrainedWorker overrides: its model gets an optimizer
 
     def __init__(self, cfg: Any, role: str, rank: int, num_ranks: int) -> None:
         self.cfg = cfg
@@ -49,7 +52,6 @@ class Worker:
         self.engine: Any = None
         self._time_s: dict[str, float] = defaultdict(float)  # role phase -> seconds, this step
         self._tokens = 0  # tokens through the model, this step
-        self._train_stats: dict[str, list[float]] = defaultdict(list)
 
     # -- rendezvous --------------------------------------------------------------------------
     def free_address(self) -> tuple[str, int]:
@@ -72,7 +74,7 @@ class Worker:
         strategy = Strategy.parse(self.model_cfg.strategy, frozen=not self.trained)
         self.engine = shard(model, strategy=strategy, topology=topology,
                             comm=self.cfg.comm.algorithm, model_name=self.role,
-                            precision=self.model_cfg.precision, **self.train_options())
+                            precision=self.model_cfg.precision, **self.shard_options())
         # Each rank samples and shuffles differently from here on.
         torch.manual_seed(self.cfg.trainer.seed * 1000 + self.rank + 1)
 
@@ -80,13 +82,9 @@ class Worker:
         vocab_size = task_from_config(self.cfg).tokenizer.vocab_size
         return models.build_model(self.role, self.model_cfg, vocab_size, seed=self.cfg.trainer.seed)
 
-    def train_options(self) -> dict[str, Any]:
-        """Extra ``shard`` arguments: the optimizer of trained models, nothing for frozen ones."""
-        if not self.trained:
-            return {}
-        optim = self.model_cfg.optim
-        return {"optim": optim.adamw(), "max_grad_norm": optim.max_grad_norm,
-                "grad_accum_steps": self.cfg.grad_accum_steps(self.role)}
+    def shard_options(self) -> dict[str, Any]:
+        """Extra ``shard`` arguments: none for a frozen model."""
+        return {}
 
     # -- per-step accounting -----------------------------------------------------------------
     @contextlib.contextmanager
@@ -99,10 +97,6 @@ class Worker:
             self._time_s[phase] += time.perf_counter() - start
             self._tokens += tokens
 
-    def record_train(self, stats: dict[str, float]) -> None:
-        for key, value in stats.items():
-            self._train_stats[key].append(float(value))
-
     def report(self) -> RankReport:
         """This step's report; resets the timers, the token count and the comm meter."""
         report = RankReport(
@@ -111,11 +105,9 @@ class Worker:
             comm=self.engine.meter.by_phase(),
             memory=self.engine.memory(),
             peak_bytes=peak_bytes(self.device),
-            train={k: sum(v) / len(v) for k, v in self._train_stats.items()},
         )
         self._time_s.clear()
         self._tokens = 0
-        self._train_stats.clear()
         self.engine.meter.reset()
         return report
 
@@ -125,7 +117,48 @@ class Worker:
         dist.all_reduce(values)
         return values.cpu()
 
-    # -- PPO updates (actor and critic) ------------------------------------------------------
+    def in_micro_batches(self, rollout: Batch, fn: Callable[[Batch], torch.Tensor]
+                         ) -> torch.Tensor:
+        """``fn`` on ``micro_batch_size`` rows at a time (bounds activation memory), results
+        concatenated on the CPU, ready to travel."""
+        rows = torch.arange(rollout["sequences"].shape[0])
+        return torch.cat([fn({k: v[idx] for k, v in rollout.items()}).float().cpu()
+                          for idx in micro_batches(rows, self.model_cfg.micro_batch_size)])
+
+    def forward(self, batch: Batch, train: bool = False, **kwargs: Any) -> torch.Tensor:
+        """The model's forward on rows of a rollout (log-probs, values or scores)."""
+        self.engine.module.train(train)
+        return self.engine(input_ids=batch["sequences"].to(self.device),
+                           attention_mask=batch["attention_mask"].to(self.device), **kwargs)
+
+
+class TrainedWorker(Worker):
+    """A model that PPO trains (actor, critic): sharded with an optimizer, updated by
+    ``ppo_update``, and its report carries the step's training statistics."""
+
+    trained = True
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._train_stats: dict[str, list[float]] = defaultdict(list)  # name -> values, this step
+
+    def shard_options(self) -> dict[str, Any]:
+        """The optimizer, gradient clipping and accumulation ``shard`` needs to train."""
+        optim = self.model_cfg.optim
+        return {"optim": optim.adamw(), "max_grad_norm": optim.max_grad_norm,
+                "grad_accum_steps": self.cfg.grad_accum_steps(self.role)}
+
+    def record_train(self, stats: dict[str, float]) -> None:
+        for key, value in stats.items():
+            self._train_stats[key].append(float(value))
+
+    def report(self) -> RankReport:
+        """The step's report with the means of its training statistics; resets them too."""
+        report = super().report()
+        report.train = {k: sum(v) / len(v) for k, v in self._train_stats.items()}
+        self._train_stats.clear()
+        return report
+
     def ppo_update(self, mask: torch.Tensor,
                    micro_loss: Callable[[torch.Tensor, float], tuple[torch.Tensor, dict]]) -> None:
         """``ppo.ppo_epochs`` passes over this rank's rollout; one optimizer step per mini-batch.
@@ -155,20 +188,6 @@ class Worker:
         total = self.all_reduce_sum(local)
         per_micro = self.num_ranks * self.engine.grad_accum_steps
         return [(m, float(t) / per_micro) for m, t in zip(minis, total)]
-
-    def in_micro_batches(self, rollout: Batch, fn: Callable[[Batch], torch.Tensor]
-                         ) -> torch.Tensor:
-        """``fn`` on ``micro_batch_size`` rows at a time (bounds activation memory), results
-        concatenated on the CPU, ready to travel."""
-        rows = torch.arange(rollout["sequences"].shape[0])
-        return torch.cat([fn({k: v[idx] for k, v in rollout.items()}).float().cpu()
-                          for idx in micro_batches(rows, self.model_cfg.micro_batch_size)])
-
-    def forward(self, batch: Batch, train: bool = False, **kwargs: Any) -> torch.Tensor:
-        """The model's forward on rows of a rollout (log-probs, values or scores)."""
-        self.engine.module.train(train)
-        return self.engine(input_ids=batch["sequences"].to(self.device),
-                           attention_mask=batch["attention_mask"].to(self.device), **kwargs)
 
 
 def peak_bytes(device: torch.device) -> int:

@@ -11,7 +11,7 @@ from rlhf_paro import models
 from rlhf_paro.actors.group import init_ray
 from rlhf_paro.config import load_config
 from rlhf_paro.metrics import COMM_PHASES, ROLES, read_jsonl, required_keys
-from rlhf_paro.ppo.data import task_from_config
+from rlhf_paro.ppo.task import task_from_config
 from rlhf_paro.sharding import Strategy
 from rlhf_paro.sharding.cost import traffic
 from rlhf_paro.sharding.layout import unit_sizes
@@ -39,7 +39,7 @@ def job(tmp_path_factory):
         f"trainer.steps={STEPS}", "logger.wandb.mode=disabled", "logger.progress=false",
     ])
     init_ray(None, num_cpus=N, num_devices=N)
-    from rlhf_paro.ppo.trainer import PPOTrainer
+    from rlhf_paro.trainer import PPOTrainer
 
     trainer = PPOTrainer(cfg)
     dashboard = trainer.fit()

@@ -1,16 +1,14 @@
-"""The counting task: tokenizer, prompts, ground-truth score, preference pairs, reward model."""
+"""The counting task: tokenizer, prompts, ground-truth score, preference pairs."""
 
 import pytest
 import torch
 
-from rlhf_paro.config import load_config
-from rlhf_paro.models import build_model
-from rlhf_paro.ppo import data
+from rlhf_paro.ppo.task import CountingTask, response_mask
 
 
 @pytest.fixture(scope="module")
 def task():
-    return data.CountingTask(num_symbols=16, prompt_len=4, response_len=8)
+    return CountingTask(num_symbols=16, prompt_len=4, response_len=8)
 
 
 def ids(task, text):
@@ -51,7 +49,7 @@ def test_score_hand_values(task):
 def test_response_mask_covers_tokens_through_the_first_eos():
     responses = torch.tensor([[5, 2, 0, 0], [5, 6, 7, 8], [2, 5, 2, 0]])
     expected = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]).float()
-    torch.testing.assert_close(data.response_mask(responses), expected)
+    torch.testing.assert_close(response_mask(responses), expected)
 
 
 def test_random_policy_scores_low_and_pairs_are_ordered(task):
@@ -67,24 +65,3 @@ def test_random_policy_scores_low_and_pairs_are_ordered(task):
     scores = task.score(pairs.prompts, pairs.chosen)
     assert scores.min() < 0.2 and scores.max() == 1.0
 
-
-def test_reward_model_ranks_held_out_pairs_and_is_cached(tmp_path):
-    cfg = load_config([f"task.cache_dir={tmp_path}", "task.reward_steps=150",
-                       "task.reward_pairs=2048", "task.reward_eval_pairs=256"])
-    trained = data.train_reward_model(cfg)
-    assert not trained.cached
-    assert trained.accuracy >= 0.85
-    again = data.train_reward_model(cfg)
-    assert again.cached and again.path == trained.path
-    assert [p.name for p in tmp_path.iterdir()] == [trained.path.name]  # no scratch left behind
-
-    # The model the trainer builds from the cache is the one that was measured.
-    reward_cfg = data.reward_model_config(cfg)
-    assert reward_cfg.path == str(trained.path) and reward_cfg.strategy == cfg.reward.strategy
-    model = build_model("reward", reward_cfg, data.task_from_config(cfg).tokenizer.vocab_size)
-    held_out = data.task_from_config(cfg).preference_pairs(256, seed=2)
-    assert data.pairwise_accuracy(model, held_out) == trained.accuracy
-
-    # A different task is a different model.
-    other = load_config([f"task.cache_dir={tmp_path}", "task.num_symbols=8"])
-    assert data.reward_cache_key(other) != data.reward_cache_key(cfg)

@@ -30,7 +30,8 @@ from rlhf_paro.actors.reward import RewardWorker
 from rlhf_paro.config import ROLES, Config, ConfigError
 from rlhf_paro.metrics import MetricsLogger, model_metrics
 from rlhf_paro.ppo import core
-from rlhf_paro.ppo.data import reward_model_config, task_from_config
+from rlhf_paro.ppo.reward_model import reward_model_config
+from rlhf_paro.ppo.task import task_from_config
 
 WORKERS = {"actor": ActorWorker, "critic": CriticWorker, "reward": RewardWorker,
            "ref": RefWorker}
