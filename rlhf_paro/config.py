@@ -27,7 +27,7 @@ from typing import Any, Iterator, Literal
 import yaml
 
 from rlhf_paro.sharding.strategy import Strategy, StrategyError
-from rlhf_paro.sharding.topology import TopologyError
+from rlhf_paro.comm.topology import TopologyError
 
 # conf/ sits next to the package in the repository (and in an editable install).
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"

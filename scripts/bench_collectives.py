@@ -24,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from rlhf_paro.sharding.topology import Topology
+from rlhf_paro.comm.topology import Topology
 from rlhf_paro.comm.collectives import Communicator
 from rlhf_paro.comm.simulate import Links, collective_time, lower_bounds
 

@@ -46,12 +46,6 @@ LAYERS = {
     "rlhf_paro.report": 4,
 }
 
-# (importing layer prefix, imported name prefix) pairs allowed to point up.
-KNOWN_EXCEPTIONS = {
-    ("rlhf_paro.comm", "rlhf_paro.sharding.topology"),  # moves to comm in the sharding refactor
-}
-
-
 def _within(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
@@ -106,8 +100,6 @@ def test_nothing_imports_from_a_layer_above_its_own():
         for line, name in imported_names(module, path):
             target = layer_entry(name)
             if LAYERS[target] <= LAYERS[entry]:
-                continue
-            if any(_within(module, low) and _within(name, high) for low, high in KNOWN_EXCEPTIONS):
                 continue
             where = f"{path.relative_to(PACKAGE_DIR.parent)}:{line}"
             upward.append(f"{where} imports {name} (layer {LAYERS[target]}, {target}) "

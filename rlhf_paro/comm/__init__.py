@@ -1,6 +1,20 @@
-"""Metered collectives: native, Ring, H-Ring and HO-Ring."""
+"""Metered collectives: native, Ring, H-Ring and HO-Ring, on a two-level topology.
 
-from rlhf_paro.comm.collectives import Communicator, algorithm_names
-from rlhf_paro.comm.meter import CommMeter, CommRecord, LinkBytes
+Names resolve on first use, so that ``comm.meter`` and ``comm.topology`` (plain arithmetic) import
+without torch.
+"""
 
-__all__ = ["CommMeter", "CommRecord", "Communicator", "LinkBytes", "algorithm_names"]
+import importlib
+
+_EXPORTS = {
+    "ALGORITHM_NAMES": "meter", "CommMeter": "meter", "CommRecord": "meter", "LinkBytes": "meter",
+    "PHASES": "meter", "SCOPES": "topology", "Topology": "topology", "TopologyError": "topology",
+    "Communicator": "collectives", "DryRunCommunicator": "collectives",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> object:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'rlhf_paro.comm' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"rlhf_paro.comm.{_EXPORTS[name]}"), name)

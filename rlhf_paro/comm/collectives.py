@@ -1,4 +1,4 @@
-"""The one place every collective of the engine goes through.
+"""The one place every collective of the engine goes through, and its dry run.
 
 Scopes: ``intra`` (the M ranks of this rank's group, buffers in local-rank order), ``inter`` (the
 g ranks with this rank's local index, buffers in group order) and ``world`` (all N ranks, buffers
@@ -10,27 +10,36 @@ Every call is recorded in the ``CommMeter`` with the bytes this rank sent on eac
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from rlhf_paro.comm import rings
-from rlhf_paro.comm.meter import CommMeter, LinkBytes, native_bytes
-
-if TYPE_CHECKING:  # sharding imports comm; only the type is needed here
-    from rlhf_paro.sharding.topology import Topology
-
-SCOPES = ("intra", "inter", "world")
-
-
-def algorithm_names() -> list[str]:
-    return ["native", *rings.ALGORITHMS]
+from rlhf_paro.comm.meter import ALGORITHM_NAMES, CommMeter, LinkBytes, native_bytes
+from rlhf_paro.comm.topology import Topology
 
 
 # gloo and NCCL name these differently across torch releases.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def check_algorithm(algorithm: str) -> None:
+    if algorithm not in ALGORITHM_NAMES:
+        raise ValueError(f"comm.algorithm={algorithm!r} is unknown; allowed: "
+                         f"{', '.join(ALGORITHM_NAMES)}")
+
+
+def predicted_bytes(algorithm: str, op: str, numel: int, elem_size: int, scope: str,
+                    topo: Topology) -> LinkBytes:
+    """Bytes this rank sends in ``op`` on ``numel`` elements of ``scope``: the selected
+    algorithm's closed form for world all-gathers and reduce-scatters, the ring model of
+    ``comm.meter`` for everything native. The communicator meters what this says, and so does
+    its dry run: the cost model cannot count differently from the engine."""
+    if scope == "world" and op in rings.OPS:
+        return rings.predicted_world_bytes(algorithm, op, numel, elem_size, topo)
+    return native_bytes(op, numel, elem_size, scope, topo)
 
 
 class Pending:
@@ -55,28 +64,25 @@ class Communicator:
 
     def __init__(self, topology: Topology, meter: CommMeter | None = None,
                  algorithm: str = "native") -> None:
-        if algorithm not in algorithm_names():
-            raise ValueError(
-                f"comm.algorithm={algorithm!r} is unknown; allowed: {', '.join(algorithm_names())}"
-            )
+        check_algorithm(algorithm)
         self.topo = topology
         self.meter = meter if meter is not None else CommMeter()
         self.algorithm = algorithm
 
-    # -- helpers -----------------------------------------------------------------------------
     def size(self, scope: str) -> int:
-        t = self.topo
-        return {"intra": t.group_size, "inter": t.num_groups, "world": t.num_ranks}[scope]
+        return self.topo.scope_size(scope)
 
-    def _group(self, scope: str) -> Any:
-        return {"intra": self.topo.intra, "inter": self.topo.inter, "world": self.topo.world}[scope]
-
-    def _native_bytes(self, op: str, numel: int, elem_size: int, scope: str) -> LinkBytes:
-        return native_bytes(op, numel, elem_size, scope, self.topo)
+    def _algorithm(self, op: str, scope: str) -> str:
+        """The algorithm that runs ``op`` on ``scope`` (ours only for world gathers/scatters)."""
+        return self.algorithm if scope == "world" and op in rings.OPS else "native"
 
     def _world_is_nested(self) -> bool:
         # With one group or groups of one, rank order and nested order coincide.
         return self.topo.num_groups == 1 or self.topo.group_size == 1
+
+    def _record(self, phase: str, op: str, scope: str, sent: LinkBytes, start: float) -> None:
+        self.meter.record(phase, op, scope, self._algorithm(op, scope), sent,
+                          time.perf_counter() - start)
 
     # -- collectives -------------------------------------------------------------------------
     @torch.no_grad()
@@ -88,22 +94,20 @@ class Communicator:
         if n == 1:
             out.copy_(shard)
             return _done()
-        if scope == "world" and self.algorithm != "native":
+        if self._algorithm("all_gather", scope) != "native":
             sent = rings.ALGORITHMS[self.algorithm].all_gather(out, shard, self.topo)
-            self.meter.record(phase, "all_gather", scope, self.algorithm, sent,
-                              time.perf_counter() - start)
+            self._record(phase, "all_gather", scope, sent, start)
             return _done()
         reorder = scope == "world" and not self._world_is_nested()
         target = torch.empty_like(out) if reorder else out
-        work = _all_gather_single(target, shard.contiguous(), group=self._group(scope),
+        work = _all_gather_single(target, shard.contiguous(), group=self.topo.group(scope),
                                   async_op=async_op)
-        sent = self._native_bytes("all_gather", out.numel(), out.element_size(), scope)
+        sent = native_bytes("all_gather", out.numel(), out.element_size(), scope, self.topo)
 
         def finish() -> None:
             if reorder:
                 out.copy_(self.topo.world_to_nested(target))
-            self.meter.record(phase, "all_gather", scope, "native", sent,
-                              time.perf_counter() - start)
+            self._record(phase, "all_gather", scope, sent, start)
 
         pending = Pending(work if async_op else None, finish)
         if not async_op:
@@ -118,17 +122,15 @@ class Communicator:
         if n == 1:
             out.copy_(full)
             return
-        if scope == "world" and self.algorithm != "native":
+        if self._algorithm("reduce_scatter", scope) != "native":
             sent = rings.ALGORITHMS[self.algorithm].reduce_scatter(out, full, self.topo)
-            self.meter.record(phase, "reduce_scatter", scope, self.algorithm, sent,
-                              time.perf_counter() - start)
+            self._record(phase, "reduce_scatter", scope, sent, start)
             return
         if scope == "world" and not self._world_is_nested():
             full = self.topo.nested_to_world(full)
-        _reduce_scatter_single(out, full.contiguous(), group=self._group(scope))
-        sent = self._native_bytes("reduce_scatter", full.numel(), full.element_size(), scope)
-        self.meter.record(phase, "reduce_scatter", scope, "native", sent,
-                          time.perf_counter() - start)
+        _reduce_scatter_single(out, full.contiguous(), group=self.topo.group(scope))
+        sent = native_bytes("reduce_scatter", full.numel(), full.element_size(), scope, self.topo)
+        self._record(phase, "reduce_scatter", scope, sent, start)
 
     @torch.no_grad()
     def all_reduce(self, buf: torch.Tensor, scope: str, phase: str) -> None:
@@ -136,9 +138,40 @@ class Communicator:
         if self.size(scope) == 1:
             return
         start = time.perf_counter()
-        dist.all_reduce(buf, group=self._group(scope))
-        sent = self._native_bytes("all_reduce", buf.numel(), buf.element_size(), scope)
-        self.meter.record(phase, "all_reduce", scope, "native", sent, time.perf_counter() - start)
+        dist.all_reduce(buf, group=self.topo.group(scope))
+        sent = native_bytes("all_reduce", buf.numel(), buf.element_size(), scope, self.topo)
+        self._record(phase, "all_reduce", scope, sent, start)
+
+    @torch.no_grad()
+    def checksums(self, shard: torch.Tensor, scope: str) -> torch.Tensor:
+        """Every rank's fp64 sum of its ``shard``, in the scope's order (the nested order for
+        the world), metered in the phase ``verify`` like any other collective."""
+        own = shard.detach().double().sum().reshape(1)
+        sums = own.new_empty(self.size(scope))
+        self.all_gather(sums, own, scope, "verify")
+        return sums
+
+
+class DryRunCommunicator(Communicator):
+    """A communicator that only counts: each call records what the real one would send, by
+    ``predicted_bytes``, and moves no data (its tensors may live on the meta device). The cost
+    model runs the engine's schedule on it, as the simulator runs the rings' schedules."""
+
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, scope: str, phase: str,
+                   async_op: bool = False) -> Pending:
+        self._count("all_gather", out.numel(), out.element_size(), scope, phase)
+        return _done()
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, scope: str, phase: str) -> None:
+        self._count("reduce_scatter", full.numel(), full.element_size(), scope, phase)
+
+    def all_reduce(self, buf: torch.Tensor, scope: str, phase: str) -> None:
+        self._count("all_reduce", buf.numel(), buf.element_size(), scope, phase)
+
+    def _count(self, op: str, numel: int, elem_size: int, scope: str, phase: str) -> None:
+        if self.size(scope) > 1:
+            sent = predicted_bytes(self.algorithm, op, numel, elem_size, scope, self.topo)
+            self.meter.record(phase, op, scope, self._algorithm(op, scope), sent, 0.0)
 
 
 def _done() -> Pending:

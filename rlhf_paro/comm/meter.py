@@ -10,12 +10,17 @@ g of the N ranks send on inter links and N-g on intra links.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
-if TYPE_CHECKING:  # sharding imports comm; only the type is needed here
-    from rlhf_paro.sharding.topology import Topology
+from rlhf_paro.comm.topology import Topology
 
-PHASES = ("forward", "backward", "boundary", "update", "generate", "gather")
+
+# The vocabulary of a record, defined once. Phases: the four of an optimizer step (the engine's
+# schedule), then generation, whole-model gathers and checksum verification.
+PHASES = ("forward", "backward", "boundary", "update", "generate", "gather", "verify")
+# The algorithms of world-scope all-gather and reduce-scatter: the collective library's own,
+# then those of ``comm.rings``.
+ALGORITHM_NAMES = ("native", "ring", "hring", "horing", "horing_pipelined")
 
 
 class CommRecord(NamedTuple):
@@ -57,8 +62,7 @@ def sends_across_groups(topo: Topology) -> bool:
 
 def native_bytes(op: str, numel: int, elem_size: int, scope: str, topo: Topology) -> LinkBytes:
     """What this rank sends in a native collective on ``scope``, by the ring model."""
-    size = {"intra": topo.group_size, "inter": topo.num_groups, "world": topo.num_ranks}[scope]
-    sent = ring_bytes(op, numel, elem_size, size)
+    sent = ring_bytes(op, numel, elem_size, topo.scope_size(scope))
     crosses = scope == "inter" or (scope == "world" and sends_across_groups(topo))
     return LinkBytes(0, sent) if crosses else LinkBytes(sent, 0)
 

@@ -1,7 +1,7 @@
 """World-scope all-gather and reduce-scatter built on point-to-point operations.
 
 Every algorithm here is a *schedule*: a list of lock-step steps, each a set of sends and receives
-of element ranges of the nested-order buffer (``rlhf_paro.sharding.topology``). One executor runs
+of element ranges of the nested-order buffer (``rlhf_paro.comm.topology``). One executor runs
 any schedule with ``batch_isend_irecv``, so our own code decides which link every byte crosses,
 and it counts the bytes where the sends are issued. Schedules are pure functions of the topology,
 which lets ``comm/simulate.py`` time exactly the steps that run here.
@@ -30,15 +30,14 @@ native up to the summation order otherwise.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from rlhf_paro.comm.meter import LinkBytes, native_bytes, sends_across_groups
+from rlhf_paro.comm.meter import ALGORITHM_NAMES, LinkBytes, native_bytes, sends_across_groups
+from rlhf_paro.comm.topology import Topology
 
-if TYPE_CHECKING:  # the sharding package imports comm: only the type is needed here
-    from rlhf_paro.sharding.topology import Topology
 
 OPS = ("all_gather", "reduce_scatter")
 PIPELINE_PIECES = 4  # pieces per chunk of the registered pipelined HO-Ring
@@ -340,6 +339,9 @@ ALGORITHMS: dict[str, Algorithm] = {
 }
 
 
+assert tuple(ALGORITHMS) == ALGORITHM_NAMES[1:], "comm.meter.ALGORITHM_NAMES lists these"
+
+
 def pipelined(num_pieces: int) -> Algorithm:
     """Pipelined HO-Ring with chunks cut into ``num_pieces`` pieces."""
     if num_pieces < 1:
@@ -353,11 +355,11 @@ def predicted_world_bytes(algorithm: str, op: str, numel: int, elem_size: int,
                           topo: Topology) -> LinkBytes:
     """Bytes this rank sends for a world-scope ``op`` under ``algorithm``, native included
     (native is attributed by the ring model of ``comm.meter``)."""
+    if op not in OPS:
+        raise ValueError(f"unknown collective {op!r}; allowed: {', '.join(OPS)}")
     if algorithm == "native":
-        if op not in OPS:
-            raise ValueError(f"unknown collective {op!r}; allowed: {', '.join(OPS)}")
         return native_bytes(op, numel, elem_size, "world", topo)
     if algorithm not in ALGORITHMS:
-        raise ValueError(f"comm.algorithm={algorithm!r} is unknown; allowed: native, "
-                         f"{', '.join(ALGORITHMS)}")
+        raise ValueError(f"comm.algorithm={algorithm!r} is unknown; allowed: "
+                         f"{', '.join(ALGORITHM_NAMES)}")
     return ALGORITHMS[algorithm].link_bytes(op, numel, elem_size, topo)

@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from rlhf_paro.sharding.topology import Topology
+from rlhf_paro.comm.topology import Topology
 from rlhf_paro.comm.rings import (ALGORITHMS, OPS, PIPELINE_PIECES, Algorithm, pipelined,
                                   step_bytes)
 

@@ -1,10 +1,23 @@
-"""PaRO sharding: strategies, topology, the engine and its cost model."""
+"""PaRO sharding: strategies, the schedule, the engine and its cost model.
 
-from rlhf_paro.sharding.engine import EngineError, ShardedEngine, shard
-from rlhf_paro.sharding.strategy import Level, Strategy, StrategyError, all_strategies
-from rlhf_paro.sharding.topology import Topology, TopologyError
+Names resolve on first use, so that ``sharding.strategy`` (plain arithmetic, which the config
+validates with) imports without torch.
+"""
 
-__all__ = [
-    "EngineError", "Level", "ShardedEngine", "Strategy", "StrategyError", "Topology",
-    "TopologyError", "all_strategies", "shard",
-]
+import importlib
+
+_EXPORTS = {
+    "EngineError": "errors", "ShardedEngine": "engine", "shard": "engine",
+    "Level": "strategy", "Strategy": "strategy", "StrategyError": "strategy",
+    "all_strategies": "strategy",
+}
+_FROM_COMM = {"Topology", "TopologyError"}  # the engine contract imports them from here
+__all__ = sorted([*_EXPORTS, *_FROM_COMM])
+
+
+def __getattr__(name: str) -> object:
+    if name in _FROM_COMM:
+        return getattr(importlib.import_module("rlhf_paro.comm.topology"), name)
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'rlhf_paro.sharding' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"rlhf_paro.sharding.{_EXPORTS[name]}"), name)

@@ -8,26 +8,25 @@ per trainable element, K = 8 in fp32 (Adam moments; the fp32 parameters themselv
 copy) and K = 12 in bf16 (fp32 master + moments), the K of Table 2 for mixed precision. Gradient
 reductions send ``reduce_dtype`` elements (fp32 by default; bf16 is Table 3's setting).
 
-Traffic follows the schedule of DESIGN section 4, one optimizer step of s micro-batches:
-  forward   s x (P gather of every unit)
-  backward  s x (P gather of every unit + G reduce-scatter of its gradient)
-  boundary  the G -> OS collective of every unit, then one fp32 all-reduce of the squared
-            gradient norm over the ranks that hold disjoint OS shards
-  update    the OS -> P all-gather of every unit
+Traffic is not a second copy of the schedule: ``traffic`` runs the engine's own table
+(``schedule.py``) for one optimizer step of s micro-batches on a ``DryRunCommunicator``, which
+counts what each collective would send and moves nothing. ``tests/sharding/test_cost.py`` holds
+the result to closed forms written independently from the paper's Table 3.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from rlhf_paro.comm.meter import LinkBytes, native_bytes
+from rlhf_paro.comm.collectives import DryRunCommunicator
+from rlhf_paro.comm.meter import CommMeter, LinkBytes
+from rlhf_paro.comm.topology import Topology
 from rlhf_paro.sharding.layout import UnitSizes, padded
-from rlhf_paro.sharding.strategy import Level, Strategy
-from rlhf_paro.sharding.topology import Topology
+from rlhf_paro.sharding.schedule import TRAINING_PHASES, plan, run, select, ways
+from rlhf_paro.sharding.strategy import Strategy
 
 __all__ = ["UnitSizes", "bytes_per_element", "memory", "optimizer_bytes_per_element", "traffic"]
 
-TRAFFIC_PHASES = ("forward", "backward", "boundary", "update")
 GRAD_BYTES = 4  # the fp32 gradient accumulator
 
 
@@ -43,88 +42,52 @@ def optimizer_bytes_per_element(precision: str) -> int:
     return 8 if bytes_per_element(precision) == 4 else 12
 
 
-def _ways(level: Level, num_ranks: int, group_size: int) -> int:
-    return {Level.N: 1, Level.I: group_size, Level.G: num_ranks}[level]
-
-
 def memory(strategy: Strategy, units: Sequence[UnitSizes], num_ranks: int, group_size: int,
            precision: str = "fp32") -> dict[str, int]:
     """Bytes held per rank in P, G and OS (Table 2), padding included."""
-    Topology(num_ranks, group_size)  # validates M | N
+    topo = Topology(num_ranks, group_size)  # validates M | N
     b = bytes_per_element(precision)
     trainable = sum(padded(u.trainable, num_ranks) for u in units)
     everything = trainable + sum(padded(u.frozen, num_ranks) for u in units)
-    params = everything * b // _ways(strategy.params, num_ranks, group_size)
+    params = everything * b // ways(strategy.params, topo)
     if strategy.frozen:
         return {"params": params, "grads": 0, "optim": 0}
-    grads = trainable * GRAD_BYTES // _ways(strategy.grads, num_ranks, group_size)
+    grads = trainable * GRAD_BYTES // ways(strategy.grads, topo)
     optim = (trainable * optimizer_bytes_per_element(precision)
-             // _ways(strategy.optim, num_ranks, group_size))
+             // ways(strategy.optim, topo))
     return {"params": params, "grads": grads, "optim": optim}
-
-
-def _scoped(op: str, numel: int, elem_size: int, scope: str, topo: Topology,
-            algorithm: str) -> LinkBytes:
-    """Bytes this rank sends in one collective of ``numel`` elements (the full buffer)."""
-    if scope == "world" and algorithm != "native" and op != "all_reduce":
-        from rlhf_paro.comm import rings
-
-        return rings.ALGORITHMS[algorithm].link_bytes(op, numel, elem_size, topo)
-    return native_bytes(op, numel, elem_size, scope, topo)
 
 
 def _rank_traffic(strategy: Strategy, units: Sequence[UnitSizes], topo: Topology, s: int,
                   precision: str, algorithm: str, reduce_dtype: str) -> dict[str, LinkBytes]:
-    b = bytes_per_element(precision)
-    rb = bytes_per_element(reduce_dtype)
-    n, m = topo.num_ranks, topo.group_size
-    totals = {phase: [0, 0] for phase in TRAFFIC_PHASES}
+    """Dry-run the engine's schedule for one optimizer step on a communicator that only counts,
+    on meta tensors of the sizes the engine would hand it."""
+    import torch
 
-    def add(phase: str, op: str, numel: int, scope: str, times: int = 1, elem: int = b) -> None:
-        if numel == 0:
-            return
-        sent = _scoped(op, numel, elem, scope, topo, algorithm)
-        totals[phase][0] += times * sent.intra
-        totals[phase][1] += times * sent.inter
-
-    p_scope = {Level.I: "intra", Level.G: "world"}.get(strategy.params)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    elem = {"params": dtypes[precision], "trained": dtypes[precision],
+            "grads": dtypes[reduce_dtype], "norm": torch.float32}
+    meter = CommMeter()
+    comm = DryRunCommunicator(topo, meter, algorithm)
+    collectives = plan(strategy)
+    n = topo.num_ranks
     for u in units:
-        t, f = padded(u.trainable, n), padded(u.frozen, n)
-        if p_scope is not None:
-            for numel in (t, f):
-                add("forward", "all_gather", numel, p_scope, s)
-                if not strategy.frozen:
-                    add("backward", "all_gather", numel, p_scope, s)
-        if strategy.frozen:
-            continue
-        if strategy.grads == Level.I:
-            add("backward", "reduce_scatter", t, "intra", s, elem=rb)
-        elif strategy.grads == Level.G:
-            add("backward", "reduce_scatter", t, "world", s, elem=rb)
-        g_os = (strategy.grads, strategy.optim)
-        if g_os == (Level.N, Level.N):
-            add("boundary", "all_reduce", t, "world", elem=rb)
-        elif g_os == (Level.N, Level.I):
-            add("boundary", "reduce_scatter", t, "intra", elem=rb)
-            add("boundary", "all_reduce", t // m, "inter", elem=rb)
-        elif g_os == (Level.N, Level.G):
-            add("boundary", "reduce_scatter", t, "world", elem=rb)
-        elif g_os == (Level.I, Level.I):
-            add("boundary", "all_reduce", t // m, "inter", elem=rb)
-        elif g_os == (Level.I, Level.G):
-            add("boundary", "reduce_scatter", t // m, "inter", elem=rb)
-        os_p = (strategy.optim, strategy.params)
-        if os_p == (Level.I, Level.N):
-            add("update", "all_gather", t, "intra")
-        elif os_p == (Level.G, Level.I):
-            add("update", "all_gather", t // m, "inter")
-        elif os_p == (Level.G, Level.N):
-            add("update", "all_gather", t, "world")
-    if not strategy.frozen and any(u.trainable for u in units):
-        norm_scope = {Level.I: "intra", Level.G: "world"}.get(strategy.optim)
-        if norm_scope is not None:
-            add("boundary", "all_reduce", 1, norm_scope, elem=4)
-    return {phase: LinkBytes(*v) for phase, v in totals.items()}
+        sizes = {"params": [padded(x, n) for x in (u.trainable, u.frozen) if x],
+                 "trained": [padded(u.trainable, n)] if u.trainable else []}
+        sizes["grads"] = sizes["trained"]
+        for c in collectives:
+            if c.what == "norm":
+                continue
+            for size in sizes[c.what]:
+                tensor = torch.empty(size // ways(c.src, topo), dtype=elem[c.what],
+                                     device="meta")
+                for _ in range(s if c.per == "micro" else 1):
+                    run([c], tensor, comm)
+    if any(u.trainable for u in units):
+        run(select(collectives, "boundary", "norm"),
+            torch.empty(1, dtype=elem["norm"], device="meta"), comm)
+    totals = {phase: meter.totals(phase) for phase in TRAINING_PHASES}
+    return {phase: LinkBytes(t["intra_bytes"], t["inter_bytes"]) for phase, t in totals.items()}
 
 
 def traffic(strategy: Strategy, units: Sequence[UnitSizes], num_ranks: int, group_size: int,
@@ -146,4 +109,4 @@ def traffic(strategy: Strategy, units: Sequence[UnitSizes], num_ranks: int, grou
                               algorithm, reduce_dtype) for j in range(group_size)]
     return {phase: LinkBytes(sum(p[phase].intra for p in per_rank) / group_size,
                              sum(p[phase].inter for p in per_rank) / group_size)
-            for phase in TRAFFIC_PHASES}
+            for phase in TRAINING_PHASES}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_paro.sharding.topology import Topology
+from rlhf_paro.comm.topology import Topology
 from rlhf_paro.comm.collectives import Communicator
 from rlhf_paro.comm.rings import ALGORITHMS, predicted_world_bytes
 from tests.dist_utils import run_distributed

@@ -13,7 +13,7 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from rlhf_paro.sharding.topology import Topology
+from rlhf_paro.comm.topology import Topology
 from rlhf_paro.comm import rings
 from rlhf_paro.comm.meter import LinkBytes
 from rlhf_paro.comm.rings import ALGORITHMS, predicted_world_bytes

@@ -88,8 +88,9 @@ def corrupted_gather_scenario(rank: int, topo) -> str:
 
     def corrupting(out, shard_, scope, phase, async_op=False):
         pending = honest(out, shard_, scope, phase)
-        victim = (topo.local_index + 1) % topo.group_size
-        out[victim * shard_.numel()] += 1.0  # as if read before the owner's data arrived
+        if phase != "verify":  # the data is corrupted, not the owners' checksums
+            victim = (topo.local_index + 1) % topo.group_size
+            out[victim * shard_.numel()] += 1.0  # as if read before the owner's data arrived
         return pending
 
     engine.comm.all_gather = corrupting

@@ -1,5 +1,10 @@
 """Two-level topology of a model's ranks: g groups (nodes) of M consecutive ranks.
 
+The three scopes a collective can run on, and how many ranks each has, are defined here once:
+``intra`` (the M ranks of this rank's group), ``inter`` (the g ranks with this rank's local
+index) and ``world`` (all N). On a process group they are the two dimensions of a
+``DeviceMesh`` of shape (g, M) named ("inter", "intra"), and the mesh's whole group.
+
 [Note: nested chunk order]
 A flat buffer of S elements is cut into N chunks of c = S/N. Rank (i, j) owns G-chunk ``j*g + i``.
 Its I-shard is block j of M equal blocks, i.e. chunks ``j*g .. j*g + g-1``, which are exactly the
@@ -13,9 +18,12 @@ Native world collectives number chunks by rank (i*M + j); ``world_to_nested`` an
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # only tensors' type; arithmetic users (cost model, planner) need no torch
+    import torch
+
+SCOPES = ("intra", "inter", "world")
 
 
 class TopologyError(ValueError):
@@ -30,7 +38,9 @@ class Topology:
     num_ranks: int  # N
     group_size: int  # M
     rank: int = 0
-    # Process groups of this rank; None when the topology only does arithmetic (cost model, tests).
+    # The (inter, intra) DeviceMesh and the process groups of this rank; None when the topology
+    # only does arithmetic (cost model, planner, tests).
+    mesh: Any = field(default=None, compare=False, repr=False)
     world: Any = field(default=None, compare=False, repr=False)
     intra: Any = field(default=None, compare=False, repr=False)
     inter: Any = field(default=None, compare=False, repr=False)
@@ -61,6 +71,18 @@ class Topology:
     def local_index(self) -> int:  # j
         return self.rank % self.group_size
 
+    def scope_size(self, scope: str) -> int:
+        """Number of ranks of a scope's group (the one rule from scope to group size)."""
+        sizes = {"intra": self.group_size, "inter": self.num_groups, "world": self.num_ranks}
+        if scope not in sizes:
+            raise ValueError(f"unknown scope {scope!r}; allowed: {', '.join(SCOPES)}")
+        return sizes[scope]
+
+    def group(self, scope: str) -> Any:
+        """The process group of a scope (None on an arithmetic-only topology)."""
+        self.scope_size(scope)  # validates the name
+        return {"intra": self.intra, "inter": self.inter, "world": self.world}[scope]
+
     def chunk_index(self, rank: int | None = None) -> int:
         """Nested-order G-chunk owned by ``rank`` (this rank by default)."""
         rank = self.rank if rank is None else rank
@@ -80,28 +102,21 @@ class Topology:
         return flat.view(m, g, -1).transpose(0, 1).reshape(-1)
 
     @classmethod
-    def from_process_group(cls, group_size: int, group: Any = None) -> Topology:
-        """Build the topology of this rank and create its intra and inter process groups.
+    def from_process_group(cls, group_size: int) -> Topology:
+        """Build the topology of this rank over the default process group: a (g, M) DeviceMesh
+        whose dimension "intra" holds the M ranks of a group and "inter" the g ranks with the
+        same local index.
 
-        Every rank of ``group`` (default: the world) must call this, in the same order as any
-        other ``new_group`` calls, because creating a process group is itself collective.
+        Every rank must call this, in the same order as any other ``new_group`` calls, because
+        creating a process group is itself collective.
         """
         import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
 
-        world = group if group is not None else dist.group.WORLD
-        ranks = dist.get_process_group_ranks(world)
-        n = len(ranks)
-        topo = cls(n, group_size, dist.get_rank(world))
-        g = topo.num_groups
-        intra = inter = None
-        for i in range(g):
-            members = [ranks[i * group_size + j] for j in range(group_size)]
-            pg = dist.new_group(members)
-            if i == topo.group_index:
-                intra = pg
-        for j in range(group_size):
-            members = [ranks[i * group_size + j] for i in range(g)]
-            pg = dist.new_group(members)
-            if j == topo.local_index:
-                inter = pg
-        return cls(n, group_size, topo.rank, world=world, intra=intra, inter=inter)
+        arithmetic = cls(dist.get_world_size(), group_size, dist.get_rank())
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        mesh = init_device_mesh(device, (arithmetic.num_groups, group_size),
+                                mesh_dim_names=("inter", "intra"))
+        return cls(arithmetic.num_ranks, group_size, arithmetic.rank, mesh=mesh,
+                   world=dist.group.WORLD, intra=mesh.get_group("intra"),
+                   inter=mesh.get_group("inter"))

@@ -1,0 +1,123 @@
+"""A unit's trainable or frozen parameters as one padded flat buffer, and its gather and free.
+
+The buffer holds S elements (the parameters' total padded to a multiple of N), cut into N chunks
+in the nested order of ``comm/topology.py``. ``shard`` is this rank's P-level slice, kept all the
+time; ``full`` is the gathered buffer, whose storage exists only while the unit is gathered
+(always for P = N, where ``full`` is the shard). The module's parameters are views into ``full``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rlhf_paro.comm.collectives import Communicator, Pending
+from rlhf_paro.comm.topology import Topology
+from rlhf_paro.sharding.errors import EngineError
+from rlhf_paro.sharding.layout import padded
+from rlhf_paro.sharding.schedule import Collective, transition_scope
+from rlhf_paro.sharding.strategy import Level
+
+
+class FlatBuffer:
+    """The trainable or the frozen parameters of one unit as one padded flat buffer."""
+
+    def __init__(self, params: list[nn.Parameter], topo: Topology, p_level: Level,
+                 dtype: torch.dtype, gather: Collective | None) -> None:
+        self.params = params
+        self.topo = topo
+        self.p_level = p_level
+        self.gather_op = gather  # the schedule's P -> N all-gather; None for P = N
+        self.shapes = [p.shape for p in params]
+        self.numels = [p.numel() for p in params]
+        self.offsets = [sum(self.numels[:k]) for k in range(len(params))]
+        self.numel = sum(self.numels)
+        self.size = padded(self.numel, topo.num_ranks)  # S
+        self.device = params[0].device
+        # fp32 copy of the initial values, kept only until the optimizer took its master shard.
+        initial = torch.zeros(self.size, dtype=torch.float32, device=self.device)
+        for p, off, n in zip(params, self.offsets, self.numels):
+            initial[off:off + n].copy_(p.detach().reshape(-1))
+        self.initial: torch.Tensor | None = initial
+        self.full = initial.to(dtype)
+        for p, off, n, shape in zip(params, self.offsets, self.numels, self.shapes):
+            p.data = self.full[off:off + n].view(shape)
+        self.storage_bytes = self.size * self.full.element_size()
+        self.shard = self.full if p_level == Level.N else self.full[self.level_slice(p_level)].clone()
+        self.gathered = p_level == Level.N
+        self.pending: Pending | None = None  # a gather in flight into ``full``
+        if p_level != Level.N:
+            self.full.untyped_storage().resize_(0)
+
+    # -- the nested layout -------------------------------------------------------------------
+    def level_slice(self, level: Level) -> slice:
+        """This rank's shard at ``level`` inside the full buffer (contiguous in nested order)."""
+        t = self.topo
+        scope = transition_scope(Level.N, level)
+        if scope is None:
+            return slice(0, self.size)
+        if scope == "intra":
+            block = self.size // t.group_size
+            return slice(t.local_index * block, (t.local_index + 1) * block)
+        chunk = self.size // t.num_ranks
+        start = t.chunk_index() * chunk
+        return slice(start, start + chunk)
+
+    def within_shard(self, level: Level) -> slice:
+        """Where this rank's shard at a level finer than P lies inside its P shard."""
+        inner, outer = self.level_slice(level), self.level_slice(self.p_level)
+        return slice(inner.start - outer.start, inner.stop - outer.start)
+
+    # -- gather and free ---------------------------------------------------------------------
+    def start_gather(self, comm: Communicator, phase: str, async_op: bool) -> None:
+        if self.gathered or self.pending is not None:
+            return
+        self.full.untyped_storage().resize_(self.storage_bytes)
+        op = self.gather_op
+        self.pending = comm.all_gather(self.full, self.shard, op.scope, phase, async_op=async_op)
+
+    def finish_gather(self) -> bool:
+        """Wait for the gather in flight; True when one completed now."""
+        if self.pending is None:
+            return False
+        self.pending.wait()
+        self.pending = None
+        self.gathered = True
+        return True
+
+    def free(self) -> None:
+        if self.p_level == Level.N:
+            return
+        self.finish_gather()  # never free a buffer a collective is still writing
+        if self.gathered:
+            self.full.untyped_storage().resize_(0)
+            self.gathered = False
+
+    def flat_grad(self, dtype: torch.dtype) -> torch.Tensor:
+        """The parameters' gradients as one padded flat ``dtype`` tensor (zeros where none);
+        clears them. A bf16 gradient widens to fp32 exactly."""
+        out = torch.zeros(self.size, dtype=dtype, device=self.device)
+        for p, off, n in zip(self.params, self.offsets, self.numels):
+            if p.grad is not None:
+                out[off:off + n].copy_(p.grad.reshape(-1))
+                p.grad = None
+        return out
+
+    def verify(self, comm: Communicator, unit_name: str) -> None:
+        """Compare every chunk of the gathered buffer against its owner's checksum."""
+        scope = self.gather_op.scope
+        sums = comm.checksums(self.shard, scope)
+        n = sums.numel()
+        chunk = self.size // n
+        t = self.topo
+        for k in range(n):
+            got = self.full[k * chunk:(k + 1) * chunk].double().sum()
+            if not torch.isclose(got, sums[k], rtol=1e-12, atol=0.0):
+                if scope == "intra":
+                    owner = t.group_index * t.group_size + k
+                else:  # nested chunk k belongs to rank (i = k % g, j = k // g)
+                    owner = (k % t.num_groups) * t.group_size + k // t.num_groups
+                raise EngineError(
+                    f"unit {unit_name!r}: the chunk gathered from rank {owner} does not match "
+                    f"its owner's checksum on rank {t.rank} ({got.item()} != {sums[k].item()})"
+                )

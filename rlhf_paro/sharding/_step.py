@@ -1,0 +1,120 @@
+"""The optimizer step at the accumulation boundary: reduce the gradients to the OS level, clip by
+the global norm, AdamW on the OS shards, bring the new parameters back to the P level.
+
+[Note: exactness]  (docs/design.md, "Exactness")
+Gradients are divided by N before the reduction and the loss by s in ``backward``, so the
+accumulated gradient is the mean over the N*s micro-batches, as in the unsharded reference fed
+the whole global batch. The squared norm is summed over this rank's OS shard and all-reduced
+over the ranks whose OS shards are disjoint (the schedule's norm row), so each element counts
+once. The update is ``torch.optim.AdamW`` itself on the OS shard, element for element the same
+arithmetic as on the unsharded model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rlhf_paro.comm.collectives import Communicator
+from rlhf_paro.sharding._unit import Unit
+from rlhf_paro.sharding.schedule import Collective, run, select, ways
+from rlhf_paro.sharding.strategy import Strategy
+
+OPTIM_DEFAULTS = {"lr": 1e-5, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+
+
+class BoundaryStep:
+    """The OS shards of a trained model's units, their AdamW state, and the boundary step."""
+
+    def __init__(self, units: list[Unit], strategy: Strategy, comm: Communicator,
+                 collectives: tuple[Collective, ...], optim: dict,
+                 max_grad_norm: float | None, reduce_dtype: torch.dtype) -> None:
+        unknown = set(optim) - set(OPTIM_DEFAULTS)
+        if unknown:
+            raise ValueError(f"unknown optimizer key(s) {sorted(unknown)}; allowed: "
+                             f"{', '.join(OPTIM_DEFAULTS)}")
+        self.units = [u for u in units if u.trainable is not None]
+        self.strategy = strategy
+        self.comm = comm
+        self.max_grad_norm = max_grad_norm
+        self.reduce_dtype = reduce_dtype
+        self._reduce = select(collectives, "boundary", "grads")
+        self._norm = select(collectives, "boundary", "norm")
+        self._update = select(collectives, "update", "trained")
+        self.masters: list[nn.Parameter] = []  # the OS shard of each trained unit
+        for unit in self.units:
+            buf = unit.trainable
+            unit.grad_acc = torch.zeros(buf.size // ways(strategy.grads, comm.topo),
+                                        dtype=torch.float32, device=buf.device)
+            if buf.full.dtype == torch.float32:
+                # The fp32 parameters are their own master: the OS shard is a view of P.
+                master = buf.shard[buf.within_shard(strategy.optim)]
+            else:
+                master = buf.initial[buf.level_slice(strategy.optim)].clone()
+            self.masters.append(nn.Parameter(master))
+        kwargs = {**OPTIM_DEFAULTS, **optim}
+        kwargs["betas"] = tuple(kwargs["betas"])
+        self.optimizer = torch.optim.AdamW(self.masters, **kwargs) if self.masters else None
+        # Allocate the moments now, so memory() is the steady state from the start.
+        for p in self.masters:
+            self.optimizer.state[p] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
+
+    @torch.no_grad()
+    def __call__(self) -> float:
+        """One optimizer step; returns the global gradient norm before clipping."""
+        grads = [self._reduce_to_os(u) for u in self.units]
+        sq = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else None)
+        for g in grads:
+            sq += g.pow(2).sum()
+        run(self._norm, sq, self.comm)
+        norm = sq.sqrt()
+        if self.max_grad_norm is not None:
+            # torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), capped at 1.
+            coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(coef)
+        for master, g in zip(self.masters, grads):
+            master.grad = g
+        if self.optimizer is not None:
+            self.optimizer.step()
+        for unit, master in zip(self.units, self.masters):
+            master.grad = None
+            unit.grad_acc.zero_()
+            self._refresh(unit, master)
+        return float(norm)
+
+    def _reduce_to_os(self, unit: Unit) -> torch.Tensor:
+        """The globally summed gradient of this rank's OS shard, in fp32 (schedule, boundary)."""
+        if not self._reduce:  # G = OS = G: the accumulator already is the OS shard's sum
+            return unit.grad_acc.clone()
+        # In place for an all-reduce in fp32: the accumulator is zeroed after the step anyway.
+        out = run(self._reduce, unit.grad_acc.to(self.reduce_dtype), self.comm)
+        return out.to(torch.float32, copy=True)
+
+    def _refresh(self, unit: Unit, master: torch.Tensor) -> None:
+        """Bring the updated OS shard back to the P level (schedule, update)."""
+        buf = unit.trainable
+        within = buf.within_shard(self.strategy.optim)
+        if buf.full.dtype != torch.float32:
+            buf.shard[within].copy_(master)
+        if self._update:
+            run(self._update, buf.shard[within].clone(), self.comm, out=buf.shard)
+
+    def optim_bytes(self) -> int:
+        """Adam moments, plus the fp32 masters where they are not the parameters themselves."""
+        total = 0
+        for unit, master in zip(self.units, self.masters):
+            state = self.optimizer.state[master]
+            total += sum(state[k].numel() * state[k].element_size()
+                         for k in ("exp_avg", "exp_avg_sq"))
+            if unit.trainable.full.dtype != torch.float32:
+                total += master.numel() * master.element_size()
+        return total
+
+    @property
+    def lr(self) -> float:
+        return 0.0 if self.optimizer is None else float(self.optimizer.param_groups[0]["lr"])
