@@ -27,7 +27,6 @@ from typing import Any, Iterator, Literal
 import yaml
 
 from rlhf_paro.sharding.strategy import Strategy, StrategyError
-from rlhf_paro.sharding.topology import TopologyError
 
 # conf/ sits next to the package in the repository (and in an editable install).
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -546,6 +545,6 @@ def cli_errors() -> Iterator[None]:
     """Turn a user mistake into ``error: <message>`` on stderr and exit status 2, no traceback."""
     try:
         yield
-    except (ConfigError, StrategyError, TopologyError) as err:
+    except (ConfigError, StrategyError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None

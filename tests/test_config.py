@@ -1,5 +1,8 @@
 """Conf loading, overrides and the one-line errors of every kind of user mistake."""
 
+import subprocess
+import sys
+
 import pytest
 
 from rlhf_paro.config import (
@@ -113,3 +116,10 @@ def test_cli_errors_exit_2_with_only_the_message(capsys):
 
 def test_shipped_confs_all_load():
     assert {"ppo_tiny", "ppo_llama7b"} <= set(available_confs())
+
+
+def test_config_imports_without_torch():
+    # A bad command line must fail in a fraction of a second, before torch's import (seconds).
+    code = "import rlhf_paro.config, sys; assert 'torch' not in sys.modules, 'torch imported'"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
