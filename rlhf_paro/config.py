@@ -26,6 +26,7 @@ from typing import Any, Iterator, Literal
 
 import yaml
 
+from rlhf_paro.comm.meter import ALGORITHM_NAMES
 from rlhf_paro.sharding.strategy import Strategy, StrategyError
 
 # conf/ sits next to the package in the repository (and in an editable install).
@@ -204,7 +205,12 @@ class ClusterConfig:
 class CommConfig:
     """Algorithm for world-scope all-gather and reduce-scatter (DESIGN section 6)."""
 
-    algorithm: Literal["native", "ring", "hring", "horing", "horing_pipelined"] = "native"
+    algorithm: str = "native"
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHM_NAMES:
+            raise ConfigError("algorithm", f"got {self.algorithm!r}; allowed: "
+                                           f"{', '.join(ALGORITHM_NAMES)}")
 
 
 @dataclass

@@ -19,9 +19,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlhf_paro.comm.meter import STEP_PHASES
+from rlhf_paro.config import ROLES, TRAINED_ROLES
 
-ROLES = ("actor", "critic", "reward", "ref")
-TRAINED = ("actor", "critic")
 # Wall-time phases of each role (m/time_s/<phase>).
 ROLE_PHASES = {
     "actor": ("generate", "inference", "train"),
@@ -31,7 +31,7 @@ ROLE_PHASES = {
 }
 # Comm phases every row has a column for: the engine's four and the actor's generation. Any
 # other phase a meter reports (e.g. a checkpoint's "gather") gets columns when it occurs.
-COMM_PHASES = ("forward", "backward", "boundary", "update", "generate")
+COMM_PHASES = (*STEP_PHASES, "generate")
 LOOP_KEYS = (
     "ppo/reward_mean", "ppo/task_score", "ppo/kl", "ppo/kl_coef", "ppo/advantage_mean",
     "ppo/return_mean", "ppo/response_length",
@@ -45,7 +45,7 @@ def model_keys(role: str) -> list[str]:
     keys = [f"{role}/tokens_per_s", *(f"{role}/time_s/{p}" for p in ROLE_PHASES[role])]
     keys += [f"{role}/comm/{k}" for k in ("intra_bytes", "inter_bytes", "time_s", "calls")]
     keys += [f"{role}/mem/{k}_bytes" for k in ("params", "grads", "optim", "peak")]
-    if role in TRAINED:
+    if role in TRAINED_ROLES:
         keys += [f"{role}/{k}" for k in ("loss", "grad_norm", "lr")]
         keys.append("actor/clipfrac" if role == "actor" else "critic/vf_clipfrac")
     return keys

@@ -16,16 +16,12 @@ import torch
 import torch.distributed as dist
 
 from rlhf_paro.comm import rings
-from rlhf_paro.comm.meter import CommMeter, LinkBytes, native_bytes
+from rlhf_paro.comm.meter import ALGORITHM_NAMES, CommMeter, LinkBytes, native_bytes
 
 if TYPE_CHECKING:  # sharding imports comm; only the type is needed here
     from rlhf_paro.sharding.topology import Topology
 
 SCOPES = ("intra", "inter", "world")
-
-
-def algorithm_names() -> list[str]:
-    return ["native", *rings.ALGORITHMS]
 
 
 # gloo and NCCL name these differently across torch releases.
@@ -55,9 +51,9 @@ class Communicator:
 
     def __init__(self, topology: Topology, meter: CommMeter | None = None,
                  algorithm: str = "native") -> None:
-        if algorithm not in algorithm_names():
+        if algorithm not in ALGORITHM_NAMES:
             raise ValueError(
-                f"comm.algorithm={algorithm!r} is unknown; allowed: {', '.join(algorithm_names())}"
+                f"comm.algorithm={algorithm!r} is unknown; allowed: {', '.join(ALGORITHM_NAMES)}"
             )
         self.topo = topology
         self.meter = meter if meter is not None else CommMeter()

@@ -15,7 +15,12 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:  # sharding imports comm; only the type is needed here
     from rlhf_paro.sharding.topology import Topology
 
-PHASES = ("forward", "backward", "boundary", "update", "generate", "gather")
+# The phases of one optimizer step's collectives, in order (DESIGN section 4). A record's phase is
+# one of these, the actor's "generate" or a checkpoint's "gather".
+STEP_PHASES = ("forward", "backward", "boundary", "update")
+# comm.algorithm: native collectives or a schedule of comm/rings.py (its ALGORITHMS, held to this
+# list by a test). Kept here, torch-free, so that the config checks it without importing torch.
+ALGORITHM_NAMES = ("native", "ring", "hring", "horing", "horing_pipelined")
 
 
 class CommRecord(NamedTuple):

@@ -18,14 +18,12 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from rlhf_paro.comm.meter import LinkBytes, native_bytes
+from rlhf_paro.comm.meter import STEP_PHASES, LinkBytes, native_bytes
 from rlhf_paro.sharding.layout import UnitSizes, padded
 from rlhf_paro.sharding.strategy import Level, Strategy
 from rlhf_paro.sharding.topology import Topology
 
 __all__ = ["UnitSizes", "bytes_per_element", "memory", "optimizer_bytes_per_element", "traffic"]
-
-TRAFFIC_PHASES = ("forward", "backward", "boundary", "update")
 
 
 def bytes_per_element(precision: str) -> int:
@@ -74,7 +72,7 @@ def _rank_traffic(strategy: Strategy, units: Sequence[UnitSizes], topo: Topology
                   precision: str, algorithm: str) -> dict[str, LinkBytes]:
     b = bytes_per_element(precision)
     n, m = topo.num_ranks, topo.group_size
-    totals = {phase: [0, 0] for phase in TRAFFIC_PHASES}
+    totals = {phase: [0, 0] for phase in STEP_PHASES}
 
     def add(phase: str, op: str, numel: int, scope: str, times: int = 1, elem: int = b) -> None:
         if numel == 0:
@@ -142,4 +140,4 @@ def traffic(strategy: Strategy, units: Sequence[UnitSizes], num_ranks: int, grou
                               algorithm) for j in range(group_size)]
     return {phase: LinkBytes(sum(p[phase].intra for p in per_rank) / group_size,
                              sum(p[phase].inter for p in per_rank) / group_size)
-            for phase in TRAFFIC_PHASES}
+            for phase in STEP_PHASES}
