@@ -424,7 +424,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     for key, value in data.items():
         if key not in names:
             raise _unknown_key(prefix, str(key), names)
-        kwargs[key] = _coerce(hints[key], value, _join(prefix, key))
+        kwargs[key] = coerce(hints[key], value, _join(prefix, key))
     try:
         return cls(**kwargs)
     except ConfigError as err:
@@ -444,7 +444,8 @@ def _optional(tp: Any) -> Any:
     return tp
 
 
-def _coerce(tp: Any, value: Any, key: str) -> Any:
+def coerce(tp: Any, value: Any, key: str) -> Any:
+    """``value`` as a value of the schema type ``tp``, or ``ConfigError`` naming ``key``."""
     inner = _optional(tp)
     if value is None and inner is not tp:
         return None
@@ -464,8 +465,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if origin is tuple:
             if len(value) != len(args):
                 raise ConfigError(key, f"expected a list of {len(args)}, got {list(value)}")
-            return tuple(_coerce(a, v, key) for a, v in zip(args, value))
-        return [_coerce(args[0], v, key) for v in value]
+            return tuple(coerce(a, v, key) for a, v in zip(args, value))
+        return [coerce(args[0], v, key) for v in value]
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(key, f"expected a mapping such as {{a: 1}}, got {value!r}")

@@ -25,6 +25,8 @@ def _train(*args: str, cwd) -> subprocess.CompletedProcess:
     (["conf=no_such_conf"], "conf"),
     (["actor.config=null", "actor.path=/no/such/model"], "actor.path"),
     (["actor.config.num_hidden_layerz=2"], "actor.config.num_hidden_layerz"),  # checked by HF
+    (["actor.config.hidden_size={a: 1}"], "actor.config.hidden_size"),  # HF's type, checked by us
+    (["actor.config.num_attention_heads=-0.5"], "actor.config.num_attention_heads"),
 ])
 def test_bad_input_exits_with_one_line_and_writes_nothing(tmp_path, args, names):
     out = tmp_path / "out"
