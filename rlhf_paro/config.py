@@ -187,9 +187,10 @@ class ClusterConfig:
     memory_gb: float | None = None
     # Fraction of memory_gb the planner keeps free for activations, buffers and fragmentation.
     activation_reserve: float = 0.2
-    # Per-device link bandwidths (GB/s) with which the planner ranks strategies by traffic time.
+    # Per-device link bandwidths (GB/s) with which the planner ranks strategies by traffic time:
+    # inside a group, and between groups (inter_gbps).
     intra_gbps: float = 100.0
-    inter_gbps: float = 12.5
+    inter_gbps: float = 12.5  # GB/s of a device's links to other groups (see intra_gbps)
 
     def __post_init__(self) -> None:
         for key in ("num_devices", "group_size", "nodes", "gpus_per_node", "memory_gb",

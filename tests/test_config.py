@@ -75,10 +75,10 @@ def test_llama7b_builds_on_ppo_tiny():
 
 
 def test_add_delete_and_interpolate():
-    cfg = load_config(["+actor.config.rope_theta=2e4", "~actor.config.num_key_value_heads",
+    cfg = load_config(["+actor.config.rms_norm_eps=1e-5", "~actor.config.num_key_value_heads",
                        "~ppo.kl_coef", "ppo.mini_batch_size=${ppo.rollout_batch_size}",
                        "trainer.output_dir=runs/seed${trainer.seed}", "trainer.seed=3"])
-    assert cfg.actor.config["rope_theta"] == 2e4
+    assert cfg.actor.config["rms_norm_eps"] == 1e-5
     assert "num_key_value_heads" not in cfg.actor.config
     assert cfg.ppo.kl_coef == PPOConfig.kl_coef  # the schema's default, not ppo_tiny's 0.01
     assert cfg.ppo.mini_batch_size == 64

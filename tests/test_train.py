@@ -49,3 +49,11 @@ def test_gpu_conf_without_gpus_says_what_it_needs(tmp_path):
     assert len(message.splitlines()) == 1, message
     assert "CUDA GPUs" in message and "ppo_tiny" in message and "rlhf_paro.plan" in message
     assert not out.exists()
+
+
+def test_help_and_cfg_job_exit_0_and_write_nothing(tmp_path):
+    proc = _train("--help", cwd=tmp_path)
+    assert proc.returncode == 0 and "actor.strategy=IGG" in proc.stdout, proc.stderr
+    proc = _train("--cfg", "job", "trainer.steps=3", cwd=tmp_path)
+    assert proc.returncode == 0 and "  steps: 3\n" in proc.stdout, proc.stderr
+    assert os.listdir(tmp_path) == []
