@@ -7,6 +7,7 @@ bad input that got through would show up as a recorded job instead of a training
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -42,10 +43,7 @@ def test_cfg_job_prints_the_resolved_config_and_runs_nothing(jobs, capsys):
     argv = ["conf=ppo_llama7b", "cluster.nodes=4", "trainer.output_dir=runs/${cluster.nodes}"]
     train.main(["--cfg", "job", *argv])
     printed = yaml.safe_load(capsys.readouterr().out)
-    expected = load_config(argv).to_dict()
-    expected["actor"]["optim"]["betas"] = list(expected["actor"]["optim"]["betas"])
-    assert printed["actor"] == expected["actor"] and printed == yaml.safe_load(yaml.safe_dump(
-        printed))  # plain YAML, nothing left to resolve
+    assert printed == json.loads(json.dumps(load_config(argv).to_dict()))  # tuples as lists
     assert (printed["cluster"]["num_devices"], printed["trainer"]["output_dir"]) == (32, "runs/4")
     assert jobs == []
     plan.main(["--cfg", "job", *argv])
