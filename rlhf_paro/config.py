@@ -1,14 +1,26 @@
-"""Typed configuration: one dataclass per component, YAML confs, dotted overrides, validation.
+"""Typed configuration: one dataclass per component, composed with OmegaConf.
 
-``load_config(["conf=ppo_tiny", "actor.strategy=IGG", ...])`` reads ``conf/ppo_tiny.yaml`` (or a
-``.yaml`` path), merges the confs named in its ``defaults:`` list first, applies the ``key=value``
-overrides (values parsed like YAML) and builds a ``Config``. Every key is checked against the
-dataclasses below; a user mistake raises ``ConfigError`` whose message is one line naming the key
-and what is allowed. Entry points wrap their body in ``cli_errors()`` to turn it into ``error: ...``
-on stderr and exit status 2.
+``load_config(["conf=ppo_tiny", "actor.strategy=IGG", ...])`` builds a ``Config`` in four steps:
 
-This module does not import transformers, so a bad command line fails fast. Checks that need it
-(the keys of an inline model config) live in ``rlhf_paro.models.check_model_configs``.
+1. read ``conf/ppo_tiny.yaml`` (``conf=NAME``) or a ``.yaml`` path, over the confs its
+   ``defaults:`` list names, merged in order (mappings key by key, anything else replaces);
+2. apply the overrides in order: ``key=value`` sets, ``+key=value`` adds a key to a model's
+   inline ``config`` (the schema's own keys always exist), ``~key`` deletes (a schema key is then
+   back at its default); values are YAML, read as OmegaConf reads conf files;
+3. resolve OmegaConf interpolations: ``${ppo.rollout_batch_size}`` (a key the conf or the command
+   line sets), ``${oc.env:NAME}``;
+4. build the dataclasses below, checking every key and type; each checks its values on
+   construction (``__post_init__``).
+
+A user mistake raises ``ConfigError``: one line naming the key and what is allowed. Entry points
+turn it into ``error: ...`` on stderr and exit status 2 (``cli_errors``).
+
+The dataclasses are built here rather than by OmegaConf's structured configs because OmegaConf
+converts loosely (2 becomes true for a bool, true becomes "True" for a string), has no Literal,
+and reports on several lines; the builder below is strict and names the key in one line.
+
+This module imports neither torch nor transformers, so a bad command line fails fast. Checks
+that need transformers (an inline model config) live in ``rlhf_paro.models``.
 """
 
 from __future__ import annotations
@@ -17,17 +29,21 @@ import contextlib
 import copy
 import dataclasses
 import difflib
+import math
+import re
 import sys
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Iterator, Literal, NamedTuple
 
 import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException, UnsupportedValueType
 
+from rlhf_paro.comm.meter import ALGORITHM_NAMES
 from rlhf_paro.sharding.strategy import Strategy, StrategyError
-from rlhf_paro.comm.topology import TopologyError
 
 # conf/ sits next to the package in the repository (and in an editable install).
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -44,7 +60,9 @@ class ConfigError(ValueError):
     def __init__(self, key: str, problem: str) -> None:
         self.key = key
         self.problem = problem
-        super().__init__(f"{key}: {problem}" if key else problem)
+        message = f"{key}: {problem}" if key else problem
+        # Keys and values come from the command line: a newline in one must not break the line.
+        super().__init__("".join(c if c.isprintable() else ascii(c)[1:-1] for c in message))
 
     def under(self, prefix: str) -> ConfigError:
         """The same error with its key qualified by the section it was found in."""
@@ -71,10 +89,10 @@ def _unit_interval(key: str, value: float) -> None:
 class OptimConfig:
     """AdamW and gradient clipping of a trained model."""
 
-    lr: float = 1e-5
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
+    lr: float = 1e-5  # learning rate
+    betas: tuple[float, float] = (0.9, 0.95)  # Adam moment decay rates
+    eps: float = 1e-8  # Adam denominator epsilon
+    weight_decay: float = 0.0  # decoupled weight decay
     max_grad_norm: float = 1.0  # clip by global norm; every element counted once across shards
 
     def __post_init__(self) -> None:
@@ -96,11 +114,11 @@ class OptimConfig:
 class LoraConfig:
     """Low-rank adapters (PEFT) on the backbone; only the adapters are trained."""
 
-    enabled: bool = False
-    r: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: list[str] = field(
+    enabled: bool = False  # train adapters instead of the whole model (actor and critic only)
+    r: int = 8  # adapter rank
+    alpha: float = 16.0  # adapter scale numerator (scale = alpha / r)
+    dropout: float = 0.0  # dropout on the adapter input
+    target_modules: list[str] = field(  # linear layers that get adapters
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
     def __post_init__(self) -> None:
@@ -121,22 +139,29 @@ class ModelConfig:
     reward or ref with neither inherits the actor's source, so ref starts from the actor's weights.
     """
 
-    path: str | None = None
+    path: str | None = None  # a local Hugging Face model directory, never downloaded
+    # An inline Hugging Face config (random init); transformers checks its keys. A critic, reward
+    # or ref with neither path nor config takes the actor's.
     config: dict[str, Any] | None = None
     # A triple or preset for trained models, one P level for frozen ones, or ``auto`` (the planner).
     strategy: str = "auto"
+    # bf16 keeps an fp32 master copy in the optimizer state (K = 12 bytes per parameter).
     precision: Literal["fp32", "bf16"] = "fp32"
+    # Precision of gradient reductions between ranks (trained models; gradients always add up
+    # in fp32): fp32 keeps bf16 training order-independent, bf16 halves the gradient traffic.
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     optim: OptimConfig = field(default_factory=OptimConfig)
     # Sequences per forward/backward on one device; gradient accumulation makes up the rest.
     micro_batch_size: int = 4
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = False  # recompute block activations in the backward pass
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         _positive("micro_batch_size", self.micro_batch_size)
         if self.path is not None and self.config is not None:
             raise ConfigError("path", "set either path (a local model directory) or config "
-                                      "(an inline model config), not both; unset one with =null")
+                                      "(an inline model config), not both; unset one with ~ (e.g. "
+                                      "~actor.config) or =null")
         if self.path is not None:
             model_dir = Path(self.path).expanduser()
             if not (model_dir / "config.json").is_file():
@@ -156,18 +181,19 @@ class ClusterConfig:
     always set.
     """
 
-    num_devices: int | None = None
-    group_size: int | None = None
-    nodes: int | None = None
-    gpus_per_node: int | None = None
-    device: Literal["cpu", "cuda"] = "cpu"
+    num_devices: int | None = None  # N: devices in all, each hosting all four models
+    group_size: int | None = None  # M: devices per group; divides N (None: N)
+    nodes: int | None = None  # with gpus_per_node: N = nodes x gpus_per_node
+    gpus_per_node: int | None = None  # with nodes: M = gpus_per_node
+    device: Literal["cpu", "cuda"] = "cpu"  # cpu runs on gloo, cuda on NCCL (one GPU a device)
     # Memory of one device, for the planner and strategy=auto; None: no limit.
     memory_gb: float | None = None
     # Fraction of memory_gb the planner keeps free for activations, buffers and fragmentation.
     activation_reserve: float = 0.2
-    # Per-device link bandwidths (GB/s) with which the planner ranks strategies by traffic time.
+    # Per-device link bandwidths (GB/s) with which the planner ranks strategies by traffic time:
+    # inside a group, and between groups (inter_gbps).
     intra_gbps: float = 100.0
-    inter_gbps: float = 12.5
+    inter_gbps: float = 12.5  # GB/s of a device's links to other groups (see intra_gbps)
 
     def __post_init__(self) -> None:
         for key in ("num_devices", "group_size", "nodes", "gpus_per_node", "memory_gb",
@@ -203,9 +229,14 @@ class ClusterConfig:
 
 @dataclass
 class CommConfig:
-    """Algorithm for world-scope all-gather and reduce-scatter (DESIGN section 6)."""
+    """Algorithm for world-scope all-gather and reduce-scatter (docs/design.md, "Collectives")."""
 
-    algorithm: Literal["native", "ring", "hring", "horing", "horing_pipelined"] = "native"
+    algorithm: str = "native"  # native or a ring schedule of comm/rings.py
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHM_NAMES:
+            raise ConfigError("algorithm", f"got {self.algorithm!r}; allowed: "
+                                           f"{', '.join(ALGORITHM_NAMES)}")
 
 
 @dataclass
@@ -215,20 +246,20 @@ class PPOConfig:
     rollout_batch_size: int = 32  # prompts generated per PPO step
     mini_batch_size: int = 16  # sequences per optimizer step
     ppo_epochs: int = 1  # passes over the rollout per PPO step
-    max_prompt_len: int = 16
-    max_new_tokens: int = 8
-    temperature: float = 1.0
+    max_prompt_len: int = 16  # longest prompt in tokens
+    max_new_tokens: int = 8  # response length limit in tokens
+    temperature: float = 1.0  # sampling temperature (log-probs use the same one)
     top_k: int = 0  # 0: sample from the full distribution
-    gamma: float = 1.0
-    lam: float = 0.95
-    clip_eps: float = 0.2
-    value_clip_eps: float = 0.2
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    kl_coef: float = 0.05
-    adaptive_kl: bool = False
-    kl_target: float = 6.0
-    kl_horizon: int = 10000
-    whiten_advantages: bool = True
+    gamma: float = 1.0  # discount of future rewards
+    lam: float = 0.95  # GAE lambda: bias (0) versus variance (1) of the advantage estimate
+    clip_eps: float = 0.2  # PPO ratio clip
+    value_clip_eps: float = 0.2  # how far the critic may move from its rollout-time values
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # per-token KL estimator against ref
+    kl_coef: float = 0.05  # KL penalty coefficient (the start value when adaptive)
+    adaptive_kl: bool = False  # adapt kl_coef towards kl_target (Ziegler et al. 2019)
+    kl_target: float = 6.0  # target KL per sequence of the adaptive controller
+    kl_horizon: int = 10000  # samples over which the controller closes the gap to the target
+    whiten_advantages: bool = True  # normalise advantages over the whole rollout (all devices)
 
     def __post_init__(self) -> None:
         for key in ("rollout_batch_size", "mini_batch_size", "ppo_epochs", "max_prompt_len",
@@ -249,7 +280,7 @@ class PPOConfig:
 @dataclass
 class TrainerConfig:
     steps: int = 20  # PPO steps (rollout + update)
-    seed: int = 0
+    seed: int = 0  # seeds model init, prompts and sampling
     output_dir: str = "outputs/run"  # metrics.jsonl, the dashboard and the wandb run land here
 
     def __post_init__(self) -> None:
@@ -258,11 +289,11 @@ class TrainerConfig:
 
 @dataclass
 class WandbConfig:
-    mode: Literal["offline", "online", "disabled"] = "offline"
-    project: str = "rlhf_paro"
-    entity: str | None = None
+    mode: Literal["offline", "online", "disabled"] = "offline"  # offline: `wandb sync` later
+    project: str = "rlhf_paro"  # wandb project
+    entity: str | None = None  # wandb team or user (None: wandb's default)
     name: str | None = None  # None: the name of the output directory
-    tags: list[str] = field(default_factory=list)
+    tags: list[str] = field(default_factory=list)  # wandb run tags
 
 
 @dataclass
@@ -273,15 +304,15 @@ class LoggerConfig:
 
 @dataclass
 class TaskConfig:
-    """The synthetic task (``rlhf_paro.ppo.data``) and the training of its reward model."""
+    """The synthetic task (``rlhf_paro.ppo.task``) and the training of its reward model."""
 
     num_symbols: int = 16  # the alphabet the counting task runs over
     prompt_len: int = 4  # prompt tokens, <bos> included
     reward_pairs: int = 4096  # preference pairs to train the reward model on
     reward_eval_pairs: int = 512  # held-out pairs for its accuracy
-    reward_steps: int = 300
-    reward_batch_size: int = 64
-    reward_lr: float = 1e-3
+    reward_steps: int = 300  # optimizer steps of the reward model's Bradley-Terry training
+    reward_batch_size: int = 64  # preference pairs per step
+    reward_lr: float = 1e-3  # its AdamW learning rate
     cache_dir: str | None = None  # None: ~/.cache/rlhf_paro
 
     def __post_init__(self) -> None:
@@ -375,8 +406,18 @@ def build_config(data: dict[str, Any]) -> Config:
     return _build(Config, data, "")
 
 
+def _unknown_key(prefix: str, key: str, names: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, names, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return ConfigError(_join(prefix, key), f"unknown key{hint}; allowed: {', '.join(names)}")
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls) if f.init]
+
+
 def _build(cls: type, data: Any, prefix: str) -> Any:
-    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    names = _field_names(cls)
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -386,11 +427,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     kwargs = {}
     for key, value in data.items():
         if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ConfigError(_join(prefix, str(key)),
-                              f"unknown key{hint}; allowed: {', '.join(names)}")
-        kwargs[key] = _coerce(hints[key], value, _join(prefix, key))
+            raise _unknown_key(prefix, str(key), names)
+        kwargs[key] = coerce(hints[key], value, _join(prefix, key))
     try:
         return cls(**kwargs)
     except ConfigError as err:
@@ -400,17 +438,25 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
 _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
-def _coerce(tp: Any, value: Any, key: str) -> Any:
+def _optional(tp: Any) -> Any:
+    """``X | None`` -> X (the only unions the schema has); anything else as it is."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(options) != 1:
+            raise TypeError(f"unsupported schema type {tp}")  # internal: schema authors only
+        return options[0]
+    return tp
+
+
+def coerce(tp: Any, value: Any, key: str) -> Any:
+    """``value`` as a value of the schema type ``tp``, or ``ConfigError`` naming ``key``."""
+    inner = _optional(tp)
+    if value is None and inner is not tp:
+        return None
+    tp = inner
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, key)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        options = [a for a in args if a is not type(None)]
-        if len(options) == 1:
-            return _coerce(options[0], value, key)
-        raise TypeError(f"unsupported schema type {tp}")  # internal: schema authors only
     if origin is Literal:
         if value not in args:
             raise ConfigError(key, f"got {value!r}; allowed: {', '.join(map(str, args))}")
@@ -423,8 +469,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if origin is tuple:
             if len(value) != len(args):
                 raise ConfigError(key, f"expected a list of {len(args)}, got {list(value)}")
-            return tuple(_coerce(a, v, key) for a, v in zip(args, value))
-        return [_coerce(args[0], v, key) for v in value]
+            return tuple(coerce(a, v, key) for a, v in zip(args, value))
+        return [coerce(args[0], v, key) for v in value]
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(key, f"expected a mapping such as {{a: 1}}, got {value!r}")
@@ -432,14 +478,12 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     ok = {
         bool: isinstance(value, bool),
         int: isinstance(value, int) and not isinstance(value, bool),
-        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        # nan passes every range check (all comparisons are false), so it is refused here.
+        float: isinstance(value, (int, float)) and not isinstance(value, bool)
+        and not math.isnan(value),
         # Numbers are fine as strings (a run name "1"), booleans and lists are not.
         str: isinstance(value, (str, int, float)) and not isinstance(value, bool),
     }
-    if tp is float and isinstance(value, str):
-        # YAML 1.1 reads 1e-5 (no dot) as a string; a user writing lr=1e-5 means the number.
-        with contextlib.suppress(ValueError):
-            return float(value)
     if tp not in ok:
         raise TypeError(f"unsupported schema type {tp}")
     if not ok[tp]:
@@ -447,7 +491,54 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     return tp(value)
 
 
+def _schema_depth(parts: list[str]) -> int:
+    """How many leading parts of a dotted key are keys of the schema; any after them lie inside
+    a model's inline ``config`` (a mapping the schema leaves open). Raises ``ConfigError`` for a
+    key the schema does not have."""
+    node: Any = Config
+    for depth, part in enumerate(parts):
+        prefix = ".".join(parts[:depth])
+        if not dataclasses.is_dataclass(node):
+            raise ConfigError(prefix, f"is a value, not a section, so it has no key {part!r}")
+        names = _field_names(node)
+        if part not in names:
+            raise _unknown_key(prefix, part, names)
+        node = _optional(typing.get_type_hints(node)[part])
+        if typing.get_origin(node) is dict:
+            return depth + 1
+    return len(parts)
+
+
 # --- conf files and the command line --------------------------------------------------------------
+
+class _YamlLoader(yaml.SafeLoader):
+    """YAML as OmegaConf reads it, for conf files and override values alike: ``1e-5`` is a
+    number (YAML 1.1 reads it as a string) and a date stays a string."""
+
+
+_YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
+@contextlib.contextmanager
+def _omegaconf_errors() -> Iterator[None]:
+    """OmegaConf's errors (a bad interpolation, a value it cannot hold) as one-line errors."""
+    try:
+        yield
+    except OmegaConfBaseException as err:
+        # The first line is the problem; OmegaConf adds the key and the object type below it.
+        problem = str(err).splitlines()[0] if str(err) else type(err).__name__
+        allowed = ("numbers, strings, booleans, null, lists and mappings"
+                   if isinstance(err, UnsupportedValueType) else
+                   "${key} of a key the conf or the command line sets, ${oc.env:NAME}, "
+                   "or \\${ for a literal ${")
+        raise ConfigError(getattr(err, "full_key", None) or "", f"{problem}; allowed: "
+                                                                  f"{allowed}") from None
+
 
 def conf_path(name: str) -> Path:
     """``conf=NAME`` -> ``conf/NAME.yaml``; a value ending in .yaml/.yml is a path."""
@@ -460,8 +551,8 @@ def available_confs() -> list[str]:
     return sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
 
 
-def _read_conf(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """The conf at ``path`` with its ``defaults`` merged underneath, in order."""
+def _read_conf(path: Path, chain: tuple[Path, ...] = ()) -> DictConfig:
+    """The conf at ``path`` over the confs of its ``defaults`` list, merged in order."""
     if not path.is_file():
         allowed = ", ".join(available_confs()) or "none found"
         name = path.stem if path.parent == CONF_DIR else str(path)
@@ -469,7 +560,7 @@ def _read_conf(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     if path.resolve() in chain:
         raise ConfigError("defaults", f"{path.name} includes itself through its defaults")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_YamlLoader) or {}
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
@@ -479,66 +570,123 @@ def _read_conf(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     defaults = data.pop("defaults", []) or []
     if not isinstance(defaults, list):
         raise ConfigError("defaults", f"expected a list of conf names, got {defaults!r}")
-    merged: dict[str, Any] = {}
-    for name in defaults:
-        sibling = path.parent / f"{name}.yaml"
-        base = sibling if sibling.is_file() else conf_path(str(name))
-        _merge(merged, _read_conf(base, chain + (path.resolve(),)))
-    _merge(merged, data)
-    return merged
+    with _omegaconf_errors():
+        merged = OmegaConf.create()
+        for name in defaults:
+            sibling = path.parent / f"{name}.yaml"
+            base = sibling if sibling.is_file() else conf_path(str(name))
+            merged = OmegaConf.merge(merged, _read_conf(base, chain + (path.resolve(),)))
+        return OmegaConf.merge(merged, OmegaConf.create(data))
 
 
-def _merge(into: dict[str, Any], update: dict[str, Any]) -> None:
-    """Recursive merge: mappings merge key by key, anything else (lists too) replaces."""
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(into.get(key), dict):
-            _merge(into[key], value)
-        else:
-            into[key] = copy.deepcopy(value)
+class Override(NamedTuple):
+    """One command-line override: ``key=value`` (op ``=``), ``+key=value`` or ``~key``."""
+
+    op: Literal["=", "+", "~"]
+    key: str
+    value: Any  # parsed as YAML; None for ``~``
 
 
-def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
-    parts = key.split(".")
-    node = data
-    for depth, part in enumerate(parts[:-1]):
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(".".join(parts[:depth + 1]),
-                              f"is {child!r}, not a section, so it has no key {parts[depth + 1]!r}")
-        node = child
-    node[parts[-1]] = value
+def split_sweep(text: str) -> list[str]:
+    """The values of a sweep ``a,b,c``: the text cut at commas outside brackets, braces and
+    quotes (``[a, b]``, ``{a: 1, b: 2}`` and ``'a,b'`` are one value each)."""
+    values, depth, quote, start = [], 0, "", 0
+    for i, char in enumerate(text):
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth -= 1
+        elif char == "," and depth == 0:
+            values.append(text[start:i])
+            start = i + 1
+    return values + [text[start:]]
 
 
-def parse_overrides(argv: list[str]) -> tuple[str, list[tuple[str, Any]]]:
-    """``conf=NAME`` and ``key=value`` arguments -> (conf name, [(dotted key, parsed value)])."""
+def parse_overrides(argv: list[str]) -> tuple[str, list[Override]]:
+    """``conf=NAME`` and the overrides of a command line -> (conf name, overrides in order)."""
     conf = DEFAULT_CONF
     overrides = []
     for arg in argv:
-        key, sep, text = arg.partition("=")
+        op = arg[0] if arg[:1] in ("+", "~") else "="
+        key, sep, text = (arg if op == "=" else arg[1:]).partition("=")
         key = key.strip()
-        if not sep or not key or any(not part for part in key.split(".")):
+        if (not sep and op != "~") or not key or any(not part for part in key.split(".")):
             raise ConfigError(arg, "expected key=value with a dotted key, e.g. "
-                                   "actor.strategy=IGG or conf=ppo_tiny")
+                                   "actor.strategy=IGG, +key=value, ~key or conf=ppo_tiny")
+        if op == "~" and sep:
+            raise ConfigError(key, f"~{key} deletes the key and takes no value; allowed: ~{key}")
         if key == "conf":
+            if op != "=":
+                raise ConfigError(key, "selects the conf; allowed: conf=NAME or conf=path.yaml")
             conf = text.strip()
             continue
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError:
-            raise ConfigError(key, f"cannot parse {text!r} as a value") from None
-        overrides.append((key, value))
+        if op != "~" and len(split_sweep(text)) > 1:
+            raise ConfigError(key, f"{text!r} is a sweep; allowed: -m to run one job per value, "
+                                   f"a list [{text}], or a quoted string '{text}'")
+        overrides.append(Override(op, key, None if op == "~" else _parse_value(key, text)))
     return conf, overrides
 
 
+def _parse_value(key: str, text: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_YamlLoader)
+    except yaml.YAMLError:
+        raise ConfigError(key, f"cannot parse {text!r} as a value; allowed: YAML such as 3, "
+                               "1e-5, abc, [a, b], {a: 1} or null") from None
+
+
+def _apply(cfg: DictConfig, override: Override) -> None:
+    """Set, add or delete one key of the composed conf (see the module docstring)."""
+    op, key = override.op, override.key
+    parts = key.split(".")
+    depth = _schema_depth(parts)
+    if op == "+" and depth == len(parts):
+        raise ConfigError(key, f"is a key of the schema, which always has it; allowed: "
+                               f"{key}=VALUE (+ adds keys inside a model's inline config)")
+    node = cfg
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            if op == "~":
+                break
+            node[part] = {}
+        elif not isinstance(child, DictConfig):
+            raise ConfigError(".".join(parts[:i + 1]), f"is {child!r}, not a section, so it has "
+                                                       f"no key {parts[i + 1]!r}")
+        node = node[part]
+    else:
+        last = parts[-1]
+        if op == "~":
+            if last in node:
+                del node[last]
+                return
+        elif op == "+" and last in node:
+            raise ConfigError(key, f"is already set to {node[last]!r}; allowed: {key}=VALUE to "
+                                   "change it")
+        else:
+            node[last] = override.value
+            return
+    # A schema key that is not set has its default already; an inline-config key is just absent.
+    if op == "~" and depth < len(parts):
+        raise ConfigError(key, "is not set, so there is nothing to delete")
+
+
+def compose(conf: str, overrides: list[Override]) -> dict[str, Any]:
+    """The conf with the overrides applied and interpolations resolved, as plain data."""
+    cfg = _read_conf(conf_path(conf))
+    with _omegaconf_errors():
+        for override in overrides:
+            _apply(cfg, override)
+        return OmegaConf.to_container(cfg, resolve=True)
+
+
 def load_config(argv: list[str]) -> Config:
-    """Build the ``Config`` of a command line: ``[conf=NAME|conf=path.yaml] [key=value ...]``."""
-    conf, overrides = parse_overrides(argv)
-    data = _read_conf(conf_path(conf))
-    for key, value in overrides:
-        _set_dotted(data, key, value)
-    return build_config(data)
+    """The ``Config`` of a command line: ``[conf=NAME|conf=path.yaml] [override ...]``."""
+    return build_config(compose(*parse_overrides(argv)))
 
 
 @contextlib.contextmanager
@@ -546,6 +694,6 @@ def cli_errors() -> Iterator[None]:
     """Turn a user mistake into ``error: <message>`` on stderr and exit status 2, no traceback."""
     try:
         yield
-    except (ConfigError, StrategyError, TopologyError) as err:
+    except (ConfigError, StrategyError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None

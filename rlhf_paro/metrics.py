@@ -1,7 +1,7 @@
 """Per-model metrics of a PPO step, to the console, ``<output_dir>/metrics.jsonl`` and wandb.
 
 Every rank of every model sends the driver one ``RankReport`` per step (``actors/worker.py``);
-``model_metrics`` folds the N reports of a model into the names of DESIGN section 9:
+``model_metrics`` folds the N reports of a model into the names of docs/design.md, "Metrics":
 
 - ``m/comm/*`` are **summed over the model's N ranks**: the bytes that all of the model's ranks
   put on intra-group and on inter-group links during this step (each rank counts what it sent,
@@ -19,9 +19,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlhf_paro.sharding.schedule import TRAINING_PHASES
+from rlhf_paro.config import ROLES, TRAINED_ROLES
 
-ROLES = ("actor", "critic", "reward", "ref")
-TRAINED = ("actor", "critic")
 # Wall-time phases of each role (m/time_s/<phase>).
 ROLE_PHASES = {
     "actor": ("generate", "inference", "train"),
@@ -31,7 +31,7 @@ ROLE_PHASES = {
 }
 # Comm phases every row has a column for: the engine's four and the actor's generation. Any
 # other phase a meter reports (e.g. a checkpoint's "gather") gets columns when it occurs.
-COMM_PHASES = ("forward", "backward", "boundary", "update", "generate")
+COMM_PHASES = (*TRAINING_PHASES, "generate")
 LOOP_KEYS = (
     "ppo/reward_mean", "ppo/task_score", "ppo/kl", "ppo/kl_coef", "ppo/advantage_mean",
     "ppo/return_mean", "ppo/response_length",
@@ -41,18 +41,18 @@ LOOP_KEYS = (
 
 
 def model_keys(role: str) -> list[str]:
-    """The DESIGN-9 keys of one model (the per-phase comm split comes on top)."""
+    """The keys of one model (docs/design.md, "Metrics") (the per-phase comm split comes on top)."""
     keys = [f"{role}/tokens_per_s", *(f"{role}/time_s/{p}" for p in ROLE_PHASES[role])]
     keys += [f"{role}/comm/{k}" for k in ("intra_bytes", "inter_bytes", "time_s", "calls")]
     keys += [f"{role}/mem/{k}_bytes" for k in ("params", "grads", "optim", "peak")]
-    if role in TRAINED:
+    if role in TRAINED_ROLES:
         keys += [f"{role}/{k}" for k in ("loss", "grad_norm", "lr")]
         keys.append("actor/clipfrac" if role == "actor" else "critic/vf_clipfrac")
     return keys
 
 
 def required_keys() -> list[str]:
-    """Every key DESIGN section 9 promises in every row of metrics.jsonl."""
+    """Every key docs/design.md, "Metrics", promises in every row of metrics.jsonl."""
     return [k for role in ROLES for k in model_keys(role)] + list(LOOP_KEYS)
 
 

@@ -15,15 +15,18 @@ meta device: parameter counts and unit sizes without allocating a byte, for the 
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from rlhf_paro.config import FROZEN_ROLES, ROLES, Config, ConfigError, ModelConfig
+from rlhf_paro.config import FROZEN_ROLES, ROLES, Config, ConfigError, ModelConfig, coerce
 
 VALUE_HEAD_FILE = "value_head.safetensors"
+# Sizes and counts of a Hugging Face config (its names for them); below 1 they build no model.
+_SIZE_KEY = re.compile(r"^num_|_size$|_dim$|^max_position_embeddings$")
 
 
 def _transformers():
@@ -33,8 +36,19 @@ def _transformers():
     return transformers
 
 
+def _rejected(key: str, what: str, err: Exception) -> ConfigError:
+    # transformers rejects a bad value with many kinds of error (TypeError, ValueError,
+    # AttributeError, KeyError, its strict-dataclass errors, whose cause says what was wrong):
+    # whichever it is, the inline config the user wrote is at fault.
+    cause = err.__cause__ or err
+    detail = str(cause).splitlines()[0] if str(cause) else ""
+    return ConfigError(key, f"{what}: {type(cause).__name__}: {detail}; allowed: the values "
+                            "transformers accepts for it")
+
+
 def hf_config(role: str, model_cfg: ModelConfig, vocab_size: int) -> Any:
-    """The Hugging Face config of a model section; inline keys are checked against its class.
+    """The Hugging Face config of a model section; inline keys and the types of their values
+    are checked against its class (older transformers releases check neither).
 
     ``vocab_size`` is the task tokenizer's: an inline config without one gets it, and a model
     whose vocabulary is smaller cannot embed the task's tokens.
@@ -47,25 +61,33 @@ def hf_config(role: str, model_cfg: ModelConfig, vocab_size: int) -> Any:
         options = dict(model_cfg.config or {})
         model_type = options.pop("model_type", "llama")
         mapping = transformers.CONFIG_MAPPING
-        if model_type not in mapping:
+        if not isinstance(model_type, str) or model_type not in mapping:
             close = difflib.get_close_matches(str(model_type), list(mapping.keys()), n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ConfigError(f"{role}.config.model_type", f"unknown model type {model_type!r}"
                               f"{hint}; allowed: a Hugging Face model type such as llama")
         config_class = mapping[model_type]
-        known = set(config_class().to_dict())
-        for name in options:
-            if name not in known:
-                close = difflib.get_close_matches(name, sorted(known), n=1)
+        defaults = config_class().to_dict()
+        for name, value in options.items():
+            key = f"{role}.config.{name}"
+            if name not in defaults:
+                close = difflib.get_close_matches(str(name), sorted(defaults), n=1)
                 hint = f" (did you mean {close[0]}?)" if close else ""
-                raise ConfigError(f"{role}.config.{name}", f"unknown key{hint}; allowed: the "
-                                  f"fields of {config_class.__name__}")
+                raise ConfigError(key, f"unknown key{hint}; allowed: the fields of "
+                                       f"{config_class.__name__}")
+            default = defaults[name]
+            # A value of the default's type; None and the other types are transformers' to check.
+            if value is None or not isinstance(default, (bool, int, float, str)):
+                continue
+            coerce(type(default), value, key)
+            least = 1 if _SIZE_KEY.search(name) else 0
+            if type(default) is int and value < least:
+                raise ConfigError(key, f"got {value}; allowed: an integer >= {least}")
         options.setdefault("vocab_size", vocab_size)
         try:
             config = config_class(**options)
-        except (TypeError, ValueError) as err:
-            raise ConfigError(f"{role}.config", f"rejected by {config_class.__name__}: "
-                              f"{str(err).splitlines()[0]}") from None
+        except Exception as err:
+            raise _rejected(f"{role}.config", f"rejected by {config_class.__name__}", err) from None
         key = f"{role}.config.vocab_size"
     if config.vocab_size < vocab_size:
         raise ConfigError(key, f"vocabulary of {config.vocab_size} is smaller than the task "
@@ -74,9 +96,22 @@ def hf_config(role: str, model_cfg: ModelConfig, vocab_size: int) -> Any:
 
 
 def check_model_configs(cfg: Config, vocab_size: int) -> None:
-    """Raise ``ConfigError`` for a bad inline model config of any role (run before any output)."""
+    """Raise ``ConfigError`` for a model section of any role that transformers rejects (run it
+    before anything is written). Each distinct inline config is also built on the meta device
+    (no memory, a fraction of a second): some values, an unknown activation for one, only fail
+    there."""
+    built: list[dict[str, Any]] = []
     for role in ROLES:
-        hf_config(role, cfg.model(role), vocab_size)
+        model_cfg = cfg.model(role)
+        config = hf_config(role, model_cfg, vocab_size)
+        if model_cfg.config is None or model_cfg.config in built:
+            continue
+        built.append(model_cfg.config)
+        try:
+            with torch.device("meta"):
+                _transformers().AutoModelForCausalLM.from_config(config)
+        except Exception as err:
+            raise _rejected(f"{role}.config", "no model can be built from it", err) from None
 
 
 def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Planner: per-device memory and traffic of every strategy of every model, and what to pick.
 
-    python -m rlhf_paro.plan [conf=NAME] [key=value ...]
+    python -m rlhf_paro.plan [--help] [--cfg job] [-m] [conf=NAME] [override ...]
     python -m rlhf_paro.plan conf=ppo_llama7b cluster.nodes=16 cluster.gpus_per_node=8
 
 Each model is built on the meta device (no weights, no GPU) and cut into units exactly as the
@@ -31,9 +31,8 @@ import math
 import sys
 from dataclasses import dataclass
 
-from rlhf_paro.config import (
-    FROZEN_ROLES, ROLES, TRAINED_ROLES, Config, ConfigError, cli_errors, load_config,
-)
+from rlhf_paro import cli
+from rlhf_paro.config import FROZEN_ROLES, ROLES, TRAINED_ROLES, Config, ConfigError
 from rlhf_paro.sharding.strategy import Level, Strategy, all_strategies
 
 GIB = 2 ** 30
@@ -115,7 +114,7 @@ def model_plan(cfg: Config, role: str, vocab_size: int) -> ModelPlan:
         intra, inter = inference[strategy.params]
         if trained:
             phases = traffic(strategy, units, n, m, cfg.grad_accum_steps(role), precision,
-                             algorithm)
+                             algorithm, reduce_dtype=model_cfg.reduce_dtype)
             intra += optimizer_steps * sum(p.intra for p in phases.values())
             inter += optimizer_steps * sum(p.inter for p in phases.values())
         seconds = intra / (cfg.cluster.intra_gbps * GB) + inter / (cfg.cluster.inter_gbps * GB)
@@ -272,10 +271,20 @@ def format_plan(cfg: Config, plan: Plan) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    with cli_errors():
-        cfg = load_config(sys.argv[1:] if argv is None else argv)
-        plan = make_plan(cfg)
-        print(format_plan(cfg, plan))
+    cli.main(sys.argv[1:] if argv is None else argv, prog="rlhf_paro.plan", about=_ABOUT,
+             prepare=_check_models, execute=lambda cfg: print(format_plan(cfg, make_plan(cfg))))
+
+
+# --help: the first paragraph of the module docstring.
+_ABOUT = __doc__.split("\n\n")[0]
+
+
+def _check_models(cfg: Config, conf: str) -> Config:
+    from rlhf_paro.models import check_model_configs
+    from rlhf_paro.ppo.task import task_from_config
+
+    check_model_configs(cfg, task_from_config(cfg).tokenizer.vocab_size)
+    return cfg
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 
-from rlhf_paro.metrics import ROLES, read_jsonl  # noqa: E402
+from rlhf_paro.config import ROLES  # noqa: E402
+from rlhf_paro.metrics import read_jsonl  # noqa: E402
 
 COLORS = {"actor": "#3b6fb6", "critic": "#e07b39", "reward": "#3a9a5b", "ref": "#8e6bbf"}
 STATE_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optim": "#55a868"}

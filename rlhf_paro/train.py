@@ -1,35 +1,44 @@
-"""``python -m rlhf_paro.train [conf=NAME] [key=value ...]``: RLHF PPO, a PaRO strategy per model.
+"""RLHF PPO on Ray, a PaRO sharding strategy per model.
 
-With no arguments it runs ``conf/ppo_tiny.yaml`` on this machine's CPUs. See ``conf/`` for every
-key and ``python -m rlhf_paro.plan`` to choose strategies for a cluster.
+With no arguments it runs conf/ppo_tiny.yaml on this machine's CPUs (no GPU, no network). Size
+a cluster first with `python -m rlhf_paro.plan`.
 """
 
 from __future__ import annotations
 
 import sys
 
-import ray
-import torch
-
-from rlhf_paro.actors.group import init_ray
-from rlhf_paro.config import Config, ConfigError, cli_errors, load_config, parse_overrides
+from rlhf_paro import cli
+from rlhf_paro.config import Config, ConfigError
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    with cli_errors():
-        cfg = load_config(argv)
-        require_gpus(cfg, conf=parse_overrides(argv)[0])
-        # Everything below needs transformers; a bad command line has failed before it.
-        from rlhf_paro import models, plan
-        from rlhf_paro.ppo.task import task_from_config
-        from rlhf_paro.trainer import PPOTrainer
+    cli.main(sys.argv[1:] if argv is None else argv, prog="rlhf_paro.train", about=__doc__,
+             prepare=prepare, execute=run)
 
-        models.check_model_configs(cfg, task_from_config(cfg).tokenizer.vocab_size)
-        cfg = plan.resolve_auto(cfg)
-        trainer = PPOTrainer(cfg)
+
+def prepare(cfg: Config, conf: str) -> Config:
+    """Every check a user's mistake can fail, before anything runs or is written; the config to
+    run, with ``auto`` strategies resolved."""
+    require_gpus(cfg, conf)
+    # Everything below needs transformers; a bad command line has failed before it.
+    from rlhf_paro import models, plan
+    from rlhf_paro.ppo.task import task_from_config
+
+    models.check_model_configs(cfg, task_from_config(cfg).tokenizer.vocab_size)
+    return plan.resolve_auto(cfg)
+
+
+def run(cfg: Config) -> None:
+    import ray
+
+    from rlhf_paro.trainer import PPOTrainer
+
+    trainer = PPOTrainer(cfg)
     dashboard = trainer.fit()
     trainer.shutdown()
+    # The next job of a multirun starts its own Ray, sized for its own devices.
+    ray.shutdown()
     print(f"metrics: {cfg.trainer.output_dir}/metrics.jsonl\ndashboard: {dashboard}")
 
 
@@ -37,6 +46,11 @@ def require_gpus(cfg: Config, conf: str) -> None:
     """Fail at once, before any work, when a GPU conf does not find its GPUs."""
     if cfg.cluster.device != "cuda":
         return
+    import ray
+    import torch
+
+    from rlhf_paro.actors.group import init_ray
+
     need = cfg.cluster.num_devices
     shape = f"{need} CUDA GPUs ({cfg.cluster.num_groups} groups x {cfg.cluster.group_size})"
     advice = ("; run the CPU demo with `python -m rlhf_paro.train` (conf=ppo_tiny) or size this "

@@ -26,9 +26,9 @@ import torch.distributed as dist
 
 from rlhf_paro.comm.topology import Topology
 from rlhf_paro.comm.collectives import Communicator
+from rlhf_paro.comm.meter import ALGORITHM_NAMES
 from rlhf_paro.comm.simulate import Links, collective_time, lower_bounds
 
-ALGORITHMS = ("native", "ring", "hring", "horing", "horing_pipelined")
 MB = 1 << 20
 
 
@@ -70,7 +70,7 @@ def measure_links(topo: Topology) -> Links:
 
 
 def run(topo: Topology, sizes_mb: list[int], repeats: int) -> list[dict]:
-    comms = {name: Communicator(topo, algorithm=name) for name in ALGORITHMS}
+    comms = {name: Communicator(topo, algorithm=name) for name in ALGORITHM_NAMES}
     n, k = topo.num_ranks, topo.chunk_index()
     rows = []
     for op in ("all_gather", "reduce_scatter"):
@@ -79,9 +79,10 @@ def run(topo: Topology, sizes_mb: list[int], repeats: int) -> list[dict]:
             full = torch.randn(n * c)
             shard = full[k * c:(k + 1) * c].clone()
             out = torch.empty(n * c) if op == "all_gather" else torch.empty(c)
-            times: dict[str, list[float]] = {name: [] for name in ALGORITHMS}
+            times: dict[str, list[float]] = {name: [] for name in ALGORITHM_NAMES}
             for rep in range(repeats + 1):  # repeat 0 warms up every algorithm
-                order = ALGORITHMS[rep % len(ALGORITHMS):] + ALGORITHMS[:rep % len(ALGORITHMS)]
+                shift = rep % len(ALGORITHM_NAMES)
+                order = ALGORITHM_NAMES[shift:] + ALGORITHM_NAMES[:shift]
                 for name in order:
                     dist.barrier()
                     start = time.perf_counter()
@@ -111,7 +112,7 @@ def table(rows: list[dict], topo: Topology, links: Links, rate_bps: float | None
         med = row["median_s"]
         size = row["size_mb"] * MB
         bound = lower_bounds(size, g, m, links).two_level
-        for name in ALGORITHMS:
+        for name in ALGORITHM_NAMES:
             model = collective_time("native-ring" if name == "native" else name, row["op"], size,
                                     g, m, links)
             lines.append(f"{row['op']:<15}{row['size_mb']:>4} {name:<17}{med[name] * 1e3:>10.1f}"

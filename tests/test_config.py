@@ -1,9 +1,13 @@
 """Conf loading, overrides and the one-line errors of every kind of user mistake."""
 
+import subprocess
+import sys
+
 import pytest
 
 from rlhf_paro.config import (
-    ConfigError, available_confs, build_config, cli_errors, load_config,
+    CONF_DIR, ConfigError, PPOConfig, available_confs, build_config, cli_errors, load_config,
+    split_sweep,
 )
 
 
@@ -37,8 +41,53 @@ def test_overrides_parse_as_yaml_and_normalise_strategies():
     assert cfg.actor.optim.betas == (0.8, 0.9)
     assert cfg.actor.config["hidden_size"] == 32 and cfg.ref.config["hidden_size"] == 32
     assert cfg.logger.wandb.name == "7"
-    assert cfg.critic.optim.lr == 5e-3  # YAML 1.1 reads 5e-3 as a string; a float field takes it
+    assert cfg.critic.optim.lr == 5e-3  # a number, as OmegaConf reads it (YAML 1.1: a string)
     assert load_config(["actor.strategy=auto"]).actor.strategy == "auto"
+
+
+def test_ppo_tiny_gives_the_values_of_the_default_run():
+    # The values the hand-written loader gave before configs moved onto OmegaConf.
+    cfg = load_config(["conf=ppo_tiny"])
+    assert cfg.actor.config == {"model_type": "llama", "hidden_size": 64,
+                                "intermediate_size": 128, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "num_key_value_heads": 4,
+                                "max_position_embeddings": 64}
+    assert (cfg.actor.optim.lr, cfg.actor.optim.betas, cfg.critic.optim.lr) == \
+        (3e-3, (0.9, 0.95), 3e-3)
+    assert (cfg.actor.micro_batch_size, cfg.reward.micro_batch_size, cfg.actor.lora.r) == (4, 8, 8)
+    assert (cfg.ppo.rollout_batch_size, cfg.ppo.mini_batch_size, cfg.ppo.ppo_epochs) == (64, 32, 2)
+    assert (cfg.ppo.kl_coef, cfg.ppo.adaptive_kl, cfg.ppo.max_prompt_len) == (0.01, False, 8)
+    assert (cfg.trainer.steps, cfg.trainer.seed, cfg.trainer.output_dir) == \
+        (50, 0, "outputs/ppo_tiny")
+    assert (cfg.cluster.device, cfg.cluster.memory_gb, cfg.comm.algorithm) == ("cpu", None, "native")
+    assert (cfg.task.reward_lr, cfg.logger.wandb.mode, cfg.ray.address) == (1e-3, "offline", None)
+
+
+def test_llama7b_builds_on_ppo_tiny():
+    assert (CONF_DIR / "ppo_llama7b.yaml").read_text().count("\ndefaults: [ppo_tiny]\n") == 1
+    tiny, llama = load_config(["conf=ppo_tiny"]), load_config(["conf=ppo_llama7b"])
+    assert (llama.cluster.num_devices, llama.cluster.group_size) == (16, 8)
+    assert llama.actor.config["hidden_size"] == 4096 and llama.actor.optim.lr == 5e-7
+    assert (llama.actor.optim.betas, llama.ppo.kl_coef, llama.ppo.lam) == \
+        (tiny.actor.optim.betas, tiny.ppo.kl_coef, tiny.ppo.lam)  # from ppo_tiny
+    assert (llama.ppo.mini_batch_size, llama.trainer.steps, llama.ray.address) == \
+        (512, 1000, "auto")
+
+
+def test_add_delete_and_interpolate():
+    cfg = load_config(["+actor.config.rms_norm_eps=1e-5", "~actor.config.num_key_value_heads",
+                       "~ppo.kl_coef", "ppo.mini_batch_size=${ppo.rollout_batch_size}",
+                       "trainer.output_dir=runs/seed${trainer.seed}", "trainer.seed=3"])
+    assert cfg.actor.config["rms_norm_eps"] == 1e-5
+    assert "num_key_value_heads" not in cfg.actor.config
+    assert cfg.ppo.kl_coef == PPOConfig.kl_coef  # the schema's default, not ppo_tiny's 0.01
+    assert cfg.ppo.mini_batch_size == 64
+    assert cfg.trainer.output_dir == "runs/seed3"  # resolved after every override
+
+
+def test_sweeps_split_at_top_level_commas_only():
+    assert split_sweep("a,[b, c],{d: 1, e: 2},'f,g'") == ["a", "[b, c]", "{d: 1, e: 2}", "'f,g'"]
+    assert split_sweep("IGG") == ["IGG"]
 
 
 def test_conf_by_path_with_defaults_merged_first(tmp_path):
@@ -46,9 +95,11 @@ def test_conf_by_path_with_defaults_merged_first(tmp_path):
         "cluster: {num_devices: 8, group_size: 4}\ntrainer: {steps: 5, seed: 1}\n"
         "actor: {config: {hidden_size: 16}, strategy: GGG}\n"
         "ppo: {rollout_batch_size: 64, mini_batch_size: 32}\n")
-    (tmp_path / "run.yaml").write_text("defaults: [base]\ntrainer: {steps: 7}\n")
+    (tmp_path / "run.yaml").write_text(
+        "defaults: [base]\ntrainer: {steps: 7, output_dir: 'runs/seed${trainer.seed}'}\n")
     cfg = load_config([f"conf={tmp_path / 'run.yaml'}", "cluster.group_size=2"])
     assert (cfg.trainer.steps, cfg.trainer.seed) == (7, 1)  # merged key by key
+    assert cfg.trainer.output_dir == "runs/seed1"
     assert (cfg.cluster.num_devices, cfg.cluster.group_size) == (8, 2)
     (tmp_path / "loop.yaml").write_text("defaults: [loop]\n")
     assert "includes itself" in error_of([f"conf={tmp_path / 'loop.yaml'}"])
@@ -93,6 +144,17 @@ def test_nodes_and_gpus_per_node_define_the_cluster():
     (["ppo.max_prompt_len=3"], "task.prompt_len", "ppo.max_prompt_len=3"),
     (["cluster=4"], "cluster", "expected a section"),
     (["cluster.num_devices.x=1"], "cluster.num_devices", "not a section"),
+    (["+actor.strategy=IGG"], "actor.strategy", "allowed: actor.strategy=VALUE"),
+    (["+actor.nosuch=1"], "actor.nosuch", "unknown key"),
+    (["+actor.config.hidden_size=3"], "actor.config.hidden_size", "already set to 64"),
+    (["~acter"], "acter", "did you mean actor?"),
+    (["~actor.config.nope"], "actor.config.nope", "nothing to delete"),
+    (["~actor.strategy=IGG"], "actor.strategy", "allowed: ~actor.strategy"),
+    (["actor.strategy=IGG,NNG"], "actor.strategy", "-m to run one job per value"),
+    (["trainer.output_dir=${nosuch.key}"], "trainer.output_dir", "'nosuch.key' not found"),
+    (["trainer.output_dir=${oops"], "trainer.output_dir", "allowed: ${key}"),
+    (["actor.optim.lr=.nan"], "actor.optim.lr", "expected a number"),
+    (["actor.config.a\nb=1", "actor.strategy=Q"], "actor.strategy", "unknown strategy"),
 ])
 def test_every_mistake_is_one_line_naming_the_key(argv, key, allowed):
     message = error_of(argv)
@@ -113,3 +175,10 @@ def test_cli_errors_exit_2_with_only_the_message(capsys):
 
 def test_shipped_confs_all_load():
     assert {"ppo_tiny", "ppo_llama7b"} <= set(available_confs())
+
+
+def test_config_imports_without_torch():
+    # A bad command line must fail in a fraction of a second, before torch's import (seconds).
+    code = "import rlhf_paro.config, sys; assert 'torch' not in sys.modules, 'torch imported'"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr

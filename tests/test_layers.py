@@ -18,7 +18,7 @@ Every ``import`` and ``from`` statement counts, at the top of a module, inside a
                     plain data that ``actors`` imports, so below it.
     3  actors     the Ray workers of the four models and their placement
     4  the PPO loop that drives the workers (``trainer``) and the entry points (``train``,
-       ``plan``, ``report``)
+       ``plan``, ``report``) with their command line (``cli``)
 
 Modules of one layer may import each other.
 """
@@ -42,6 +42,7 @@ LAYERS = {
     "rlhf_paro.actors": 3,
     "rlhf_paro.trainer": 4,
     "rlhf_paro.train": 4,
+    "rlhf_paro.cli": 4,
     "rlhf_paro.plan": 4,
     "rlhf_paro.report": 4,
 }

@@ -1,8 +1,10 @@
-"""Folding per-rank reports into DESIGN-9 metrics, and where the rows go."""
+"""Folding per-rank reports into the metrics of docs/design.md, and where the rows go."""
 
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from rlhf_paro.metrics import (LOOP_KEYS, MetricsLogger, RankReport, model_metrics, read_jsonl,
                                required_keys)
@@ -56,6 +58,7 @@ def test_required_keys_cover_design_section_9():
     assert "reward/loss" not in keys
 
 
+@pytest.mark.slow
 def test_logger_writes_one_row_per_step_and_an_offline_wandb_run(tmp_path):
     out = tmp_path / "run"
     logger = MetricsLogger(str(out), num_steps=2, run_info={"name": "t"}, wandb_mode="offline",

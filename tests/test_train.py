@@ -11,6 +11,10 @@ import pytest
 from rlhf_paro.config import CONF_DIR
 
 
+# Every test here runs the command line in a fresh interpreter (seconds each).
+pytestmark = pytest.mark.slow
+
+
 def _train(*args: str, cwd) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rlhf_paro.train", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=120)
@@ -25,6 +29,8 @@ def _train(*args: str, cwd) -> subprocess.CompletedProcess:
     (["conf=no_such_conf"], "conf"),
     (["actor.config=null", "actor.path=/no/such/model"], "actor.path"),
     (["actor.config.num_hidden_layerz=2"], "actor.config.num_hidden_layerz"),  # checked by HF
+    (["actor.config.hidden_size={a: 1}"], "actor.config.hidden_size"),  # HF's type, checked by us
+    (["actor.config.num_attention_heads=-0.5"], "actor.config.num_attention_heads"),
 ])
 def test_bad_input_exits_with_one_line_and_writes_nothing(tmp_path, args, names):
     out = tmp_path / "out"
@@ -47,3 +53,11 @@ def test_gpu_conf_without_gpus_says_what_it_needs(tmp_path):
     assert len(message.splitlines()) == 1, message
     assert "CUDA GPUs" in message and "ppo_tiny" in message and "rlhf_paro.plan" in message
     assert not out.exists()
+
+
+def test_help_and_cfg_job_exit_0_and_write_nothing(tmp_path):
+    proc = _train("--help", cwd=tmp_path)
+    assert proc.returncode == 0 and "actor.strategy=IGG" in proc.stdout, proc.stderr
+    proc = _train("--cfg", "job", "trainer.steps=3", cwd=tmp_path)
+    assert proc.returncode == 0 and "  steps: 3\n" in proc.stdout, proc.stderr
+    assert os.listdir(tmp_path) == []

@@ -143,10 +143,12 @@ class TrainedWorker(Worker):
         self._train_stats: dict[str, list[float]] = defaultdict(list)  # name -> values, this step
 
     def shard_options(self) -> dict[str, Any]:
-        """The optimizer, gradient clipping and accumulation ``shard`` needs to train."""
+        """The optimizer, gradient clipping, accumulation and reduction precision ``shard``
+        needs to train."""
         optim = self.model_cfg.optim
         return {"optim": optim.adamw(), "max_grad_norm": optim.max_grad_norm,
-                "grad_accum_steps": self.cfg.grad_accum_steps(self.role)}
+                "grad_accum_steps": self.cfg.grad_accum_steps(self.role),
+                "reduce_dtype": self.model_cfg.reduce_dtype}
 
     def record_train(self, stats: dict[str, float]) -> None:
         for key, value in stats.items():

@@ -8,7 +8,7 @@ import importlib
 
 _EXPORTS = {
     "ALGORITHM_NAMES": "meter", "CommMeter": "meter", "CommRecord": "meter", "LinkBytes": "meter",
-    "PHASES": "meter", "SCOPES": "topology", "Topology": "topology", "TopologyError": "topology",
+    "SCOPES": "topology", "Topology": "topology", "TopologyError": "topology",
     "Communicator": "collectives", "DryRunCommunicator": "collectives",
 }
 __all__ = sorted(_EXPORTS)

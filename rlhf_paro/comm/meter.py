@@ -14,12 +14,8 @@ from typing import NamedTuple
 
 from rlhf_paro.comm.topology import Topology
 
-
-# The vocabulary of a record, defined once. Phases: the four of an optimizer step (the engine's
-# schedule), then generation, whole-model gathers and checksum verification.
-PHASES = ("forward", "backward", "boundary", "update", "generate", "gather", "verify")
-# The algorithms of world-scope all-gather and reduce-scatter: the collective library's own,
-# then those of ``comm.rings``.
+# comm.algorithm: native collectives or a schedule of comm/rings.py (its ALGORITHMS, held to this
+# list at import). Kept here, torch-free, so that the config checks it without importing torch.
 ALGORITHM_NAMES = ("native", "ring", "hring", "horing", "horing_pipelined")
 
 

@@ -28,13 +28,14 @@ import sys
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from rlhf_paro.comm.topology import Topology
+from rlhf_paro.comm.meter import ALGORITHM_NAMES
 from rlhf_paro.comm.rings import (ALGORITHMS, OPS, PIPELINE_PIECES, Algorithm, pipelined,
                                   step_bytes)
+from rlhf_paro.comm.topology import Topology
 
 PAPER = {"size": 1e9, "nodes": 16, "gpus_per_node": 8, "ring": 0.288, "hring": 0.183,
          "horing": 0.162}
-NAMES = ("native-ring", "ring", "hring", "horing", "horing_pipelined")
+NAMES = tuple("native-ring" if name == "native" else name for name in ALGORITHM_NAMES)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ from rlhf_paro.sharding import Strategy
 from rlhf_paro.sharding.cost import traffic
 from rlhf_paro.sharding.layout import unit_sizes
 
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
 N, M = 4, 2
 # III: the trained model crosses groups only at the boundary; NIG: no gathers at all, crosses
 # groups at the boundary and the update; G: a frozen model gathering on the world ring; I: a

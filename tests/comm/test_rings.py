@@ -7,12 +7,15 @@ contributions and hold the reduce-scatter to a float64 reference, not only to na
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from rlhf_paro.comm.topology import Topology
 from rlhf_paro.comm.collectives import Communicator
+from rlhf_paro.comm.topology import Topology
 from rlhf_paro.comm.rings import ALGORITHMS, predicted_world_bytes
 from tests.dist_utils import run_distributed
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 DTYPES = (torch.float32, torch.bfloat16)
 

@@ -15,7 +15,7 @@ import pytest
 
 from rlhf_paro.comm.topology import Topology
 from rlhf_paro.comm import rings
-from rlhf_paro.comm.meter import LinkBytes
+from rlhf_paro.comm.meter import ALGORITHM_NAMES, LinkBytes
 from rlhf_paro.comm.rings import ALGORITHMS, predicted_world_bytes
 
 SHAPES = [(1, 1), (1, 4), (4, 1), (2, 2), (2, 3), (3, 2), (3, 4), (4, 3), (5, 2), (16, 8)]
@@ -146,3 +146,8 @@ def test_unknown_op_and_algorithm_are_named() -> None:
         ALGORITHMS["ring"].link_bytes("all_reduce", 8, 4, Topology(4, 2))
     with pytest.raises(ValueError, match="comm.algorithm='tree'"):
         predicted_world_bytes("tree", "all_gather", 8, 4, Topology(4, 2))
+
+
+def test_every_named_algorithm_has_a_schedule() -> None:
+    # comm.algorithm is checked against ALGORITHM_NAMES (torch-free); each name needs its schedule.
+    assert ("native", *ALGORITHMS) == ALGORITHM_NAMES

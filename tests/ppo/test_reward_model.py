@@ -1,11 +1,14 @@
 """The task's reward model: trained on preference pairs, ranks held-out pairs, cached."""
 
+import pytest
+
 from rlhf_paro.config import load_config
 from rlhf_paro.models import build_model
 from rlhf_paro.ppo import reward_model
 from rlhf_paro.ppo.task import task_from_config
 
 
+@pytest.mark.slow
 def test_reward_model_ranks_held_out_pairs_and_is_cached(tmp_path):
     cfg = load_config([f"task.cache_dir={tmp_path}", "task.reward_steps=150",
                        "task.reward_pairs=2048", "task.reward_eval_pairs=256"])

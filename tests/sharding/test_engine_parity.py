@@ -20,6 +20,8 @@ from tests.dist_utils import run_distributed
 from tests.sharding.parity import (MAX_NORM, MICRO, OPTIM, STEPS, VARIANTS, Case, bf16_shadow,
                                    build_model, make_batches, micro_loss, reference_run)
 
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
 WORLD, GROUP = 4, 2
 STRATEGIES = [s.name for s in all_strategies()]
 ALGORITHMS = ("ring", "hring", "horing", "horing_pipelined")

@@ -1,0 +1,170 @@
+"""The command line of the entry points (``rlhf_paro.train``, ``rlhf_paro.plan``).
+
+    python -m rlhf_paro.<entry> [-h|--help] [--cfg job] [-m|--multirun] [conf=NAME] [override ...]
+
+``--help`` lists every key with the value this command line gives it and its comment from
+``config.py``; ``--cfg job`` prints the config as YAML and runs nothing. ``-m`` runs one job per
+combination of the values of every swept override ``key=a,b,c`` (the cartesian product, the
+first swept key varying slowest), one after another; job k writes to
+``<trainer.output_dir>/<k>_<key=value,...>``, the swept overrides as typed, with every character
+a file name should not hold made ``_`` (``0_actor.strategy=IGG,critic.strategy=NIG``).
+Every job is built and checked before the first one runs.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import io
+import itertools
+import re
+import tokenize
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+import yaml
+from omegaconf import OmegaConf
+
+from rlhf_paro.config import (
+    Config, ConfigError, available_confs, cli_errors, load_config, parse_overrides, split_sweep,
+)
+
+OVERRIDES = """\
+overrides, applied in order (values are YAML: 3, 1e-5, abc, [a, b], {a: 1}, null):
+  key=value            set a key (inside a model's inline config, add one too)
+  +key=value           add a key to a model's inline config, e.g. +actor.config.rms_norm_eps=1e-5
+  ~key                 delete a key; a key of the schema is back at its default
+  key=${other.key}     interpolation: another key's value; ${oc.env:NAME}: an environment variable
+options:
+  -h, --help           this text
+  --cfg job            print the config of this command line as YAML; runs nothing
+  -m, --multirun       one job per combination of the values of every key=a,b,c (the product),
+                       one after another; job k writes to <trainer.output_dir>/<k>_<key=value,...>"""
+
+
+class Job(NamedTuple):
+    name: str  # the swept overrides, "key=value,..."; "" when nothing is swept
+    argv: list[str]  # conf and overrides, one value each
+
+
+def main(argv: list[str], *, prog: str, about: str, prepare: Callable[[Config, str], Config],
+         execute: Callable[[Config], None]) -> None:
+    """Run ``prog``'s command line: ``prepare(cfg, conf)`` checks one job and returns the
+    config to run (raising ``ConfigError`` for a user's mistake), ``execute(cfg)`` runs it."""
+    with cli_errors():
+        show_help, show_cfg, multirun, args = _options(argv)
+        jobs = _jobs(args) if multirun else [Job("", args)]
+        if show_help:
+            print(help_text(prog, about, jobs[0].argv))
+            return
+        configs = [load_config(job.argv) for job in jobs]
+        if multirun:
+            for k, (job, cfg) in enumerate(zip(jobs, configs)):
+                cfg.trainer.output_dir = str(Path(cfg.trainer.output_dir) / _job_dir(k, job.name))
+        if show_cfg:
+            for k, (job, cfg) in enumerate(zip(jobs, configs)):
+                header = f"# job {k}: {job.name or 'nothing swept'}\n" if multirun else ""
+                print(header + OmegaConf.to_yaml(cfg.to_dict()), end="")
+            return
+        ready = [prepare(cfg, parse_overrides(job.argv)[0]) for job, cfg in zip(jobs, configs)]
+        for k, (job, cfg) in enumerate(zip(jobs, ready)):
+            if multirun:
+                print(f"[{prog}] job {k}: {job.name or 'nothing swept'}", flush=True)
+            execute(cfg)
+
+
+def _options(argv: list[str]) -> tuple[bool, bool, bool, list[str]]:
+    """(--help, --cfg job, -m, the other arguments)."""
+    show_help = show_cfg = multirun = False
+    args = []
+    rest = iter(argv)
+    for arg in rest:
+        if arg in ("-h", "--help"):
+            show_help = True
+        elif arg in ("-m", "--multirun"):
+            multirun = True
+        elif arg in ("-c", "--cfg") or arg.startswith("--cfg="):
+            what = arg.partition("=")[2] if "=" in arg else next(rest, "")
+            if what != "job":
+                raise ConfigError("--cfg", f"got {what!r}; allowed: job")
+            show_cfg = True
+        elif arg.startswith("-"):
+            raise ConfigError(arg, "unknown option; allowed: -h/--help, --cfg job, "
+                                          "-m/--multirun, then conf=NAME and overrides")
+        else:
+            args.append(arg)
+    return show_help, show_cfg, multirun, args
+
+
+def _jobs(args: list[str]) -> list[Job]:
+    """One job per combination of the values of the swept arguments, the first slowest."""
+    choices = []
+    for arg in args:
+        head, sep, text = arg.partition("=")
+        values = split_sweep(text) if sep and not arg.startswith("~") else [text]
+        choices.append([(arg, False)] if len(values) == 1 else
+                       [(f"{head}={value}", True) for value in values])
+    return [Job(",".join(a for a, swept in combo if swept), [a for a, _ in combo])
+            for combo in itertools.product(*choices)]
+
+
+def _job_dir(k: int, name: str) -> str:
+    # One path component (no "/"), and within the 255 bytes a file name may have.
+    safe = re.sub(r"[^\w.,=+-]", "_", name, flags=re.ASCII)[:200]
+    return f"{k}_{safe}" if safe else str(k)
+
+
+# --- --help -------------------------------------------------------------------------------------
+
+def help_text(prog: str, about: str, argv: list[str]) -> str:
+    cfg = load_config(argv)
+    rows = [(f"{key}={_flow(value)}", comment) for key, value, comment in _leaves(cfg, "")]
+    width = min(max(len(left) for left, _ in rows), 44)
+    return "\n".join([
+        f"usage: python -m {prog} [-h] [--cfg job] [-m] [conf=NAME|conf=FILE.yaml] "
+        "[override ...]", "", about.strip(), "", OVERRIDES, "",
+        f"confs (conf=NAME): {', '.join(available_confs())}", "",
+        f"keys, with their values under conf={parse_overrides(argv)[0]} and the overrides given:",
+        *(f"  {left:<{width}}  # {comment}" for left, comment in rows)])
+
+
+def _leaves(obj: Any, prefix: str) -> list[tuple[str, Any, str]]:
+    """(dotted key, value, comment) of every field below the dataclass ``obj``, in order."""
+    comments = field_comments(type(obj))
+    rows = []
+    for f in dataclasses.fields(obj):
+        key, value = f"{prefix}{f.name}", getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            rows += _leaves(value, f"{key}.")
+        else:
+            rows.append((key, value, comments.get(f.name, "")))
+    return rows
+
+
+def _flow(value: Any) -> str:
+    """A value as YAML on one line, as it would be written on the command line."""
+    value = list(value) if isinstance(value, tuple) else value
+    text = yaml.safe_dump(value, default_flow_style=True, width=float("inf"), sort_keys=False)
+    return text.removesuffix("...\n").strip()  # a bare scalar comes with an end-of-document mark
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """The comment of each field of a dataclass in its source: the one on the field's line, or
+    else the comment lines right above it. The source stays the one place a key is explained."""
+    lines, _ = inspect.getsourcelines(cls)
+    source = "".join(lines)
+    comments = {tok.start[0]: tok.string.lstrip("#").strip()
+                for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+                if tok.type == tokenize.COMMENT}
+    found = {}
+    for node in ast.parse(source).body[0].body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        line = node.lineno
+        above = []
+        while line - 1 in comments and lines[line - 2].lstrip().startswith("#"):
+            line -= 1
+            above.insert(0, comments[line])
+        found[node.target.id] = comments.get(node.lineno) or " ".join(above)
+    return found

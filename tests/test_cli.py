@@ -1,0 +1,161 @@
+"""The command line of the entry points: --help, --cfg job, -m, and bad input fuzzed.
+
+Everything runs in-process through ``train.main`` / ``plan.main``, the functions the commands
+call; ``train.run`` (the only step that starts Ray and writes) is replaced by a recorder, so a
+bad input that got through would show up as a recorded job instead of a training run.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import yaml
+
+from rlhf_paro import plan, train
+from rlhf_paro.cli import _leaves
+from rlhf_paro.config import load_config
+
+
+@pytest.fixture
+def jobs(monkeypatch, tmp_path):
+    """The configs ``train.main`` hands to ``run``, in order; the cwd is an empty directory."""
+    ran = []
+    monkeypatch.setattr(train, "run", ran.append)
+    monkeypatch.chdir(tmp_path)
+    return ran
+
+
+def test_help_lists_every_key_with_its_value_and_a_comment(jobs, capsys):
+    train.main(["--help", "ppo.ppo_epochs=3"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m rlhf_paro.train")
+    keys = [key for key, _, _ in _leaves(load_config([]), "")]
+    lines = {line.split("=")[0].strip(): line for line in out.splitlines() if "  # " in line}
+    assert set(keys) <= set(lines)
+    assert all(lines[key].split("  # ")[1].strip() for key in keys), "a key without a comment"
+    assert "ppo.ppo_epochs=3 " in out and "actor.strategy=IGG " in out
+    assert jobs == []
+
+
+def test_cfg_job_prints_the_resolved_config_and_runs_nothing(jobs, capsys):
+    argv = ["conf=ppo_llama7b", "cluster.nodes=4", "trainer.output_dir=runs/${cluster.nodes}"]
+    train.main(["--cfg", "job", *argv])
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed == json.loads(json.dumps(load_config(argv).to_dict()))  # tuples as lists
+    assert (printed["cluster"]["num_devices"], printed["trainer"]["output_dir"]) == (32, "runs/4")
+    assert jobs == []
+    plan.main(["--cfg", "job", *argv])
+    assert yaml.safe_load(capsys.readouterr().out) == printed
+
+
+def test_multirun_runs_the_product_of_the_swept_values_each_in_its_own_directory(jobs, capsys):
+    train.main(["-m", "actor.strategy=IGG,zero3", "trainer.seed=1",
+                "critic.strategy=NIG,GGG,III", "trainer.output_dir=runs"])
+    assert [(c.actor.strategy, c.critic.strategy) for c in jobs] == [
+        ("IGG", "NIG"), ("IGG", "GGG"), ("IGG", "III"),
+        ("GGG", "NIG"), ("GGG", "GGG"), ("GGG", "III")]
+    assert {c.trainer.seed for c in jobs} == {1}
+    assert jobs[4].trainer.output_dir == "runs/4_actor.strategy=zero3,critic.strategy=GGG"
+    assert capsys.readouterr().out.count("[rlhf_paro.train] job ") == 6
+
+
+def test_multirun_checks_every_job_before_running_the_first(jobs, capsys):
+    with pytest.raises(SystemExit) as info:
+        train.main(["-m", "actor.strategy=IGG,XYZ"])
+    assert info.value.code == 2 and jobs == []
+    assert capsys.readouterr().err.startswith("error: actor.strategy: unknown strategy 'XYZ'")
+
+
+def test_plan_help(capsys):
+    plan.main(["--help"])
+    assert capsys.readouterr().out.startswith("usage: python -m rlhf_paro.plan")
+
+
+# --- fuzzing bad overrides ------------------------------------------------------------------------
+
+# Keys with values no junk below can satisfy (optional keys, whose null is valid, are left out).
+POSITIVE_INTS = ["trainer.steps", "ppo.rollout_batch_size", "actor.micro_batch_size",
+                 "cluster.num_devices", "task.num_symbols", "ppo.kl_horizon", "critic.lora.r"]
+NUMBERS = ["actor.optim.lr", "ppo.gamma", "ppo.lam", "critic.optim.eps", "task.reward_lr"]
+BOOLS = ["actor.gradient_checkpointing", "ppo.adaptive_kl", "logger.progress", "actor.lora.enabled"]
+CHOICES = ["actor.precision", "comm.algorithm", "ppo.kl_estimator", "logger.wandb.mode",
+           "cluster.device", "actor.strategy", "critic.strategy", "ref.strategy"]
+INLINE_SIZES = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings"]
+MALFORMED = ["actor.config.=GGGG", "=3", "actor..strategy=IGG", ".x=1", "ppo.gamma", "~",
+             "+actor.strategy=IGG", "~actor.strategy=IGG", "+nosuch.key=1", "+conf=ppo_tiny",
+             "actor.strategy=${nosuch.key}", "trainer.output_dir=${oops", "actor.strategy=IGG,NNG",
+             "-z", "--cfg=hydra", "conf=no_such_conf", "cluster.num_devices.x=1",
+             "~actor.config.no_such_key", "actor.config.hidden_size.x=1"]
+
+
+def _word(rng: random.Random) -> str:
+    # "zq" starts no field name, so the word is never a known key.
+    return "zq" + "".join(rng.choice("abcdefghijklmnopqrstuvwxyz_") for _ in range(rng.randint(1, 8)))
+
+
+def _junk(rng: random.Random, *, numbers: bool) -> str:
+    """The text of a value that is not an integer, boolean or known choice (nor, unless
+    ``numbers``, a number)."""
+    control = "".join(chr(rng.randint(1, 31)) for _ in range(rng.randint(1, 3)))
+    kinds = [
+        f"{{{_word(rng)}: {rng.randint(-9, 9)}}}",  # a mapping
+        f"[{rng.randint(0, 9)}, {_word(rng)}]",  # a list
+        f"{_word(rng)}{control}",  # control characters (YAML refuses most of them)
+        "\\x00", "''", "{}", "[]", _word(rng),
+    ]
+    if numbers:
+        kinds += [str(rng.randint(-10 ** 6, 0)), f"{rng.uniform(-100, 100):.3f}", "true", ".nan"]
+    return rng.choice(kinds)
+
+
+def bad_override(rng: random.Random) -> list[str]:
+    kind = rng.randrange(7)
+    if kind == 0:  # an unknown key, somewhere in the schema
+        section = rng.choice(["", "actor.", "ppo.", "logger.wandb.", "cluster.", "actor.lora."])
+        return [f"{rng.choice(['', '+'])}{section}{_word(rng)}={_junk(rng, numbers=True)}"]
+    if kind == 1:  # an integer that is not a positive integer
+        return [f"{rng.choice(POSITIVE_INTS)}={_junk(rng, numbers=True)}"]
+    if kind == 2:  # a number that is not one, or out of range
+        bad = rng.choice([_junk(rng, numbers=False), "-1.5", "true", ".nan", "[0.5]"])
+        return [f"{rng.choice(NUMBERS)}={bad}"]
+    if kind == 3:  # a boolean that is not one
+        return [f"{rng.choice(BOOLS)}={rng.choice([_junk(rng, numbers=False), '2', '0.5'])}"]
+    if kind == 4:  # a choice outside the allowed ones
+        return [f"{rng.choice(CHOICES)}={rng.choice([_junk(rng, numbers=False), 'GNN', 'fp16'])}"]
+    if kind == 5:  # an inline model config: a size that is not a positive integer, or no key
+        key = rng.choice(INLINE_SIZES + [_word(rng)])
+        value = rng.choice([_junk(rng, numbers=True), str(-rng.randint(0, 99)), "1.5"])
+        return [f"{rng.choice(['actor', 'critic', 'ref'])}.config.{key}={value}"]
+    return [rng.choice(MALFORMED)]
+
+
+BAD = [bad_override(rng) for rng in [random.Random(2024)] for _ in range(80)]
+
+
+@pytest.mark.parametrize("bad", BAD, ids=[ascii(b[0])[1:-1][:60] for b in BAD])
+def test_every_bad_override_exits_2_with_one_line_and_writes_nothing(jobs, capsys, tmp_path,
+                                                                      bad):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as info:
+        train.main([f"trainer.output_dir={out}", *bad])
+    stdout, stderr = capsys.readouterr()
+    assert info.value.code == 2, (bad, stderr)
+    assert stderr.startswith("error: ") and stderr.count("\n") == 1, stderr
+    assert stdout == "" and jobs == []
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("good", [
+    [],
+    ["+actor.config.rms_norm_eps=1e-5", "~actor.config.num_key_value_heads"],
+    ["~ppo.kl_coef", "ppo.mini_batch_size=${ppo.rollout_batch_size}"],
+    ["actor.config.hidden_act=gelu", "critic.strategy=zero3", "ref.strategy=IGG"],
+    ["actor.strategy=auto", "conf=ppo_tiny", "logger.wandb.tags=[a, b]", "logger.wandb.name=7"],
+])
+def test_good_overrides_still_reach_the_run(jobs, capsys, good):
+    train.main(good)
+    assert len(jobs) == 1 and jobs[0].actor.strategy != "auto"
+    assert capsys.readouterr().err == ""
