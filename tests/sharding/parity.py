@@ -121,8 +121,10 @@ def reference_run(variant: str, world_size: int) -> dict:
 # weight that moves by 1e-9 can round to the neighbouring bf16 value, and from then on the two
 # runs see different weights. So the bf16 reference does not train on its own; at every step it
 # starts from the sharded run's own bf16 weights theta_t and does what the engine should:
-#   1. losses. Same bf16 weights, same inputs, same kernels, one thread each: the micro-batch
-#      losses, and the bf16 gradients of each micro-batch, are bit-identical. Bound: 0.
+#   1. losses. Same bf16 weights, same inputs, same kernels, one thread each, and the weights
+#      laid out in flat buffers at the engine's offsets (so that no kernel picks another path
+#      for another alignment): the micro-batch losses, and the bf16 gradients of each
+#      micro-batch, are bit-identical. Bound: 0.
 #   2. summed gradient. The engine widens each micro-batch gradient to fp32, divides by N and
 #      adds the n = N*s of them in fp32 (accumulator and fp32 reductions) in an order of its own.
 #      Any order of n terms is within gamma(n-1)*sum|g_i| of the exact sum (Higham, "Accuracy
@@ -172,8 +174,25 @@ def bf16_shadow(states: list[dict], world_size: int, reduce_dtype: str = "fp32")
         return _bf16_shadow(states, world_size, reduce_dtype)
 
 
+def _flat_like_the_engine(model: nn.Module, world_size: int) -> None:
+    """Make each unit's trainable parameters views into one flat buffer, at the offsets the
+    engine gives them (``sharding/_flat.py``)."""
+    from rlhf_paro.sharding.layout import padded, split_units
+
+    for unit in split_units(model):
+        params = [p for p in unit.params if p.requires_grad]
+        total = sum(p.numel() for p in params)
+        flat = torch.zeros(padded(total, world_size), dtype=params[0].dtype)
+        offset = 0
+        for p in params:
+            flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = flat[offset:offset + p.numel()].view(p.shape)
+            offset += p.numel()
+
+
 def _bf16_shadow(states: list[dict], world_size: int, reduce_dtype: str) -> list[dict]:
     model = build_model("bf16")
+    _flat_like_the_engine(model, world_size)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     params = [p for p in model.parameters() if p.requires_grad]
     masters = [p.detach().float().clone().requires_grad_(True) for p in params]
