@@ -148,7 +148,8 @@ class ModelConfig:
     # bf16 keeps an fp32 master copy in the optimizer state (K = 12 bytes per parameter).
     precision: Literal["fp32", "bf16"] = "fp32"
     # Precision of gradient reductions between ranks (trained models; gradients always add up
-    # in fp32): fp32 keeps bf16 training order-independent, bf16 halves the gradient traffic.
+    # in fp32): fp32 keeps the summed gradient exact to fp32 rounding in any order, bf16 halves
+    # the gradient traffic.
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     optim: OptimConfig = field(default_factory=OptimConfig)
     # Sequences per forward/backward on one device; gradient accumulation makes up the rest.
