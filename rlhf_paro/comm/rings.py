@@ -205,52 +205,113 @@ def step_bytes(step: Step, rank: int, group_size: int, elem_size: int) -> LinkBy
     return LinkBytes(intra, inter)
 
 
+class Posted(NamedTuple):
+    """A point-to-point operation as the executor posts it (see [Note: posting order])."""
+
+    kind: str  # "send" or "recv"
+    step: int  # the schedule step it belongs to
+    transfer: Transfer
+    batch: int  # operations of one batch are posted together, as one group of the library
+    after: tuple[int, ...]  # positions of operations that must complete before it is posted
+
+
+def post_order(steps: list[Step], grouped: bool) -> list[Posted]:
+    """The operations a rank posts to run ``steps``, in order.
+
+    [Note: posting order]
+    NCCL runs the point-to-point operations between a pair of ranks in the order they were
+    posted, on one stream: a receive posted before a send to the same peer waits for that peer's
+    send, and if the peer did the same, both wait forever — every ring of two members would.
+    Operations inside one group (``batch_isend_irecv``) do not block each other. So on NCCL
+    (``grouped``) each step is one group, posted once the previous step's group has completed:
+    lock-step, deadlock-free because every send of step t meets its receive in the peer's group
+    of step t. gloo matches messages by tag and pair whatever the order, so there the dataflow
+    order keeps more in flight: every receive is posted at once, and each send as soon as the
+    receives it forwards have landed (see [Note: dataflow execution]).
+    ``tests/comm/test_posting_order.py`` runs both orders through a simulator of NCCL's rule.
+    """
+    out: list[Posted] = []
+    if grouped:
+        previous: tuple[int, ...] = ()
+        for index, step in enumerate(steps):
+            first = len(out)
+            out += [Posted("send", index, t, index, previous) for t in step.sends]
+            out += [Posted("recv", index, t, index, previous) for t in step.recvs]
+            previous = tuple(range(first, len(out)))
+        return out
+    for index, step in enumerate(steps):
+        out += [Posted("recv", index, t, len(out) + k, ()) for k, t in enumerate(step.recvs)]
+    recvs = list(enumerate(out))
+    for index, step in enumerate(steps):
+        for t in step.sends:
+            waits = tuple(k for k, r in recvs if r.step < index
+                          and r.transfer.lo < t.hi and t.lo < r.transfer.hi)
+            out.append(Posted("send", index, t, len(out), waits))
+    return out
+
+
 def _execute(buf: torch.Tensor, steps: list[Step], topo: Topology, reduce: bool) -> LinkBytes:
     """Run ``steps`` on the flat nested-order ``buf``; received ranges are copied in (all-gather)
     or added in (reduce-scatter). Returns the bytes this rank sent, by kind of link.
 
     [Note: dataflow execution]
-    The steps say what may overlap; they are not barriers. Every receive is posted at once, and
-    each send is posted, in step order, as soon as the receives it forwards have landed: a send
-    of range R in step t waits only for the receives of step < t that overlap R (for a
-    reduce-scatter, all the partial sums of R it will ever get, see the transpose note). So a
-    rank whose inter ring has delivered piece p forwards it at once, whatever the other lanes of
-    that step are still doing. Both ends post the messages between two ranks in the same order
-    (step, then (peer, lo)), which is what pairs sends with receives; and since a send depends
-    only on earlier steps, the order is deadlock-free whenever the lock-step schedule is.
+    The steps say what may overlap; they are not barriers. On gloo every receive is posted at
+    once, and each send is posted, in step order, as soon as the receives it forwards have
+    landed: a send of range R in step t waits only for the receives of step < t that overlap R
+    (for a reduce-scatter, all the partial sums of R it will ever get, see the transpose note).
+    So a rank whose inter ring has delivered piece p forwards it at once, whatever the other
+    lanes of that step are still doing. Both ends post the messages between two ranks in the same
+    order (step, then (peer, lo)), which is what pairs sends with receives. On NCCL the steps run
+    in lock-step instead, one group each: [Note: posting order].
     """
+    posted = post_order(steps, grouped=dist.get_backend(topo.world) == "nccl")
+    works: list[object] = [None] * len(posted)
+    landing: list[torch.Tensor | None] = [None] * len(posted)
+    done = [False] * len(posted)
+
+    def complete(k: int) -> None:
+        if not done[k]:
+            works[k].wait()
+            if reduce and posted[k].kind == "recv":
+                buf[posted[k].transfer.lo:posted[k].transfer.hi].add_(landing[k])
+            done[k] = True
+
+    position = 0
+    while position < len(posted):
+        end = position + 1
+        while end < len(posted) and posted[end].batch == posted[position].batch:
+            end += 1
+        batch = range(position, end)
+        for k in batch:
+            for dep in posted[k].after:
+                complete(dep)
+        ops = []
+        for k in batch:
+            t = posted[k].transfer
+            if posted[k].kind == "send":
+                ops.append(dist.P2POp(dist.isend, buf[t.lo:t.hi], group=topo.world,
+                                      group_peer=t.peer))
+            else:
+                # Reduce-scatter: a range may arrive from two peers in one step (HO-Ring's last
+                # step adds the inter and the intra partial sums), so each gets its own buffer.
+                landing[k] = buf.new_empty(t.hi - t.lo) if reduce else buf[t.lo:t.hi]
+                ops.append(dist.P2POp(dist.irecv, landing[k], group=topo.world,
+                                      group_peer=t.peer))
+        if len(ops) == 1:
+            op = ops[0]
+            peer = {"group_dst" if op.op is dist.isend else "group_src": op.group_peer}
+            batch_works = [op.op(op.tensor, group=op.group, **peer)]
+        else:
+            batch_works = dist.batch_isend_irecv(ops)
+        for k, work in zip(batch, batch_works):
+            works[k] = work
+        position = end
+    for k in range(len(posted)):
+        complete(k)
     intra = inter = 0
-    recvs: list[tuple[int, Transfer, torch.Tensor, object]] = []  # (step, range, landing, work)
-    for index, step in enumerate(steps):
-        for t in step.recvs:
-            # Reduce-scatter: a range may arrive from two peers in one step (HO-Ring's last
-            # step adds the inter and the intra partial sums), so each gets its own buffer.
-            dst = buf.new_empty(t.hi - t.lo) if reduce else buf[t.lo:t.hi]
-            work = dist.irecv(dst, group=topo.world, group_src=t.peer)
-            recvs.append((index, t, dst, work))
-    landed = [False] * len(recvs)
-
-    def land(k: int) -> None:
-        if not landed[k]:
-            _, t, dst, work = recvs[k]
-            work.wait()
-            if reduce:
-                buf[t.lo:t.hi].add_(dst)
-            landed[k] = True
-
-    sends = []
-    for index, step in enumerate(steps):
-        for t in step.sends:
-            for k, (rstep, r, _, _) in enumerate(recvs):
-                if rstep < index and r.lo < t.hi and t.lo < r.hi:
-                    land(k)
-            sends.append(dist.isend(buf[t.lo:t.hi], group=topo.world, group_dst=t.peer))
+    for step in steps:
         sent = step_bytes(step, topo.rank, topo.group_size, buf.element_size())
         intra, inter = intra + sent.intra, inter + sent.inter
-    for k in range(len(recvs)):
-        land(k)
-    for work in sends:
-        work.wait()
     return LinkBytes(intra, inter)
 
 
