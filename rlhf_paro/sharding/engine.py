@@ -221,7 +221,10 @@ class ShardedEngine:
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch; the loss is scaled by 1/grad_accum_steps."""
+        """Backward of one micro-batch; the loss is scaled by 1/grad_accum_steps.
+
+        A non-finite ``loss`` on any rank makes the next ``step()`` skip on every rank.
+        """
         if self._boundary is None or self._boundary.optimizer is None:
             raise EngineError(f"model {self.meter.model!r} is frozen (strategy "
                               f"{self.strategy.name}); it has no backward")
@@ -229,13 +232,16 @@ class ShardedEngine:
             raise EngineError(f"backward() called {self._micro_batches + 1} times without "
                               f"step(); grad_accum_steps={self.grad_accum_steps}")
         (loss / self.grad_accum_steps).backward()
+        self._boundary.poison(loss)  # [Note: a step skipped on bad numbers] (_step.py)
         self._micro_batches += 1
 
     @torch.no_grad()
     def step(self) -> float:
         """Reduce gradients to the OS level, clip, AdamW on the OS shard, refresh P.
 
-        Returns the global gradient norm before clipping.
+        Returns the global gradient norm before clipping. When that norm or a loss of this step
+        is not finite (on any rank), the step is skipped on every rank of the model alike: no
+        update, the accumulated gradients dropped, ``skipped_steps`` counts it.
         """
         if self._boundary is None or self._boundary.optimizer is None:
             raise EngineError(f"model {self.meter.model!r} has no optimizer (strategy "
@@ -293,6 +299,18 @@ class ShardedEngine:
     @property
     def lr(self) -> float:
         return 0.0 if self._boundary is None else self._boundary.lr
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped on a non-finite loss or gradient norm, in total (a loaded
+        checkpoint's count included); the same on every rank of the model."""
+        return 0 if self._boundary is None else self._boundary.skipped_steps
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the latest ``step()`` was skipped (the same on every rank of the model)."""
+        return self._boundary is not None and self._boundary.last_skipped
+
 
 
 def shard(model: nn.Module, strategy: Strategy | str, topology: Topology, *,
