@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from rlhf_paro.comm.collectives import Communicator
+from rlhf_paro.sharding._checkpoint import OPTIMIZER_KINDS, Slot
 from rlhf_paro.sharding._unit import Unit
 from rlhf_paro.sharding.schedule import Collective, run, select, ways
 from rlhf_paro.sharding.strategy import Strategy
@@ -147,6 +148,30 @@ class BoundaryStep:
             if unit.trainable.full.dtype != torch.float32:
                 total += master.numel() * master.element_size()
         return total
+
+    def slots(self) -> list[Slot]:
+        """This rank's optimizer state for a checkpoint, on the OS shard: the fp32 master (bf16
+        models; fp32 parameters are their own master) and both moments."""
+        out = []
+        for unit, master in zip(self.units, self.masters):
+            buf, state = unit.trainable, self.optimizer.state[master]
+            if buf.full.dtype != torch.float32:
+                out.append(Slot("master", buf, self.strategy.optim, master.detach()))
+            out += [Slot(kind, buf, self.strategy.optim, state[kind]) for kind in OPTIMIZER_KINDS]
+        return out
+
+    @property
+    def step_count(self) -> int | None:
+        """AdamW steps taken (skipped ones not counted); None without an optimizer."""
+        if self.optimizer is None:
+            return None
+        return int(self.optimizer.state[self.masters[0]]["step"])
+
+    def restore_counts(self, step_count: int, skipped_steps: int) -> None:
+        for master in self.masters:
+            self.optimizer.state[master]["step"].fill_(step_count)
+        self.skipped_steps = skipped_steps
+        self.last_skipped = False
 
     @property
     def lr(self) -> float:
