@@ -7,7 +7,8 @@ validates with) imports without torch.
 import importlib
 
 _EXPORTS = {
-    "EngineError": "errors", "ShardedEngine": "engine", "shard": "engine",
+    "CheckpointError": "errors", "EngineError": "errors", "ShardedEngine": "engine",
+    "shard": "engine",
     "Level": "strategy", "Strategy": "strategy", "StrategyError": "strategy",
     "all_strategies": "strategy",
 }

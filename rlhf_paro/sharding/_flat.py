@@ -22,9 +22,10 @@ from rlhf_paro.sharding.strategy import Level
 class FlatBuffer:
     """The trainable or the frozen parameters of one unit as one padded flat buffer."""
 
-    def __init__(self, params: list[nn.Parameter], topo: Topology, p_level: Level,
-                 dtype: torch.dtype, gather: Collective | None) -> None:
+    def __init__(self, params: list[nn.Parameter], names: list[str], topo: Topology,
+                 p_level: Level, dtype: torch.dtype, gather: Collective | None) -> None:
         self.params = params
+        self.names = names  # the parameters' qualified names: what a checkpoint is keyed by
         self.topo = topo
         self.p_level = p_level
         self.gather_op = gather  # the schedule's P -> N all-gather; None for P = N

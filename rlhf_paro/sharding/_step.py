@@ -8,6 +8,24 @@ the whole global batch. The squared norm is summed over this rank's OS shard and
 over the ranks whose OS shards are disjoint (the schedule's norm row), so each element counts
 once. The update is ``torch.optim.AdamW`` itself on the OS shard, element for element the same
 arithmetic as on the unsharded model.
+
+[Note: a step skipped on bad numbers]  (docs/design.md, "Exactness")
+A non-finite loss or gradient norm skips the step: no AdamW update (its step count stays), no
+refresh, the accumulators zeroed; ``step()`` still returns the norm. Every rank of the model
+must decide alike, and no collective is added for it: the decision is taken on the global norm,
+which is the same number on every rank for all 14 strategies.
+  - OS = G (NNG NIG NGG ING IIG IGG GNG GIG GGG): the squared norms of the OS shards are
+    all-reduced over the world, so every rank holds the one result of one all-reduce.
+  - OS = I (NNI NII INI III): the OS-level gradient was all-reduced over inter just before, so
+    the g groups hold identical replicas, and each group's intra all-reduce of the squared
+    norms sums the same values (and a non-finite value makes any order's sum non-finite).
+  - OS = N (NNN): no norm all-reduce, but the gradient itself was all-reduced over the world,
+    so every rank squares the same full gradient.
+A non-finite number anywhere reaches every rank: any element of any rank's accumulator is summed
+into some OS shard's element, whose square every rank's norm counts (once). A non-finite loss
+may come with finite gradients (a constant NaN added to it), so ``poison`` puts a NaN into one
+element of that rank's accumulator, which then takes the same path: no flag to all-reduce, and
+no host synchronisation in ``backward``.
 """
 
 from __future__ import annotations
@@ -16,6 +34,7 @@ import torch
 from torch import nn
 
 from rlhf_paro.comm.collectives import Communicator
+from rlhf_paro.sharding._checkpoint import OPTIMIZER_KINDS, Slot
 from rlhf_paro.sharding._unit import Unit
 from rlhf_paro.sharding.schedule import Collective, run, select, ways
 from rlhf_paro.sharding.strategy import Strategy
@@ -55,6 +74,8 @@ class BoundaryStep:
         kwargs = {**OPTIM_DEFAULTS, **optim}
         kwargs["betas"] = tuple(kwargs["betas"])
         self.optimizer = torch.optim.AdamW(self.masters, **kwargs) if self.masters else None
+        self.skipped_steps = 0  # steps skipped on a non-finite loss or norm, in total
+        self.last_skipped = False  # whether the latest step was one of them
         # Allocate the moments now, so memory() is the steady state from the start.
         for p in self.masters:
             self.optimizer.state[p] = {
@@ -72,6 +93,12 @@ class BoundaryStep:
             sq += g.pow(2).sum()
         run(self._norm, sq, self.comm)
         norm = sq.sqrt()
+        self.last_skipped = not bool(torch.isfinite(norm))  # [Note: a step skipped on bad numbers]
+        if self.last_skipped:
+            self.skipped_steps += 1
+            for unit in self.units:
+                unit.grad_acc.zero_()
+            return float(norm)
         if self.max_grad_norm is not None:
             # torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), capped at 1.
             coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
@@ -86,6 +113,13 @@ class BoundaryStep:
             unit.grad_acc.zero_()
             self._refresh(unit, master)
         return float(norm)
+
+    @torch.no_grad()
+    def poison(self, loss: torch.Tensor) -> None:
+        """Make this step's norm non-finite on every rank if ``loss`` is not finite
+        ([Note: a step skipped on bad numbers]); adds 0 otherwise, without a host sync."""
+        bad = torch.where(torch.isfinite(loss.detach()).all(), 0.0, float("nan"))
+        self.units[0].grad_acc[:1].add_(bad)
 
     def _reduce_to_os(self, unit: Unit) -> torch.Tensor:
         """The globally summed gradient of this rank's OS shard, in fp32 (schedule, boundary)."""
@@ -114,6 +148,30 @@ class BoundaryStep:
             if unit.trainable.full.dtype != torch.float32:
                 total += master.numel() * master.element_size()
         return total
+
+    def slots(self) -> list[Slot]:
+        """This rank's optimizer state for a checkpoint, on the OS shard: the fp32 master (bf16
+        models; fp32 parameters are their own master) and both moments."""
+        out = []
+        for unit, master in zip(self.units, self.masters):
+            buf, state = unit.trainable, self.optimizer.state[master]
+            if buf.full.dtype != torch.float32:
+                out.append(Slot("master", buf, self.strategy.optim, master.detach()))
+            out += [Slot(kind, buf, self.strategy.optim, state[kind]) for kind in OPTIMIZER_KINDS]
+        return out
+
+    @property
+    def step_count(self) -> int | None:
+        """AdamW steps taken (skipped ones not counted); None without an optimizer."""
+        if self.optimizer is None:
+            return None
+        return int(self.optimizer.state[self.masters[0]]["step"])
+
+    def restore_counts(self, step_count: int, skipped_steps: int) -> None:
+        for master in self.masters:
+            self.optimizer.state[master]["step"].fill_(step_count)
+        self.skipped_steps = skipped_steps
+        self.last_skipped = False
 
     @property
     def lr(self) -> float:

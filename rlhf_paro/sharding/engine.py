@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from typing import Any, Iterator
+import os
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -47,6 +49,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from rlhf_paro.comm.collectives import Communicator
 from rlhf_paro.comm.meter import CommMeter
 from rlhf_paro.comm.topology import Topology
+from rlhf_paro.sharding import _checkpoint
 from rlhf_paro.sharding._flat import FlatBuffer
 from rlhf_paro.sharding._step import BoundaryStep
 from rlhf_paro.sharding._unit import PostBackward, Unit, UnitState, tensors_requiring_grad
@@ -115,12 +118,13 @@ class ShardedEngine:
     # -- construction ------------------------------------------------------------------------
     def _build_units(self, unit_classes: list[str] | None, dtype: torch.dtype) -> list[Unit]:
         gather = select(self.schedule, "forward", "params")
+        names = {id(p): name for name, p in self.module.named_parameters()}
         units = []
         for index, spec in enumerate(split_units(self.module, unit_classes)):
             trainable = [p for p in spec.params if p.requires_grad]
             frozen = [p for p in spec.params if not p.requires_grad]
-            buffers = [FlatBuffer(group, self.topo, self.strategy.params, dtype,
-                                  gather[0] if gather else None)
+            buffers = [FlatBuffer(group, [names[id(p)] for p in group], self.topo,
+                                  self.strategy.params, dtype, gather[0] if gather else None)
                        for group in (trainable, frozen) if group]
             units.append(Unit(spec.name, spec.module, buffers,
                               buffers[0] if trainable else None, is_root=index == 0))
@@ -221,7 +225,10 @@ class ShardedEngine:
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch; the loss is scaled by 1/grad_accum_steps."""
+        """Backward of one micro-batch; the loss is scaled by 1/grad_accum_steps.
+
+        A non-finite ``loss`` on any rank makes the next ``step()`` skip on every rank.
+        """
         if self._boundary is None or self._boundary.optimizer is None:
             raise EngineError(f"model {self.meter.model!r} is frozen (strategy "
                               f"{self.strategy.name}); it has no backward")
@@ -229,13 +236,16 @@ class ShardedEngine:
             raise EngineError(f"backward() called {self._micro_batches + 1} times without "
                               f"step(); grad_accum_steps={self.grad_accum_steps}")
         (loss / self.grad_accum_steps).backward()
+        self._boundary.poison(loss)  # [Note: a step skipped on bad numbers] (_step.py)
         self._micro_batches += 1
 
     @torch.no_grad()
     def step(self) -> float:
         """Reduce gradients to the OS level, clip, AdamW on the OS shard, refresh P.
 
-        Returns the global gradient norm before clipping.
+        Returns the global gradient norm before clipping. When that norm or a loss of this step
+        is not finite (on any rank), the step is skipped on every rank of the model alike: no
+        update, the accumulated gradients dropped, ``skipped_steps`` counts it.
         """
         if self._boundary is None or self._boundary.optimizer is None:
             raise EngineError(f"model {self.meter.model!r} has no optimizer (strategy "
@@ -290,9 +300,115 @@ class ShardedEngine:
         with self.gathered("gather"):
             return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
+    # -- checkpoints: _checkpoint.py, [Note: checkpoint format] --------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's share of the engine's state, in a form no layout depends on
+        (docs/design.md, "Checkpoints"). Local: no collective.
+
+        Returns ``{"meta": dict, "tensors": {"<kind>/<parameter name>": 1-D tensor}}``: copies
+        of the pieces of every parameter that this rank's nested G-chunk crosses, so the ranks'
+        state dicts together hold each element once. Kinds: ``params`` (as held, fp32 or bf16),
+        ``master`` (the fp32 master of a bf16 model), ``exp_avg`` and ``exp_avg_sq`` (AdamW's
+        moments). ``meta`` is plain JSON: each piece's ``[start, stop)`` in its flattened
+        parameter, every parameter's shape, dtype and whether it is trained, the AdamW ``step``
+        count, ``skipped_steps``, and the saving layout. Module buffers that are not parameters
+        are no part of it. Not between ``backward()`` and ``step()``: accumulated gradients are
+        not saved.
+        """
+        self._check_between_steps("state_dict()")
+        return _checkpoint.snapshot(self._slots(), self._meta())
+
+    def load_state_dict(self, states: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Load state dicts saved under any strategy, N and M: ``states`` are the saved ranks'
+        ``state_dict()`` results (all of them, or those that hold what this rank needs), in any
+        order. This rank takes its P shard of the parameters and its OS shard of the master and
+        moments from them, and the step counts. Local: no collective.
+
+        Raises ``CheckpointError`` (a ``ValueError``) naming what does not fit (another model's
+        names or shapes, a missing piece, mixed checkpoints) before anything is changed.
+        """
+        if isinstance(states, Mapping):
+            states = [states]
+        self._load([_checkpoint.from_state_dict(state, f"state dict {k}")
+                    for k, state in enumerate(states)])
+
+    def save_checkpoint(self, directory: str | os.PathLike) -> Path:
+        """Write this rank's ``state_dict()`` to ``<directory>/rank_<rank, 5 digits>.safetensors``
+        (JSON metadata in the safetensors header) and return that path. Every rank of the model
+        calls it; no collective. The directory is created if needed; the file is written under a
+        temporary name, fsynced and renamed, so it is complete once this returns.
+        """
+        return _checkpoint.write(self.state_dict(), directory, self.topo.rank)
+
+    def load_checkpoint(self, directory: str | os.PathLike) -> None:
+        """Load a directory written by ``save_checkpoint`` under any strategy, N and M; every
+        rank of the model calls it once every file is written. Reads the headers of all rank
+        files and, lazily, only the slices this rank owns; no collective, nothing unpickled.
+        Raises ``CheckpointError`` before anything is changed if a file is missing or unreadable
+        or the checkpoint does not fit the model (as ``load_state_dict``).
+        """
+        handles: list = []  # the open files, closed when the load is over
+        try:
+            self._load(_checkpoint.open_directory(directory, handles))
+        finally:
+            handles.clear()
+
+    def _check_between_steps(self, what: str) -> None:
+        if self.state == TrainingState.BACKWARD or self._micro_batches:
+            raise EngineError(f"{what} after {self._micro_batches} backward() call(s) without "
+                              "step(): accumulated gradients are not part of the state")
+
+    @torch.no_grad()
+    def _load(self, saved: list[_checkpoint.Saved]) -> None:
+        self._check_between_steps("loading a checkpoint")
+        if self._hold:
+            raise EngineError("loading a checkpoint inside gathered(): the gathered copies "
+                              "would go stale")
+        # [Note: waits] A prefetch in flight reads the shards about to be written.
+        for unit in self.units:
+            unit.free()
+        writes, meta = _checkpoint.read(self._slots(), self._table(), saved)
+        for target, offset, values in writes:
+            target[offset:offset + values.numel()].copy_(values)
+        if self._boundary is not None and self._boundary.optimizer is not None:
+            self._boundary.restore_counts(meta["step"], meta["skipped_steps"])
+
+    def _slots(self) -> list[_checkpoint.Slot]:
+        """What this rank holds, slot by slot: the P shards, then the optimizer's OS shards."""
+        slots = [_checkpoint.Slot("params", buf, self.strategy.params, buf.shard)
+                 for unit in self.units for buf in unit.buffers]
+        return slots + ([] if self._boundary is None else self._boundary.slots())
+
+    def _table(self) -> dict[str, dict[str, Any]]:
+        """Every parameter's shape, dtype and whether this engine trains it."""
+        return {name: {"shape": list(shape), "dtype": self.precision,
+                       "trained": buf is unit.trainable and self._boundary is not None}
+                for unit in self.units for buf in unit.buffers
+                for name, shape in zip(buf.names, buf.shapes)}
+
+    def _meta(self) -> dict[str, Any]:
+        t = self.topo
+        return {"format": _checkpoint.FORMAT, "rank": t.rank, "num_ranks": t.num_ranks,
+                "group_size": t.group_size, "strategy": self.strategy.name,
+                "precision": self.precision,
+                "kinds": sorted({slot.kind for slot in self._slots()}),
+                "step": None if self._boundary is None else self._boundary.step_count,
+                "skipped_steps": self.skipped_steps, "params": self._table()}
+
     @property
     def lr(self) -> float:
         return 0.0 if self._boundary is None else self._boundary.lr
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped on a non-finite loss or gradient norm, in total (a loaded
+        checkpoint's count included); the same on every rank of the model."""
+        return 0 if self._boundary is None else self._boundary.skipped_steps
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the latest ``step()`` was skipped (the same on every rank of the model)."""
+        return self._boundary is not None and self._boundary.last_skipped
 
 
 def shard(model: nn.Module, strategy: Strategy | str, topology: Topology, *,

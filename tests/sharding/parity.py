@@ -1,4 +1,4 @@
-"""Shared pieces of the engine parity tests: tiny models, batches, and the unsharded references.
+"""Shared pieces of the engine tests: tiny models, batches, and the unsharded references.
 
 The fp32 reference is the unsharded model trained on the *global* batch: for every step, all N
 ranks' s micro-batches, loss = mean of the N*s micro-batch losses, ``clip_grad_norm_`` and
@@ -51,6 +51,17 @@ class Case:
         return "bf16" if self.variant == "bf16_reduce" else "fp32"
 
 
+class TwoLayer(nn.Module):
+    """The smallest model: no blocks, so the engine makes it one root unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x)).sum()
+
+
 def build_model(variant: str, seed: int = 0) -> nn.Module:
     """A tiny Hugging Face Llama. ``odd`` has unit sizes that N=4 does not divide."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -83,34 +94,37 @@ def build_model(variant: str, seed: int = 0) -> nn.Module:
     return model
 
 
-def make_batches(variant: str, world_size: int, seed: int = 1) -> torch.Tensor:
-    """Token ids of shape (STEPS, N, MICRO, BATCH, SEQ)."""
+def make_batches(variant: str, world_size: int, seed: int = 1, steps: int = STEPS) -> torch.Tensor:
+    """Token ids of shape (steps, N, MICRO, BATCH, SEQ)."""
     vocab = 37 if variant == "odd" else 32
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (STEPS, world_size, MICRO, BATCH, SEQ), generator=gen)
+    return torch.randint(0, vocab, (steps, world_size, MICRO, BATCH, SEQ), generator=gen)
 
 
 def micro_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
 
-def reference_run(variant: str, world_size: int) -> dict:
-    """Unsharded fp32 training on the global batch; losses (STEPS, N, MICRO), norms, final state."""
+def reference_run(variant: str, world_size: int, steps: int = STEPS,
+                  skip: frozenset[int] = frozenset()) -> dict:
+    """Unsharded fp32 training on the global batch; losses (steps, N, MICRO), norms, final state.
+    The optimizer does not step at the steps in ``skip`` (their gradients are dropped)."""
     assert not variant.startswith("bf16"), "bf16 runs are held to bf16_shadow"
     model = build_model(variant)
-    batches = make_batches(variant, world_size)
+    batches = make_batches(variant, world_size, steps=steps)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, **OPTIM)
-    losses = torch.zeros(STEPS, world_size, MICRO, dtype=torch.float64)
+    losses = torch.zeros(steps, world_size, MICRO, dtype=torch.float64)
     norms = []
-    for step in range(STEPS):
+    for step in range(steps):
         for r in range(world_size):
             for k in range(MICRO):
                 loss = micro_loss(model, batches[step, r, k])
                 losses[step, r, k] = loss.item()
                 (loss / (world_size * MICRO)).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, MAX_NORM)))
-        opt.step()
+        if step not in skip:
+            opt.step()
         opt.zero_grad(set_to_none=True)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"losses": losses, "norms": norms, "state": state}

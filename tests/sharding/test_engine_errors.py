@@ -2,18 +2,9 @@
 
 import pytest
 import torch
-from torch import nn
 
 from rlhf_paro.sharding import EngineError, Strategy, StrategyError, Topology, shard
-
-
-class TwoLayer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(self.a(x)).sum()
+from tests.sharding.parity import TwoLayer
 
 
 def test_step_before_the_accumulation_boundary_is_an_error() -> None:
