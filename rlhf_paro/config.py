@@ -352,6 +352,10 @@ class TaskConfig:
                                             f"got {self.prompt_len}")
 
 
+RAY_ADDRESS_ALLOWED = ("allowed: null (a private Ray on this machine) or the address of a "
+                       "running cluster (ray start --head)")
+
+
 @dataclass
 class RayConfig:
     address: str | None = None  # None: start a local Ray; "auto" or host:port: join a cluster

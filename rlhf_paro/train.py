@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 from rlhf_paro import cli
-from rlhf_paro.config import Config, ConfigError
+from rlhf_paro.config import RAY_ADDRESS_ALLOWED, Config, ConfigError
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -21,6 +21,8 @@ def prepare(cfg: Config, conf: str) -> Config:
     """Every check a user's mistake can fail, before anything runs or is written; the config to
     run, with ``auto`` strategies resolved."""
     require_gpus(cfg, conf)
+    if cfg.ray.address:
+        require_ray(cfg.ray.address)
     # Everything below needs transformers; a bad command line has failed before it.
     from rlhf_paro import models, plan
     from rlhf_paro.ppo.task import task_from_config
@@ -40,6 +42,16 @@ def run(cfg: Config) -> None:
     # The next job of a multirun starts its own Ray, sized for its own devices.
     ray.shutdown()
     print(f"metrics: {cfg.trainer.output_dir}/metrics.jsonl\ndashboard: {dashboard}")
+
+
+def require_ray(address: str) -> None:
+    """Fail in seconds, before the slow imports, when no Ray cluster answers at ``address``."""
+    from rlhf_paro.actors.group import check_address
+
+    try:
+        check_address(address)
+    except ConnectionError as err:
+        raise ConfigError("ray.address", f"{err}; {RAY_ADDRESS_ALLOWED}") from None
 
 
 def require_gpus(cfg: Config, conf: str) -> None:
