@@ -47,7 +47,7 @@ def model_keys(role: str) -> list[str]:
     keys += [f"{role}/comm/{k}" for k in ("intra_bytes", "inter_bytes", "time_s", "calls")]
     keys += [f"{role}/mem/{k}_bytes" for k in ("params", "grads", "optim", "peak")]
     if role in TRAINED_ROLES:
-        keys += [f"{role}/{k}" for k in ("loss", "grad_norm", "lr")]
+        keys += [f"{role}/{k}" for k in ("loss", "grad_norm", "lr", "skipped_steps")]
         keys.append("actor/clipfrac" if role == "actor" else "critic/vf_clipfrac")
     return keys
 
@@ -67,6 +67,9 @@ class RankReport:
     memory: dict[str, int]  # engine.memory(): params, grads, optim bytes on this rank
     peak_bytes: int  # process peak: CUDA max allocated, or peak RSS on CPU
     train: dict[str, float] = field(default_factory=dict)  # loss, grad_norm, lr, clipfrac...
+    # Trained models: the longest run of optimizer steps skipped in a row (a non-finite loss or
+    # gradient norm) that this step saw, counting a run that began in earlier steps.
+    skip_run: int = 0
 
 
 def model_metrics(role: str, reports: list[RankReport]) -> dict[str, float]:

@@ -6,6 +6,7 @@ a cluster first with `python -m rlhf_paro.plan`.
 
 from __future__ import annotations
 
+import shlex
 import sys
 
 from rlhf_paro import cli
@@ -31,17 +32,42 @@ def prepare(cfg: Config, conf: str) -> Config:
     return plan.resolve_auto(cfg)
 
 
-def run(cfg: Config) -> None:
+def run(cfg: Config, argv: list[str]) -> None:
+    """Train; a run that stops early says why in one line, with the command that resumes it
+    (``argv``: the command line of this job), and exits non-zero. Ray is shut down either way."""
     import ray
 
-    from rlhf_paro.trainer import PPOTrainer
+    from rlhf_paro.actors.group import WorkerError
+    from rlhf_paro.trainer import PPOTrainer, RunError
 
-    trainer = PPOTrainer(cfg)
-    dashboard = trainer.fit()
-    trainer.shutdown()
-    # The next job of a multirun starts its own Ray, sized for its own devices.
-    ray.shutdown()
+    trainer = None
+    stopped = None
+    try:
+        trainer = PPOTrainer(cfg)
+        dashboard = trainer.fit()
+    except WorkerError as err:  # while the workers start, before any step
+        stopped = RunError(f"{err} while starting", "auto")
+    except KeyboardInterrupt:
+        stopped = RunError("interrupted while starting", "auto", exit_code=130)
+    except RunError as err:
+        stopped = err
+    finally:
+        if trainer is not None:
+            trainer.shutdown()
+        # No process of the run outlives it; the next job of a multirun starts its own Ray,
+        # sized for its own devices.
+        ray.shutdown()
+    if stopped is not None:
+        print(f"error: {stopped}; resume with: {resume_command(argv, stopped.resume)}",
+              file=sys.stderr)
+        raise SystemExit(stopped.exit_code)
     print(f"metrics: {cfg.trainer.output_dir}/metrics.jsonl\ndashboard: {dashboard}")
+
+
+def resume_command(argv: list[str], resume: str) -> str:
+    """The command line ``argv`` again, going on from a checkpoint (``trainer.resume``)."""
+    kept = [arg for arg in argv if not arg.startswith("trainer.resume=")]
+    return shlex.join(["python", "-m", "rlhf_paro.train", *kept, f"trainer.resume={resume}"])
 
 
 def require_ray(address: str) -> None:

@@ -21,7 +21,8 @@ def _report(rank: int) -> RankReport:
               "boundary": {"intra_bytes": 0, "inter_bytes": 10, "calls": 1, "seconds": 0.2}},
         memory={"params": 1000 * (rank + 1), "grads": 10, "optim": 20},
         peak_bytes=5000 + rank,
-        train={"loss": float(rank), "grad_norm": 1.0, "lr": 1e-3, "vf_clipfrac": 0.5},
+        train={"loss": float(rank), "grad_norm": 1.0, "lr": 1e-3, "vf_clipfrac": 0.5,
+               "skipped_steps": 0.0},
     )
 
 

@@ -117,7 +117,8 @@ class ModelGroup:
         ]
 
     def rendezvous(self) -> list[ray.ObjectRef]:
-        """Start every rank's process-group init and model build; returns refs to wait on.
+        """Start every rank's process-group init and model build; returns refs to wait on, which
+        give each rank's process id.
 
         Rank 0 picks the address first; the other ranks get it before any of them connects.
         """
