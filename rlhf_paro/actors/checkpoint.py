@@ -12,7 +12,7 @@
 
 Everything is plain data: JSON, YAML and the engine's own files; loading never unpickles.
 
-[Note: a checkpoint is complete or absent]  (docs/design.md, "Checkpoints")
+[Note: a checkpoint is complete or absent]  (docs/design.md, "Run checkpoints and resume")
 A checkpoint is written into a scratch directory; every file is flushed to disk (fsync) as it is
 hashed, the manifest goes in last, and one rename makes ``step_<k>`` appear. A run killed at any
 moment leaves either no ``step_<k>`` or a complete one, and the newest complete checkpoint is
