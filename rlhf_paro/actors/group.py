@@ -165,23 +165,26 @@ def get(calls: dict[str, list[ray.ObjectRef]], workers: dict[str, list[Any]]
     pending = list(owner)
     while pending:
         done, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
+        failures = []
         for ref in done:
             role, rank = owner[ref]
             try:
                 results[role][rank] = ray.get(ref)
             except RayError as err:
-                raise _failure([(err, role, rank)], pending, owner, workers) from None
+                failures.append((err, role, rank))
+        if failures:
+            raise _failure(failures, pending, owner, workers) from None
     return results
 
 
 def _failure(failures: list[tuple[RayError, str, int]], pending: list[ray.ObjectRef],
              owner: dict[ray.ObjectRef, tuple[str, int]], workers: dict[str, list[Any]]
              ) -> BaseException:
-    """The exception that says best what went wrong, given the first failure."""
+    """The exception that says best what went wrong, given the failures seen so far."""
     cause = _cause(failures[0][0])
     if isinstance(cause, (ConfigError, KeyboardInterrupt)):
         return cause
-    if pending and not isinstance(failures[0][0], RayActorError):
+    if pending and not any(isinstance(err, RayActorError) for err, _, _ in failures):
         # A killed worker's peers may fail first, on the collective it left (a connection
         # closed by peer): give Ray a moment to report the death itself, to name the right one.
         done, _ = ray.wait(pending, num_returns=len(pending), timeout=GRACE_S)

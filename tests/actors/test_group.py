@@ -64,6 +64,19 @@ def test_a_rank_that_raises_is_named_while_its_peer_still_waits(ranks):
     _fresh(ranks, "actor", 0)
 
 
+def test_a_killed_rank_is_named_rather_than_the_peer_that_lost_its_connection(ranks):
+    pid = ray.get(ranks["actor"][1].pid.remote())
+    os.kill(pid, signal.SIGKILL)
+    # Rank 0 fails on the collective its dead peer left, and comes first in the call.
+    calls = {"actor": [ranks["actor"][0].fail.remote(RuntimeError("Connection closed by peer")),
+                       ranks["actor"][1].block.remote()]}
+    ray.wait(calls["actor"], num_returns=2, timeout=30)  # both failed by the time we look
+    with pytest.raises(WorkerError) as info:
+        get(calls, ranks)
+    assert (info.value.role, info.value.rank, info.value.died) == ("actor", 1, True)
+    _fresh(ranks, "actor", 1)
+
+
 def test_a_killed_rank_is_named_even_through_another_models_call(ranks):
     pid = ray.get(ranks["actor"][1].pid.remote())
     blocked = ranks["actor"][1].block.remote()
