@@ -49,9 +49,11 @@ class Job(NamedTuple):
 
 
 def main(argv: list[str], *, prog: str, about: str, prepare: Callable[[Config, str], Config],
-         execute: Callable[[Config], None]) -> None:
+         execute: Callable[[Config, list[str]], None]) -> None:
     """Run ``prog``'s command line: ``prepare(cfg, conf)`` checks one job and returns the
-    config to run (raising ``ConfigError`` for a user's mistake), ``execute(cfg)`` runs it."""
+    config to run (raising ``ConfigError`` for a user's mistake), ``execute(cfg, job_argv)``
+    runs it; ``job_argv`` is the command line of that job alone (a multirun job's values and
+    output directory)."""
     with cli_errors():
         show_help, show_cfg, multirun, args = _options(argv)
         jobs = _jobs(args) if multirun else [Job("", args)]
@@ -69,9 +71,11 @@ def main(argv: list[str], *, prog: str, about: str, prepare: Callable[[Config, s
             return
         ready = [prepare(cfg, parse_overrides(job.argv)[0]) for job, cfg in zip(jobs, configs)]
         for k, (job, cfg) in enumerate(zip(jobs, ready)):
+            job_argv = job.argv
             if multirun:
                 print(f"[{prog}] job {k}: {job.name or 'nothing swept'}", flush=True)
-            execute(cfg)
+                job_argv = [*job.argv, f"trainer.output_dir={cfg.trainer.output_dir}"]
+            execute(cfg, job_argv)
 
 
 def _options(argv: list[str]) -> tuple[bool, bool, bool, list[str]]:

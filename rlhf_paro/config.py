@@ -64,6 +64,10 @@ class ConfigError(ValueError):
         # Keys and values come from the command line: a newline in one must not break the line.
         super().__init__("".join(c if c.isprintable() else ascii(c)[1:-1] for c in message))
 
+    def __reduce__(self) -> tuple:
+        # A worker's ConfigError reaches the driver pickled: rebuild it from its two parts.
+        return ConfigError, (self.key, self.problem)
+
     def under(self, prefix: str) -> ConfigError:
         """The same error with its key qualified by the section it was found in."""
         return ConfigError(_join(prefix, self.key), self.problem)
@@ -278,14 +282,36 @@ class PPOConfig:
                               f"ppo.rollout_batch_size={self.rollout_batch_size}")
 
 
+RESUME_CHOICES = ("auto", "none")
+# What marks a complete checkpoint directory: written last (docs/design.md, "Checkpoints").
+MANIFEST = "manifest.json"
+
+
 @dataclass
 class TrainerConfig:
     steps: int = 20  # PPO steps (rollout + update)
     seed: int = 0  # seeds model init, prompts and sampling
     output_dir: str = "outputs/run"  # metrics.jsonl, the dashboard and the wandb run land here
+    # Write a checkpoint every this many steps to <output_dir>/checkpoints/step_<k>/ (0: never).
+    save_every: int = 0
+    # auto: go on from the newest complete checkpoint in output_dir (none there: a fresh start);
+    # none: start fresh; or the path of a checkpoint directory (step_<k>), even of another run.
+    resume: str = "auto"
+    keep_checkpoints: int = 2  # newest complete checkpoints kept, older ones deleted (0: all)
+    # Stop the run when a trained model skips more than this many optimizer steps in a row
+    # (a non-finite loss or gradient norm skips the update).
+    max_skipped_steps: int = 5
 
     def __post_init__(self) -> None:
         _positive("steps", self.steps)
+        for key in ("save_every", "keep_checkpoints", "max_skipped_steps"):
+            if getattr(self, key) < 0:
+                raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}")
+        if self.resume not in RESUME_CHOICES and not (Path(self.resume).expanduser()
+                                                      / MANIFEST).is_file():
+            raise ConfigError("resume", f"no complete checkpoint at {self.resume!r} (it has no "
+                                        f"{MANIFEST}); allowed: auto, none or a checkpoint "
+                                        "directory such as OUTPUT_DIR/checkpoints/step_10")
 
 
 @dataclass
@@ -325,6 +351,10 @@ class TaskConfig:
         if self.prompt_len < 2:
             raise ConfigError("prompt_len", f"must be at least 2 (<bos> and one symbol), "
                                             f"got {self.prompt_len}")
+
+
+RAY_ADDRESS_ALLOWED = ("allowed: null (a private Ray on this machine) or the address of a "
+                       "running cluster (ray start --head)")
 
 
 @dataclass

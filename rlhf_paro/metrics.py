@@ -15,6 +15,7 @@ Every rank of every model sends the driver one ``RankReport`` per step (``actors
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +47,7 @@ def model_keys(role: str) -> list[str]:
     keys += [f"{role}/comm/{k}" for k in ("intra_bytes", "inter_bytes", "time_s", "calls")]
     keys += [f"{role}/mem/{k}_bytes" for k in ("params", "grads", "optim", "peak")]
     if role in TRAINED_ROLES:
-        keys += [f"{role}/{k}" for k in ("loss", "grad_norm", "lr")]
+        keys += [f"{role}/{k}" for k in ("loss", "grad_norm", "lr", "skipped_steps")]
         keys.append("actor/clipfrac" if role == "actor" else "critic/vf_clipfrac")
     return keys
 
@@ -66,6 +67,9 @@ class RankReport:
     memory: dict[str, int]  # engine.memory(): params, grads, optim bytes on this rank
     peak_bytes: int  # process peak: CUDA max allocated, or peak RSS on CPU
     train: dict[str, float] = field(default_factory=dict)  # loss, grad_norm, lr, clipfrac...
+    # Trained models: the longest run of optimizer steps skipped in a row (a non-finite loss or
+    # gradient norm) that this step saw, counting a run that began in earlier steps.
+    skip_run: int = 0
 
 
 def model_metrics(role: str, reports: list[RankReport]) -> dict[str, float]:
@@ -99,11 +103,16 @@ class MetricsLogger:
 
     wandb is offline unless ``wandb_mode`` says otherwise: an offline run lands in
     ``<output_dir>/wandb`` and ``wandb sync`` uploads it later.
+
+    A run resumed at ``start_step`` keeps the rows of the steps before it and replaces any after
+    (they belong to the run it replaces), the bar starts at ``start_step``, and wandb goes on
+    with the run ``wandb_id`` (``wandb_id`` is the id of the run logged to, new or resumed).
     """
 
     def __init__(self, output_dir: str, num_steps: int, run_info: dict[str, Any],
                  wandb_mode: str = "offline", wandb_init: dict[str, Any] | None = None,
-                 show_progress: bool = True) -> None:
+                 show_progress: bool = True, start_step: int = 0,
+                 wandb_id: str | None = None) -> None:
         """``wandb_init``: extra ``wandb.init`` arguments (project, entity, name, tags); the
         run is named after the output directory unless it gives a name."""
         from tqdm.auto import tqdm
@@ -112,23 +121,33 @@ class MetricsLogger:
         self.output_dir = output_dir
         with open(os.path.join(output_dir, "run.json"), "w") as f:
             json.dump(run_info, f, indent=2, default=str)
-        self._jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "w")
-        self._bar = tqdm(total=num_steps, desc="ppo", unit="step", dynamic_ncols=True,
-                         disable=not show_progress)
+        path = os.path.join(output_dir, "metrics.jsonl")
+        if start_step and os.path.isfile(path):
+            with open(path) as f:
+                kept = [line for line in f if _step_of(line) < start_step]
+            with open(path + ".tmp", "w") as f:  # renamed over: a kill keeps the old rows
+                f.writelines(kept)
+            os.replace(path + ".tmp", path)
+        self._jsonl = open(path, "a" if start_step else "w")
+        self._bar = tqdm(total=num_steps, initial=start_step, desc="ppo", unit="step",
+                         dynamic_ncols=True, disable=not show_progress)
         self._wandb = None
+        self.wandb_id = wandb_id
         if wandb_mode != "disabled":
             import wandb
 
             init = {"project": "rlhf_paro", **(wandb_init or {})}
             init["name"] = init.get("name") or os.path.basename(os.path.normpath(output_dir))
             self._wandb = wandb.init(dir=output_dir, mode=wandb_mode, config=run_info, **init,
+                                     id=wandb_id, resume="allow" if wandb_id else None,
                                      # Quiet, and no system sampler: on small machines it steals
                                      # a core from the workers.
                                      settings=wandb.Settings(silent=True, console="off",
                                                              x_disable_stats=True))
+            self.wandb_id = self._wandb.id
             # One section per model and per loop group, all against the PPO step.
             wandb.define_metric("step")
-            for prefix in (*ROLES, "ppo", "timing_s", "perf"):
+            for prefix in (*ROLES, "ppo", "timing_s", "perf", "checkpoint"):
                 wandb.define_metric(f"{prefix}/*", step_metric="step")
 
     def log(self, step: int, row: dict[str, float]) -> None:
@@ -146,6 +165,14 @@ class MetricsLogger:
         self._jsonl.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _step_of(line: str) -> float:
+    """The step of a metrics.jsonl line; infinity for a line a kill cut short."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError):
+        return math.inf
 
 
 def read_jsonl(path: str) -> list[dict[str, float]]:

@@ -184,7 +184,8 @@ def _with_lora(module: nn.Module, model_cfg: ModelConfig) -> nn.Module:
         target_modules=list(lora.target_modules)))
 
 
-def _backbone(model_cfg: ModelConfig, config: Any, auto_class: Any, meta: bool) -> nn.Module:
+def _backbone(role: str, model_cfg: ModelConfig, config: Any, auto_class: Any,
+              meta: bool) -> nn.Module:
     """The Hugging Face module of a section (weights from ``path`` or fresh), with checkpointing
     and LoRA as configured. Call under a seeded RNG: fresh weights come from it."""
     device = "meta" if meta else "cpu"
@@ -192,8 +193,16 @@ def _backbone(model_cfg: ModelConfig, config: Any, auto_class: Any, meta: bool) 
         with torch.device(device):
             module = auto_class.from_config(config)
     else:
-        module = auto_class.from_pretrained(model_cfg.path, local_files_only=True,
-                                            dtype=torch.float32)
+        try:
+            module = auto_class.from_pretrained(model_cfg.path, local_files_only=True,
+                                                dtype=torch.float32)
+        except MemoryError:
+            raise
+        except Exception as err:  # missing, cut or mismatched weights: the directory's fault
+            detail = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            raise ConfigError(f"{role}.path", f"cannot load the weights in {model_cfg.path!r} "
+                              f"({type(err).__name__}: {detail}); allowed: a directory saved "
+                              "by save_pretrained") from None
     if model_cfg.gradient_checkpointing and not meta:
         module.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -210,7 +219,7 @@ def build_causal_lm(model_cfg: ModelConfig, vocab_size: int, *, role: str = "act
     transformers = _transformers()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        lm = _backbone(model_cfg, config, transformers.AutoModelForCausalLM, meta)
+        lm = _backbone(role, model_cfg, config, transformers.AutoModelForCausalLM, meta)
     return CausalLM(lm)
 
 
@@ -229,7 +238,7 @@ def build_value_model(model_cfg: ModelConfig, vocab_size: int, *, role: str = "c
                           "allowed: a reward model saved by rlhf_paro (save_value_model)")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        backbone = _backbone(model_cfg, config, transformers.AutoModel, meta)
+        backbone = _backbone(role, model_cfg, config, transformers.AutoModel, meta)
         with torch.device("meta" if meta else "cpu"):
             model = ValueModel(backbone, config.hidden_size, per_token)
         if not meta:

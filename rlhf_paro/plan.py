@@ -272,7 +272,7 @@ def format_plan(cfg: Config, plan: Plan) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     cli.main(sys.argv[1:] if argv is None else argv, prog="rlhf_paro.plan", about=_ABOUT,
-             prepare=_check_models, execute=lambda cfg: print(format_plan(cfg, make_plan(cfg))))
+             prepare=_check_models, execute=lambda cfg, _: print(format_plan(cfg, make_plan(cfg))))
 
 
 # --help: the first paragraph of the module docstring.

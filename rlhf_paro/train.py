@@ -6,10 +6,11 @@ a cluster first with `python -m rlhf_paro.plan`.
 
 from __future__ import annotations
 
+import shlex
 import sys
 
 from rlhf_paro import cli
-from rlhf_paro.config import Config, ConfigError
+from rlhf_paro.config import RAY_ADDRESS_ALLOWED, Config, ConfigError
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -21,6 +22,8 @@ def prepare(cfg: Config, conf: str) -> Config:
     """Every check a user's mistake can fail, before anything runs or is written; the config to
     run, with ``auto`` strategies resolved."""
     require_gpus(cfg, conf)
+    if cfg.ray.address:
+        require_ray(cfg.ray.address)
     # Everything below needs transformers; a bad command line has failed before it.
     from rlhf_paro import models, plan
     from rlhf_paro.ppo.task import task_from_config
@@ -29,17 +32,52 @@ def prepare(cfg: Config, conf: str) -> Config:
     return plan.resolve_auto(cfg)
 
 
-def run(cfg: Config) -> None:
+def run(cfg: Config, argv: list[str]) -> None:
+    """Train; a run that stops early says why in one line, with the command that resumes it
+    (``argv``: the command line of this job), and exits non-zero. Ray is shut down either way."""
     import ray
 
-    from rlhf_paro.trainer import PPOTrainer
+    from rlhf_paro.actors.group import WorkerError
+    from rlhf_paro.trainer import PPOTrainer, RunError
 
-    trainer = PPOTrainer(cfg)
-    dashboard = trainer.fit()
-    trainer.shutdown()
-    # The next job of a multirun starts its own Ray, sized for its own devices.
-    ray.shutdown()
+    trainer = None
+    stopped = None
+    try:
+        trainer = PPOTrainer(cfg)
+        dashboard = trainer.fit()
+    except WorkerError as err:  # while the workers start, before any step
+        stopped = RunError(f"{err} while starting", "auto")
+    except KeyboardInterrupt:
+        stopped = RunError("interrupted while starting", "auto", exit_code=130)
+    except RunError as err:
+        stopped = err
+    finally:
+        if trainer is not None:
+            trainer.shutdown()
+        # No process of the run outlives it; the next job of a multirun starts its own Ray,
+        # sized for its own devices.
+        ray.shutdown()
+    if stopped is not None:
+        print(f"error: {stopped}; resume with: {resume_command(argv, stopped.resume)}",
+              file=sys.stderr)
+        raise SystemExit(stopped.exit_code)
     print(f"metrics: {cfg.trainer.output_dir}/metrics.jsonl\ndashboard: {dashboard}")
+
+
+def resume_command(argv: list[str], resume: str) -> str:
+    """The command line ``argv`` again, going on from a checkpoint (``trainer.resume``)."""
+    kept = [arg for arg in argv if not arg.startswith("trainer.resume=")]
+    return shlex.join(["python", "-m", "rlhf_paro.train", *kept, f"trainer.resume={resume}"])
+
+
+def require_ray(address: str) -> None:
+    """Fail in seconds, before the slow imports, when no Ray cluster answers at ``address``."""
+    from rlhf_paro.actors.group import check_address
+
+    try:
+        check_address(address)
+    except ConnectionError as err:
+        raise ConfigError("ray.address", f"{err}; {RAY_ADDRESS_ALLOWED}") from None
 
 
 def require_gpus(cfg: Config, conf: str) -> None:

@@ -10,24 +10,36 @@ One step (every remote call goes to all N ranks of a model at once, each with it
 
 A rank's rollout goes from its actor straight to the ref, critic and reward ranks on the same
 device; the driver only sees object references and a few sums.
+
+Every ``trainer.save_every`` steps the run is checkpointed (``actors/checkpoint.py``), and a run
+starts from the checkpoint ``trainer.resume`` names. Whatever stops a run (a worker that dies or
+raises, Ctrl-C, too many skipped optimizer steps) comes out of ``fit`` as one ``RunError`` that
+names the model, the rank, the step and the checkpoint to resume from.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterator
 
 import ray
 import torch
+from omegaconf import OmegaConf
 
 from rlhf_paro import report
+from rlhf_paro.actors import checkpoint
 from rlhf_paro.actors.actor import ActorWorker
 from rlhf_paro.actors.critic import CriticWorker
-from rlhf_paro.actors.group import ModelGroup, init_ray, make_placement_group, missing_devices
+from rlhf_paro.actors.group import (
+    ModelGroup, WorkerError, get, init_ray, make_placement_group, missing_devices,
+)
 from rlhf_paro.actors.ref import RefWorker
 from rlhf_paro.actors.reward import RewardWorker
-from rlhf_paro.config import ROLES, Config, ConfigError
+from rlhf_paro.config import RAY_ADDRESS_ALLOWED, ROLES, TRAINED_ROLES, Config, ConfigError
 from rlhf_paro.metrics import MetricsLogger, model_metrics
 from rlhf_paro.ppo import core
 from rlhf_paro.ppo.reward_model import reward_model_config
@@ -37,45 +49,193 @@ WORKERS = {"actor": ActorWorker, "critic": CriticWorker, "reward": RewardWorker,
            "ref": RefWorker}
 
 
+class RunError(RuntimeError):
+    """Why a run stopped before its last step, in one line; ``resume`` is the
+    ``trainer.resume`` value that goes on from the newest checkpoint."""
+
+    def __init__(self, message: str, resume: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.resume = resume
+        self.exit_code = exit_code
+
+
 class PPOTrainer:
     """Places the four models on the devices and runs PPO steps."""
 
     def __init__(self, cfg: Config) -> None:
         num_devices, use_gpu = cfg.cluster.num_devices, cfg.cluster.device == "cuda"
-        init_ray(cfg.ray.address, cfg.ray.num_cpus, num_devices)
+        try:
+            init_ray(cfg.ray.address, cfg.ray.num_cpus, num_devices)
+        except ConnectionError as err:
+            raise ConfigError("ray.address", f"{err}; {RAY_ADDRESS_ALLOWED}") from None
         problem = missing_devices(num_devices, use_gpu)
         if problem:
             raise ConfigError("cluster.num_devices", problem)
         # The reward model is trained here on first use (cached after), once, not by N ranks.
         cfg = dataclasses.replace(cfg, reward=reward_model_config(cfg))
         self.cfg = cfg
-        pg, bundles = make_placement_group(num_devices, use_gpu)
-        self.models = {role: ModelGroup(WORKERS[role], role, cfg, pg, bundles, use_gpu)
+        self.placement, bundles = make_placement_group(num_devices, use_gpu)
+        self.models = {role: ModelGroup(WORKERS[role], role, cfg, self.placement, bundles,
+                                        use_gpu)
                        for role in ROLES}
         # The four models join their process groups and build their engines at once.
-        ray.get([ref for group in self.models.values() for ref in group.rendezvous()])
+        self.pids = self.wait(**{role: group.rendezvous() for role, group in self.models.items()})
         self.task = task_from_config(cfg)
         self.prompt_rng = torch.Generator().manual_seed(cfg.trainer.seed)
         ppo = cfg.ppo
         self.kl_ctl = core.kl_controller(ppo.kl_coef, ppo.adaptive_kl, ppo.kl_target,
                                          ppo.kl_horizon)
+        # Longest run of optimizer steps skipped in a row that each trained model saw in the
+        # last step.
+        self.skip_runs: dict[str, int] = {}
+        self.start_step = 0  # steps done before this run: a resumed checkpoint's
+        self.wandb_id: str | None = None  # the wandb run this run logs to, kept in checkpoints
+        self.resumed_from = self._resume()  # the checkpoint this run started from, if any
+
+    def wait(self, **calls: list[ray.ObjectRef]) -> dict[str, list[Any]]:
+        """The results of each model's calls (``model=refs``); a worker that dies or raises
+        is a ``WorkerError`` at once (``actors/group.py``, ``get``)."""
+        return get(calls, {role: group.workers for role, group in self.models.items()})
 
     def fit(self) -> str:
-        """Run ``trainer.steps`` steps, logging each; returns the dashboard's path."""
+        """Run the steps from ``start_step`` to ``trainer.steps``, logging each and saving
+        checkpoints; returns the dashboard's path. Raises ``RunError`` when the run stops early.
+        """
         cfg = self.cfg
+        trainer = cfg.trainer
         wandb_cfg = cfg.logger.wandb
-        logger = MetricsLogger(cfg.trainer.output_dir, cfg.trainer.steps, run_info(cfg),
+        logger = MetricsLogger(trainer.output_dir, trainer.steps, run_info(cfg),
                                wandb_mode=wandb_cfg.mode, show_progress=cfg.logger.progress,
                                wandb_init={"project": wandb_cfg.project, "name": wandb_cfg.name,
-                                           "entity": wandb_cfg.entity, "tags": wandb_cfg.tags})
+                                           "entity": wandb_cfg.entity, "tags": wandb_cfg.tags},
+                               start_step=self.start_step, wandb_id=self.wandb_id)
+        self.wandb_id = logger.wandb_id
+        # Which process is which worker, for ps, a debugger, or a test that kills one.
+        with open(Path(trainer.output_dir) / "workers.json", "w") as f:
+            json.dump(self.pids, f)
         try:
-            for step in range(cfg.trainer.steps):
-                logger.log(step, self.step())
+            for step in range(self.start_step, trainer.steps):
+                with self._stops_at(step):
+                    row = self.step(step)
+                    over = {role: n for role, n in self.skip_runs.items()
+                            if n > trainer.max_skipped_steps}
+                    # A run that stops here keeps its last checkpoint from before the skips.
+                    if not over and trainer.save_every and (step + 1) % trainer.save_every == 0:
+                        row.update(self.save(step + 1))
+                    logger.log(step, row)
+                for role, n in over.items():
+                    raise self._stopped(
+                        f"{role} skipped {n} optimizer step{'s' * (n > 1)} in a row (non-finite "
+                        f"loss or gradient norm) at step {step}, more than "
+                        f"trainer.max_skipped_steps={trainer.max_skipped_steps}")
         finally:
             logger.close()
-        return report.draw(cfg.trainer.output_dir)
+        return report.draw(trainer.output_dir)
 
-    def step(self) -> dict[str, float]:
+    @contextlib.contextmanager
+    def _stops_at(self, step: int) -> Iterator[None]:
+        """A dead or failing worker, or Ctrl-C, during ``step`` as a ``RunError``."""
+        try:
+            yield
+        except WorkerError as err:
+            raise self._stopped(f"{err.role} rank {err.rank} {'died' if err.died else 'raised'}"
+                                f" at step {step} ({err.reason})") from None
+        except KeyboardInterrupt:
+            raise self._stopped(f"interrupted at step {step}", exit_code=130) from None
+
+    def _stopped(self, what: str, exit_code: int = 1) -> RunError:
+        """``what`` went wrong: the ``RunError`` that also says where to resume from."""
+        found = checkpoint.newest(self.cfg.trainer.output_dir)
+        if found is not None:
+            return RunError(f"{what}; newest checkpoint: {found}", "auto", exit_code)
+        if self.resumed_from is not None:  # another run's checkpoint, nothing saved here yet
+            return RunError(f"{what}; newest checkpoint: {self.resumed_from}",
+                            str(self.resumed_from), exit_code)
+        return RunError(f"{what}; no checkpoint yet (trainer.save_every="
+                        f"{self.cfg.trainer.save_every})", "auto", exit_code)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def save(self, step: int) -> dict[str, float]:
+        """Checkpoint the state after ``step`` steps (actors/checkpoint.py, [Note: a checkpoint
+        is complete or absent]); returns its time and size for the metrics row."""
+        start = time.perf_counter()
+        output_dir = self.cfg.trainer.output_dir
+        scratch = checkpoint.scratch(output_dir, step)
+        self.wait(**{role: group.call("save_checkpoint", directory=str(scratch))
+                     for role, group in self.models.items()})
+        checkpoint.write_json(scratch / checkpoint.TRAINER_FILE, {
+            "step": step, "kl_coef": self.kl_ctl.value, "wandb_id": self.wandb_id,
+            "prompt_rng": checkpoint.generator_state(self.prompt_rng),
+            "rng": checkpoint.rng_state()})
+        (scratch / checkpoint.CONFIG_FILE).write_text(OmegaConf.to_yaml(self.cfg.to_dict()))
+        digests = self._digests(scratch, checkpoint.files(scratch))
+        checkpoint.publish(scratch, checkpoint.checkpoint_dir(output_dir, step), step, digests)
+        checkpoint.prune(output_dir, self.cfg.trainer.keep_checkpoints)
+        return {"timing_s/checkpoint": time.perf_counter() - start,
+                "checkpoint/bytes": float(sum(size for size, _ in digests.values()))}
+
+    def _digests(self, directory: Path, names: list[str]) -> dict[str, tuple[int, str]]:
+        """(bytes, SHA-256) of each file, shared among all workers (each flushes its share)."""
+        num_ranks = self.cfg.cluster.num_devices
+        shares = [names[k::len(ROLES) * num_ranks] for k in range(len(ROLES) * num_ranks)]
+        results = self.wait(**{
+            role: group.call("digest", [[str(directory / n) for n in share]
+                                        for share in shares[m * num_ranks:(m + 1) * num_ranks]])
+            for m, (role, group) in enumerate(self.models.items())})
+        found = [d for role in self.models for per_rank in results[role] for d in per_rank]
+        ordered = [n for m in range(len(ROLES)) for share in
+                   shares[m * num_ranks:(m + 1) * num_ranks] for n in share]
+        return dict(zip(ordered, found))
+
+    def _resume(self) -> Path | None:
+        """Load the checkpoint ``trainer.resume`` names (none: a fresh start); returns it.
+
+        Checkpoints of this output directory after the starting step belong to the run this
+        one replaces, as its metrics rows do: they go, so that ``auto`` never returns to them.
+        """
+        trainer = self.cfg.trainer
+        if trainer.resume == "none":
+            source = None
+        elif trainer.resume == "auto":
+            source = checkpoint.newest(trainer.output_dir)
+        else:
+            source = Path(trainer.resume).expanduser()
+        if source is not None:
+            self._load(source)
+        for stale in checkpoint.discard_after(trainer.output_dir, self.start_step):
+            print(f"removed {stale}: it is of the run that this one replaces", flush=True)
+        if source is not None:
+            print(f"resumed from {source}: step {self.start_step} of {trainer.steps}",
+                  flush=True)
+        return source
+
+    def _load(self, directory: Path) -> None:
+        """Every file checked against the manifest first, then every worker and the driver
+        load: a damaged checkpoint is refused whole (``ConfigError``, one line)."""
+        listed = checkpoint.check(directory)
+        checkpoint.refuse_changed(directory, listed, self._digests(directory, sorted(listed)))
+        try:
+            self.wait(**{role: group.call("load_checkpoint", directory=str(directory))
+                         for role, group in self.models.items()})
+        except WorkerError as err:
+            if isinstance(err.cause, ValueError):  # the engine refuses what it cannot load
+                reason = str(err.cause).strip().splitlines()[0]
+                raise ConfigError("trainer.resume", f"{err.role} cannot load {directory}: "
+                                                    f"{reason}") from None
+            raise
+        state = json.loads((directory / checkpoint.TRAINER_FILE).read_text())
+        self.start_step = state["step"]
+        self.kl_ctl.value = state["kl_coef"]
+        checkpoint.set_generator_state(self.prompt_rng, state["prompt_rng"])
+        checkpoint.set_rng_state(state["rng"])
+        # Our own checkpoint goes on with its wandb run; another run's starts a new one.
+        output_dir = Path(self.cfg.trainer.output_dir).resolve()
+        if output_dir in directory.resolve().parents:
+            self.wandb_id = state["wandb_id"]
+
+    # -- one PPO step -------------------------------------------------------------------------
+    def step(self, step: int) -> dict[str, float]:
+        """PPO step ``step``: its metrics row."""
         actor, critic, ref, reward = (self.models[r] for r in ("actor", "critic", "ref", "reward"))
         num_ranks = self.cfg.cluster.num_devices
         start = time.perf_counter()
@@ -84,7 +244,7 @@ class PPOTrainer:
         # Sliced here, before anything is sent: each rank receives only its own prompts.
         rollouts, gen_stats = zip(*actor.call("generate", prompts.chunk(num_ranks),
                                                   num_returns=2))
-        gen = _sum(ray.get(list(gen_stats)))
+        gen = _sum(self.wait(actor=list(gen_stats))["actor"])
         generated = time.perf_counter()
 
         old = actor.call("old_logprobs")
@@ -93,17 +253,19 @@ class PPOTrainer:
         scores = reward.call("score", rollouts)
         targets, exp_stats = zip(*actor.call("make_experience", ref_logp, values, scores,
                                              kl_coef=self.kl_ctl.value, num_returns=2))
-        exp = _sum(ray.get(list(exp_stats)))
-        ray.get(old)
+        exp = _sum(self.wait(actor=list(exp_stats))["actor"])
+        self.wait(actor=old)
         experienced = time.perf_counter()
 
-        ray.get(actor.call("train") + critic.call("train", list(targets)))
+        self.wait(actor=actor.call("train", step=step),
+                  critic=critic.call("train", list(targets), step=step))
         trained = time.perf_counter()
 
-        pending = {role: group.call("report") for role, group in self.models.items()}
+        reports = self.wait(**{role: group.call("report") for role, group in self.models.items()})
         row: dict[str, float] = {}
-        for role, refs in pending.items():
-            row.update(model_metrics(role, ray.get(refs)))
+        for role, per_rank in reports.items():
+            row.update(model_metrics(role, per_rank))
+        self.skip_runs = {role: max(r.skip_run for r in reports[role]) for role in TRAINED_ROLES}
 
         kl = exp["kl"] / exp["count"]  # per sequence, summed over its tokens
         kl_coef = self.kl_ctl.value
@@ -126,8 +288,10 @@ class PPOTrainer:
         return row
 
     def shutdown(self) -> None:
+        """Kill every worker (even one blocked in a collective) and free their devices."""
         for group in self.models.values():
             group.shutdown()
+        ray.util.remove_placement_group(self.placement)
 
 
 def run_info(cfg: Config) -> dict[str, Any]:

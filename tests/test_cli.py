@@ -22,7 +22,7 @@ from rlhf_paro.config import load_config
 def jobs(monkeypatch, tmp_path):
     """The configs ``train.main`` hands to ``run``, in order; the cwd is an empty directory."""
     ran = []
-    monkeypatch.setattr(train, "run", ran.append)
+    monkeypatch.setattr(train, "run", lambda cfg, argv: ran.append(cfg))
     monkeypatch.chdir(tmp_path)
     return ran
 

@@ -21,7 +21,8 @@ def _report(rank: int) -> RankReport:
               "boundary": {"intra_bytes": 0, "inter_bytes": 10, "calls": 1, "seconds": 0.2}},
         memory={"params": 1000 * (rank + 1), "grads": 10, "optim": 20},
         peak_bytes=5000 + rank,
-        train={"loss": float(rank), "grad_norm": 1.0, "lr": 1e-3, "vf_clipfrac": 0.5},
+        train={"loss": float(rank), "grad_norm": 1.0, "lr": 1e-3, "vf_clipfrac": 0.5,
+               "skipped_steps": 0.0},
     )
 
 
@@ -72,3 +73,26 @@ def test_logger_writes_one_row_per_step_and_an_offline_wandb_run(tmp_path):
     assert all(set(required_keys()) <= set(r) for r in rows)
     assert json.loads((out / "run.json").read_text()) == {"name": "t"}
     assert list((out / "wandb").glob("offline-run-*")), "wandb should have written an offline run"
+
+
+@pytest.mark.slow
+def test_a_resumed_logger_replaces_the_rows_after_its_step_and_goes_on_with_the_wandb_run(
+        tmp_path):
+    out = tmp_path / "run"
+    row = {k: 0.25 for k in required_keys()}
+    first = MetricsLogger(str(out), num_steps=3, run_info={}, wandb_mode="offline",
+                          show_progress=False)
+    for step in range(3):
+        first.log(step, row)
+    first.close()
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "ppo/k')  # a kill in the middle of a line
+    resumed = MetricsLogger(str(out), num_steps=3, run_info={}, wandb_mode="offline",
+                            show_progress=False, start_step=1, wandb_id=first.wandb_id)
+    resumed.log(1, {**row, "ppo/kl": 0.5})
+    resumed.close()
+    rows = read_jsonl(str(out / "metrics.jsonl"))
+    assert [(r["step"], r["ppo/kl"]) for r in rows] == [(0, 0.25), (1, 0.5)]
+    assert resumed.wandb_id == first.wandb_id
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(first.wandb_id in r.name for r in runs)  # one run id

@@ -124,6 +124,11 @@ def test_models_load_from_a_local_directory(cfg, tmp_path):
     build_model("critic", ModelConfig(path=str(tmp_path / "actor")), VOCAB)
     with pytest.raises(ConfigError, match="reward.path: .*value_head"):
         build_model("reward", ModelConfig(path=str(tmp_path / "actor")), VOCAB)
+    # A directory whose weights are gone (what a worker finds, not the config check): one line.
+    (tmp_path / "actor" / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match="ref.path: cannot load the weights in .*OSError") as info:
+        build_model("ref", ModelConfig(path=str(tmp_path / "actor")), VOCAB)
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("inline, key, allowed", [

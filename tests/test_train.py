@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -61,3 +63,23 @@ def test_help_and_cfg_job_exit_0_and_write_nothing(tmp_path):
     proc = _train("--cfg", "job", "trainer.steps=3", cwd=tmp_path)
     assert proc.returncode == 0 and "  steps: 3\n" in proc.stdout, proc.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_a_dead_ray_address_fails_in_seconds_in_one_line(tmp_path):
+    # What `ray.address=auto` finds after a cluster on this machine stopped: an address where
+    # nothing answers any more (here through RAY_ADDRESS, which `auto` reads first).
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out"
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "rlhf_paro.train", "ray.address=auto",
+                           f"trainer.output_dir={out}"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120,
+                          env={**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}"})
+    assert time.monotonic() - start < 30
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ray.address: no Ray cluster answers "
+                                                   "at "), proc.stderr
+    assert f":{port} " in lines[0] and not out.exists()

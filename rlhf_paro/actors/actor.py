@@ -80,7 +80,8 @@ class ActorWorker(TrainedWorker):
                  "return": float((returns * mask).sum())}
         return {"returns": returns}, stats
 
-    def train(self) -> None:
+    def train(self, step: int) -> None:
+        """The PPO update of PPO step ``step`` on this rank's rollout."""
         rollout, ppo = self._rollout, self.cfg.ppo
 
         def micro_loss(idx: torch.Tensor, num_tokens: float) -> tuple[torch.Tensor, dict]:
@@ -91,7 +92,7 @@ class ActorWorker(TrainedWorker):
                 ppo.clip_eps, num_tokens)
             return loss, {"actor/clipfrac": stats["clipfrac"], "approx_kl": stats["approx_kl"]}
 
-        self.ppo_update(rollout["action_mask"], micro_loss)
+        self.ppo_update(rollout["action_mask"], micro_loss, step)
 
 
 def logprobs(worker: Worker, rows: Batch, train: bool = False) -> torch.Tensor:

@@ -20,7 +20,8 @@ class CriticWorker(TrainedWorker):
     def _values(self, rows: Batch, train: bool = False) -> torch.Tensor:
         return self.forward(rows, train=train, response_len=rows["action_mask"].shape[1])
 
-    def train(self, targets: Batch) -> None:
+    def train(self, targets: Batch, step: int) -> None:
+        """The value update of PPO step ``step`` towards this rank's returns."""
         rollout, returns = self._rollout, targets["returns"]
 
         def micro_loss(idx: torch.Tensor, num_tokens: float) -> tuple[torch.Tensor, dict]:
@@ -31,4 +32,4 @@ class CriticWorker(TrainedWorker):
                 self.cfg.ppo.value_clip_eps, num_tokens)
             return loss, {"critic/vf_clipfrac": stats["vf_clipfrac"]}
 
-        self.ppo_update(rollout["action_mask"], micro_loss)
+        self.ppo_update(rollout["action_mask"], micro_loss, step)

@@ -14,21 +14,36 @@ On one machine ``init_ray`` starts a private Ray; on a cluster start Ray on ever
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any, Sequence
 
 import ray
+from ray.exceptions import RayActorError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rlhf_paro.config import ConfigError
+
 # Fraction of a bundle each model's rank takes: four models share every device.
 SHARE = 0.25
+# Seconds the driver waits at most before it looks at its calls again (and a Ctrl-C lands).
+POLL_S = 1.0
+# After a first failure, seconds to wait at most for Ray to report a dead worker behind it (a
+# loaded machine takes seconds to notice a killed process; see get).
+GRACE_S = 10.0
+# Seconds to wait for a Ray cluster's address to answer before calling it gone.
+CONNECT_S = 5.0
 
 
 def init_ray(address: str | None, num_cpus: int | None, num_devices: int) -> None:
-    """Join the cluster at ``address`` or start a private Ray on this machine."""
+    """Join the cluster at ``address`` or start a private Ray on this machine.
+
+    Raises ``ConnectionError`` (one line) within seconds when no cluster answers at ``address``.
+    """
     if ray.is_initialized():
         return
     if address:
+        check_address(address)
         ray.init(address=address)
         return
     # A CPU bundle is a placement slot, not a core: N devices need N slots even on 2 cores.
@@ -39,6 +54,25 @@ def init_ray(address: str | None, num_cpus: int | None, num_devices: int) -> Non
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
     ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
+
+
+def check_address(address: str) -> None:
+    """Raise ``ConnectionError`` (one line) within seconds when no Ray cluster answers at
+    ``address``, where ``ray.init`` would retry for minutes: ``auto`` finds the address of the
+    last cluster started on this machine even after that cluster has stopped."""
+    from ray._private.services import canonicalize_bootstrap_address_or_die
+
+    try:
+        resolved = canonicalize_bootstrap_address_or_die(address)
+    except ValueError as err:
+        raise ConnectionError(str(err)) from None
+    host, _, port = resolved.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_S).close()
+    except OSError as err:
+        stale = " (the address a stopped cluster left behind?)" if address == "auto" else ""
+        raise ConnectionError(f"no Ray cluster answers at {resolved}{stale}: "
+                              f"{err.strerror or err}") from None
 
 
 def missing_devices(num_devices: int, use_gpu: bool) -> str | None:
@@ -83,7 +117,8 @@ class ModelGroup:
         ]
 
     def rendezvous(self) -> list[ray.ObjectRef]:
-        """Start every rank's process-group init and model build; returns refs to wait on.
+        """Start every rank's process-group init and model build; returns refs to wait on, which
+        give each rank's process id.
 
         Rank 0 picks the address first; the other ranks get it before any of them connects.
         """
@@ -103,4 +138,75 @@ class ModelGroup:
 
     def shutdown(self) -> None:
         for w in self.workers:
-            ray.kill(w)
+            ray.kill(w)  # at once, even in a collective that waits for a dead peer
+
+
+class WorkerError(RuntimeError):
+    """Rank ``rank`` of model ``role`` died or raised; ``str()`` is one line."""
+
+    def __init__(self, role: str, rank: int, died: bool, reason: str,
+                 cause: BaseException | None = None) -> None:
+        self.role, self.rank, self.died, self.reason, self.cause = role, rank, died, reason, cause
+        super().__init__(f"{role} rank {rank} {'died' if died else 'raised'} ({reason})")
+
+
+def get(calls: dict[str, list[ray.ObjectRef]], workers: dict[str, list[Any]]
+        ) -> dict[str, list[Any]]:
+    """The results of ``calls`` (model -> one ref per rank), like ``ray.get``, except that the
+    first failure is raised as soon as it is known: the failed rank's peers may wait for it in a
+    collective for good, so waiting for every ref would hang. ``workers`` (model -> actor handle
+    per rank) names a dead worker whose death reaches us through another model's call.
+
+    Raises ``WorkerError``; a ``ConfigError`` a worker raised (a user's mistake it found) and a
+    ``KeyboardInterrupt`` come through as themselves.
+    """
+    owner = {ref: (role, rank) for role, refs in calls.items() for rank, ref in enumerate(refs)}
+    results: dict[str, list[Any]] = {role: [None] * len(refs) for role, refs in calls.items()}
+    pending = list(owner)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
+        failures = []
+        for ref in done:
+            role, rank = owner[ref]
+            try:
+                results[role][rank] = ray.get(ref)
+            except RayError as err:
+                failures.append((err, role, rank))
+        if failures:
+            raise _failure(failures, pending, owner, workers) from None
+    return results
+
+
+def _failure(failures: list[tuple[RayError, str, int]], pending: list[ray.ObjectRef],
+             owner: dict[ray.ObjectRef, tuple[str, int]], workers: dict[str, list[Any]]
+             ) -> BaseException:
+    """The exception that says best what went wrong, given the failures seen so far."""
+    cause = _cause(failures[0][0])
+    if isinstance(cause, (ConfigError, KeyboardInterrupt)):
+        return cause
+    if pending and not any(isinstance(err, RayActorError) for err, _, _ in failures):
+        # A killed worker's peers may fail first, on the collective it left (a connection
+        # closed by peer): give Ray a moment to report the death itself, to name the right one.
+        done, _ = ray.wait(pending, num_returns=len(pending), timeout=GRACE_S)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except RayError as err:
+                failures.append((err, *owner[ref]))
+    ids = {w._actor_id.hex(): (role, rank)
+           for role, handles in workers.items() for rank, w in enumerate(handles)}
+    for err, role, rank in failures:
+        if isinstance(err, RayActorError):  # also a RayTaskError caused by one
+            # A task that took a dead worker's output fails with that worker's death.
+            role, rank = ids.get(err.actor_id, (role, rank))
+            return WorkerError(role, rank, True, "its process exited: killed, out of memory or "
+                                                 "crashed")
+    err, role, rank = failures[0]
+    lines = str(cause).strip().splitlines()
+    reason = f"{type(cause).__name__}: {lines[0]}" if lines else type(cause).__name__
+    return WorkerError(role, rank, False, reason, cause)
+
+
+def _cause(err: RayError) -> BaseException:
+    """What the worker raised (a RayTaskError wraps it), or the Ray error itself."""
+    return vars(err).get("cause") or err

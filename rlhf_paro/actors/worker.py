@@ -7,12 +7,19 @@ at once; between steps it collects one ``RankReport`` per rank (``report``), whi
 the step's timers and the engine's comm meter.
 
 ``Worker`` is all a frozen model (ref, reward) is; ``TrainedWorker`` adds what the models PPO
-trains (actor, critic) need: an optimizer, the PPO epochs over the rollout, training statistics.
+trains (actor, critic) need: an optimizer, the PPO epochs over the rollout, training statistics,
+the count of optimizer steps the engine skipped.
+
+Between steps a worker holds nothing but its engine and its random number generators, so a
+checkpoint (``save_checkpoint``) is the engine's files plus a small JSON of the generators and
+counters (``actors/checkpoint.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import resource
 import socket
 import time
@@ -25,11 +32,17 @@ import torch.distributed as dist
 import transformers
 
 from rlhf_paro import models
+from rlhf_paro.actors import checkpoint
 from rlhf_paro.metrics import RankReport
 from rlhf_paro.ppo.task import task_from_config
 from rlhf_paro.sharding import Strategy, Topology, shard
 
 Batch = dict[str, Any]
+
+# Debugging aid (README, "Checkpoints and resume"): ROLE:RANK:STEP makes that rank's loss NaN
+# throughout that PPO step, to see the skipped-step guard at work. Read by the workers, which
+# inherit it from the driver that starts a private Ray.
+NAN_LOSS_ENV = "RLHF_PARO_NAN_LOSS"
 
 
 class Worker:
@@ -61,8 +74,9 @@ class Worker:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, master_addr: str, master_port: int) -> None:
-        """Join this model's process group, build the model and shard it."""
+    def setup(self, master_addr: str, master_port: int) -> int:
+        """Join this model's process group, build the model and shard it; returns this
+        worker's process id."""
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
                                 rank=self.rank, world_size=self.num_ranks)
@@ -77,6 +91,7 @@ class Worker:
                             precision=self.model_cfg.precision, **self.shard_options())
         # Each rank samples and shuffles differently from here on.
         torch.manual_seed(self.cfg.trainer.seed * 1000 + self.rank + 1)
+        return os.getpid()
 
     def build_model(self) -> torch.nn.Module:
         vocab_size = task_from_config(self.cfg).tokenizer.vocab_size
@@ -111,6 +126,40 @@ class Worker:
         self.engine.meter.reset()
         return report
 
+    # -- checkpoints (actors/checkpoint.py) ----------------------------------------------------
+    def save_checkpoint(self, directory: str) -> None:
+        """This rank's engine state into ``directory/<role>/``, its own state into
+        ``directory/workers/``."""
+        self.engine.save_checkpoint(os.path.join(directory, self.role))
+        checkpoint.write_json(checkpoint.worker_file(directory, self.role, self.rank),
+                              {"num_ranks": self.num_ranks, "rng": checkpoint.rng_state(),
+                               **self.counters()})
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Undo ``save_checkpoint``; the engine reads the slices this rank owns under this
+        strategy. The generators come back only on as many ranks as wrote them: on other N,
+        each rank keeps its own fresh seed."""
+        self.engine.load_checkpoint(os.path.join(directory, self.role))
+        path = checkpoint.worker_file(directory, self.role, self.rank)
+        if not path.is_file():  # more ranks than wrote the checkpoint: counters are global
+            path = checkpoint.worker_file(directory, self.role, 0)
+        saved = json.loads(path.read_text())
+        if saved["num_ranks"] == self.num_ranks:
+            checkpoint.set_rng_state(saved["rng"])
+        self.set_counters(saved)
+
+    def counters(self) -> dict[str, int]:
+        """What the worker counts across steps (a trained worker's skipped steps)."""
+        return {}
+
+    def set_counters(self, saved: dict[str, Any]) -> None:
+        pass
+
+    def digest(self, paths: list[str]) -> list[tuple[int, str]]:
+        """(bytes, SHA-256) of each file, flushed to disk: the ranks share the hashing of a
+        checkpoint's files."""
+        return [checkpoint.file_digest(path) for path in paths]
+
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Sum small statistics over this model's ranks (outside the engine: not metered)."""
         values = values.to(self.device)
@@ -141,6 +190,9 @@ class TrainedWorker(Worker):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self._train_stats: dict[str, list[float]] = defaultdict(list)  # name -> values, this step
+        self._skipped = 0  # optimizer steps the engine skipped (non-finite loss or norm), in all
+        self._skip_run = 0  # of which the latest in a row
+        self._longest_skip_run = 0  # the longest run in a row seen during this step
 
     def shard_options(self) -> dict[str, Any]:
         """The optimizer, gradient clipping, accumulation and reduction precision ``shard``
@@ -155,31 +207,53 @@ class TrainedWorker(Worker):
             self._train_stats[key].append(float(value))
 
     def report(self) -> RankReport:
-        """The step's report with the means of its training statistics; resets them too."""
+        """The step's report with the means of its training statistics and the skipped-step
+        counts; resets the statistics."""
         report = super().report()
         report.train = {k: sum(v) / len(v) for k, v in self._train_stats.items()}
+        report.train["skipped_steps"] = float(self._skipped)
+        report.skip_run = self._longest_skip_run
         self._train_stats.clear()
+        self._longest_skip_run = self._skip_run  # a run in a row goes on into the next step
         return report
 
+    def counters(self) -> dict[str, int]:
+        return {"skipped": self._skipped, "skip_run": self._skip_run}
+
+    def set_counters(self, saved: dict[str, Any]) -> None:
+        self._skipped, self._skip_run = saved["skipped"], saved["skip_run"]
+        self._longest_skip_run = self._skip_run
+
     def ppo_update(self, mask: torch.Tensor,
-                   micro_loss: Callable[[torch.Tensor, float], tuple[torch.Tensor, dict]]) -> None:
+                   micro_loss: Callable[[torch.Tensor, float], tuple[torch.Tensor, dict]],
+                   step: int) -> None:
         """``ppo.ppo_epochs`` passes over this rank's rollout; one optimizer step per mini-batch.
 
         ``micro_loss(indices, num_tokens)`` returns the loss of one micro-batch (rows
         ``indices`` of the rollout) and its metrics; ``num_tokens`` makes it a share of the
-        global mini-batch's token-mean (see ``ppo/core.py``).
+        global mini-batch's token-mean (see ``ppo/core.py``). ``step`` is the PPO step.
         """
         seq_len = self._rollout["sequences"].shape[1]
+        poisoned = os.environ.get(NAN_LOSS_ENV) == f"{self.role}:{self.rank}:{step}"
         for _ in range(self.cfg.ppo.ppo_epochs):
             for mini, num_tokens in self._mini_batches(mask):
                 for idx in micro_batches(mini, self.model_cfg.micro_batch_size):
                     with self.timed("train", len(idx) * seq_len):
                         loss, stats = micro_loss(idx, num_tokens)
+                        if poisoned:
+                            loss = loss * float("nan")
                         self.engine.backward(loss)
                     self.record_train({"loss": loss.item(), **stats})
                 with self.timed("train", 0):
+                    skipped_before = self.engine.skipped_steps
                     grad_norm = self.engine.step()
+                self._count_skip(self.engine.skipped_steps > skipped_before)
                 self.record_train({"grad_norm": grad_norm, "lr": self.engine.lr})
+
+    def _count_skip(self, skipped: bool) -> None:
+        self._skipped += skipped
+        self._skip_run = self._skip_run + 1 if skipped else 0
+        self._longest_skip_run = max(self._longest_skip_run, self._skip_run)
 
     def _mini_batches(self, mask: torch.Tensor) -> list[tuple[torch.Tensor, float]]:
         """This rank's shuffled mini-batches, each with ``num_tokens``: the global mini-batch's

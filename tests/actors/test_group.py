@@ -1,0 +1,100 @@
+"""The driver's wait on its workers (``group.get``) with tiny Ray actors standing in for ranks: a
+rank that raises or dies is reported at once even while its peers wait for it for good, and a
+user's mistake found by a worker comes back as the one-line ``ConfigError`` it is."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import ray
+
+from rlhf_paro.actors.group import GRACE_S, WorkerError, get, init_ray
+from rlhf_paro.config import ConfigError
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+@ray.remote(num_cpus=0)
+class Rank:
+    def pid(self) -> int:
+        return os.getpid()
+
+    def value(self, x: int) -> int:
+        return x
+
+    def block(self) -> None:
+        time.sleep(3600)  # a peer blocked in a collective with a rank that is gone
+
+    def fail(self, err: Exception) -> None:
+        raise err
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    init_ray(None, num_cpus=2, num_devices=2)
+    handles = {"actor": [Rank.remote(), Rank.remote()], "critic": [Rank.remote()]}
+    yield handles
+    ray.shutdown()
+
+
+def _fresh(ranks, role: str, rank: int) -> None:
+    """Replace a worker a test killed or left blocked."""
+    ray.kill(ranks[role][rank])
+    ranks[role][rank] = Rank.remote()
+
+
+def test_results_come_back_per_model_and_rank(ranks):
+    calls = {role: [w.value.remote(10 * k) for k, w in enumerate(handles)]
+             for role, handles in ranks.items()}
+    assert get(calls, ranks) == {"actor": [0, 10], "critic": [0]}
+
+
+def test_a_rank_that_raises_is_named_while_its_peer_still_waits(ranks):
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        get({"actor": [ranks["actor"][0].block.remote(),
+                       ranks["actor"][1].fail.remote(RuntimeError("bad\nshape"))]}, ranks)
+    assert time.monotonic() - start < GRACE_S + 10
+    err = info.value
+    assert (err.role, err.rank, err.died) == ("actor", 1, False)
+    assert str(err) == "actor rank 1 raised (RuntimeError: bad)"
+    _fresh(ranks, "actor", 0)
+
+
+def test_a_killed_rank_is_named_rather_than_the_peer_that_lost_its_connection(ranks):
+    pid = ray.get(ranks["actor"][1].pid.remote())
+    os.kill(pid, signal.SIGKILL)
+    # Rank 0 fails on the collective its dead peer left, and comes first in the call.
+    calls = {"actor": [ranks["actor"][0].fail.remote(RuntimeError("Connection closed by peer")),
+                       ranks["actor"][1].block.remote()]}
+    ray.wait(calls["actor"], num_returns=2, timeout=30)  # both failed by the time we look
+    with pytest.raises(WorkerError) as info:
+        get(calls, ranks)
+    assert (info.value.role, info.value.rank, info.value.died) == ("actor", 1, True)
+    _fresh(ranks, "actor", 1)
+
+
+def test_a_killed_rank_is_named_even_through_another_models_call(ranks):
+    pid = ray.get(ranks["actor"][1].pid.remote())
+    blocked = ranks["actor"][1].block.remote()
+    # The critic's call takes the dead actor rank's output: its failure names the actor.
+    downstream = ranks["critic"][0].value.remote(blocked)
+    os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        get({"critic": [downstream]}, ranks)
+    assert time.monotonic() - start < 10
+    assert (info.value.role, info.value.rank, info.value.died) == ("actor", 1, True)
+    assert str(info.value).startswith("actor rank 1 died (its process exited")
+    _fresh(ranks, "actor", 1)
+
+
+def test_a_users_mistake_found_by_a_worker_is_its_one_line_config_error(ranks):
+    with pytest.raises(ConfigError) as info:
+        get({"actor": [ranks["actor"][0].fail.remote(ConfigError("actor.path", "no weights"))]},
+            ranks)
+    assert type(info.value) is ConfigError and str(info.value) == "actor.path: no weights"
+
