@@ -190,15 +190,6 @@ def test_too_many_skipped_steps_stop_the_run_and_keep_the_last_checkpoint(runs):
     assert nan_stop.left == []
 
 
-def _engine_is_the_standin() -> bool:
-    from rlhf_paro.actors import worker  # noqa: F401  (installs a stand-in where there is one)
-    from rlhf_paro.sharding.engine import ShardedEngine
-
-    return ShardedEngine.save_checkpoint.__module__ != "rlhf_paro.sharding.engine"
-
-
-@pytest.mark.skipif(_engine_is_the_standin(), reason="the temporary stand-in for the engine's "
-                    "checkpoint loads only the strategy that wrote it")
 def test_a_resume_under_other_strategies_runs_on(runs, tmp_path):
     step_4 = checkpoint.checkpoint_dir(runs["straight"].out, 4)
     other = _train(tmp_path / "other", f"trainer.resume={step_4}", "trainer.steps=6",

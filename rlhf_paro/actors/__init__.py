@@ -1,1 +1,0 @@
-from rlhf_paro.actors import _engine_standin  # noqa: F401  TEMP: until the engine checkpoints itself
