@@ -22,20 +22,22 @@ def prepare(cfg: Config, conf: str) -> Config:
     run, with ``auto`` strategies resolved."""
     require_gpus(cfg, conf)
     # Everything below needs transformers; a bad command line has failed before it.
-    from rlhf_paro import models, plan
-    from rlhf_paro.ppo.task import task_from_config
+    from rlhf_paro import models, plan, runs
 
-    models.check_model_configs(cfg, task_from_config(cfg).tokenizer.vocab_size)
-    return plan.resolve_auto(cfg)
+    vocab_size = runs.check_inputs(cfg)
+    models.check_model_configs(cfg, vocab_size)
+    return plan.resolve_auto(cfg, vocab_size)
 
 
 def run(cfg: Config) -> None:
     import ray
 
+    from rlhf_paro.runs import reward_function_errors
     from rlhf_paro.trainer import PPOTrainer
 
     trainer = PPOTrainer(cfg)
-    dashboard = trainer.fit()
+    with reward_function_errors():
+        dashboard = trainer.fit()
     trainer.shutdown()
     # The next job of a multirun starts its own Ray, sized for its own devices.
     ray.shutdown()

@@ -19,9 +19,8 @@ import time
 from typing import Any
 
 import ray
-import torch
 
-from rlhf_paro import report
+from rlhf_paro import report, runs
 from rlhf_paro.actors.actor import ActorWorker
 from rlhf_paro.actors.critic import CriticWorker
 from rlhf_paro.actors.group import ModelGroup, init_ray, make_placement_group, missing_devices
@@ -55,7 +54,8 @@ class PPOTrainer:
         # The four models join their process groups and build their engines at once.
         ray.get([ref for group in self.models.values() for ref in group.rendezvous()])
         self.task = task_from_config(cfg)
-        self.prompt_rng = torch.Generator().manual_seed(cfg.trainer.seed)
+        self.prompts = runs.Prompts(cfg, self.task)  # from data.train_files, or the task's
+        self.num_steps_done = 0  # names the step in a reward function's error
         ppo = cfg.ppo
         self.kl_ctl = core.kl_controller(ppo.kl_coef, ppo.adaptive_kl, ppo.kl_target,
                                          ppo.kl_horizon)
@@ -70,30 +70,40 @@ class PPOTrainer:
                                            "entity": wandb_cfg.entity, "tags": wandb_cfg.tags})
         try:
             for step in range(cfg.trainer.steps):
-                logger.log(step, self.step())
+                row = self.step()
+                done = step + 1
+                if cfg.trainer.eval_every and self.prompts.val is not None and \
+                        (done % cfg.trainer.eval_every == 0 or done == cfg.trainer.steps):
+                    row.update(runs.evaluate(self.models, self.prompts, done))
+                if cfg.trainer.export_every and done % cfg.trainer.export_every == 0:
+                    runs.export(self.models, cfg.trainer.output_dir, done)
+                logger.log(step, row)
+            runs.export(self.models, cfg.trainer.output_dir)
         finally:
             logger.close()
         return report.draw(cfg.trainer.output_dir)
 
     def step(self) -> dict[str, float]:
         actor, critic, ref, reward = (self.models[r] for r in ("actor", "critic", "ref", "reward"))
-        num_ranks = self.cfg.cluster.num_devices
         start = time.perf_counter()
 
-        prompts = self.task.sample_prompts(self.cfg.ppo.rollout_batch_size, self.prompt_rng)
         # Sliced here, before anything is sent: each rank receives only its own prompts.
-        rollouts, gen_stats = zip(*actor.call("generate", prompts.chunk(num_ranks),
-                                                  num_returns=2))
+        prompts, rows = self.prompts.next(self.cfg.ppo.rollout_batch_size)
+        rollouts, gen_stats = zip(*actor.call("generate", prompts, num_returns=2))
+        self.num_steps_done += 1
         gen = _sum(ray.get(list(gen_stats)))
         generated = time.perf_counter()
 
         old = actor.call("old_logprobs")
         ref_logp = ref.call("logprobs", rollouts)
         values = critic.call("values", rollouts)
-        scores = reward.call("score", rollouts)
+        scores = (reward.call("score", rollouts) if rows is None else
+                  reward.call("score", rollouts, rows, step=self.num_steps_done))
         targets, exp_stats = zip(*actor.call("make_experience", ref_logp, values, scores,
                                              kl_coef=self.kl_ctl.value, num_returns=2))
         exp = _sum(ray.get(list(exp_stats)))
+        if rows is not None:
+            gen.update(_sum(ray.get(reward.call("score_sums"))))
         ray.get(old)
         experienced = time.perf_counter()
 
