@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from rlhf_paro.config import MANIFEST, ConfigError
+from rlhf_paro.sharding._checkpoint import fsync
 
 CHECKPOINTS = "checkpoints"
 TRAINER_FILE = "trainer.json"
@@ -119,7 +120,7 @@ def publish(scratch_dir: Path, target: Path, step: int,
         f.flush()
         os.fsync(f.fileno())
     for directory in [p for p in scratch_dir.rglob("*") if p.is_dir()] + [scratch_dir]:
-        _fsync_dir(directory)
+        fsync(directory)
     if target.exists():
         # Out of the way first: a kill between the renames leaves the older checkpoints.
         old = Path(tempfile.mkdtemp(prefix=f"{_SCRATCH_PREFIX}{step}-", dir=target.parent))
@@ -128,15 +129,7 @@ def publish(scratch_dir: Path, target: Path, step: int,
         shutil.rmtree(old)
     else:
         os.replace(scratch_dir, target)
-    _fsync_dir(target.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync(target.parent)
 
 
 def check(directory: str | Path) -> dict[str, dict[str, Any]]:

@@ -25,12 +25,6 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def check_algorithm(algorithm: str) -> None:
-    if algorithm not in ALGORITHM_NAMES:
-        raise ValueError(f"comm.algorithm={algorithm!r} is unknown; allowed: "
-                         f"{', '.join(ALGORITHM_NAMES)}")
-
-
 def predicted_bytes(algorithm: str, op: str, numel: int, elem_size: int, scope: str,
                     topo: Topology) -> LinkBytes:
     """Bytes this rank sends in ``op`` on ``numel`` elements of ``scope``: the selected
@@ -64,7 +58,9 @@ class Communicator:
 
     def __init__(self, topology: Topology, meter: CommMeter | None = None,
                  algorithm: str = "native") -> None:
-        check_algorithm(algorithm)
+        if algorithm not in ALGORITHM_NAMES:
+            raise ValueError(f"comm.algorithm={algorithm!r} is unknown; allowed: "
+                             f"{', '.join(ALGORITHM_NAMES)}")
         self.topo = topology
         self.meter = meter if meter is not None else CommMeter()
         self.algorithm = algorithm

@@ -266,13 +266,14 @@ def write(state: Mapping[str, Any], directory: str | os.PathLike, rank: int) -> 
     partial = final.with_name(final.name + ".partial")
     tensors = {k: v.detach().cpu().contiguous() for k, v in state["tensors"].items()}
     save_file(tensors, str(partial), metadata={META_KEY: json.dumps(state["meta"])})
-    _fsync(partial)
+    fsync(partial)
     os.replace(partial, final)
-    _fsync(path)  # the directory entry of the new name
+    fsync(path)  # the directory entry of the new name
     return final
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
+    """Flush a file, or a directory's entries, to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -19,6 +19,10 @@ from rlhf_paro.sharding.schedule import Collective, transition_scope
 from rlhf_paro.sharding.strategy import Level
 
 
+# Parameter and reduction precisions by name (config values, cost model, engine).
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 class FlatBuffer:
     """The trainable or the frozen parameters of one unit as one padded flat buffer."""
 

@@ -60,10 +60,6 @@ class Unit:
         for buf in self.buffers:
             buf.free()
 
-    @property
-    def in_flight(self) -> bool:
-        return any(buf.pending is not None for buf in self.buffers)
-
 
 def tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
     """Tensors that require grad inside nested tuples, lists and mappings (model outputs)."""

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import torch
+
 from rlhf_paro.comm.collectives import DryRunCommunicator
 from rlhf_paro.comm.meter import CommMeter, LinkBytes
 from rlhf_paro.comm.topology import Topology
+from rlhf_paro.sharding._flat import DTYPES
 from rlhf_paro.sharding.layout import UnitSizes, padded
 from rlhf_paro.sharding.schedule import TRAINING_PHASES, plan, run, select, ways
 from rlhf_paro.sharding.strategy import Strategy
@@ -62,11 +65,8 @@ def _rank_traffic(strategy: Strategy, units: Sequence[UnitSizes], topo: Topology
                   precision: str, algorithm: str, reduce_dtype: str) -> dict[str, LinkBytes]:
     """Dry-run the engine's schedule for one optimizer step on a communicator that only counts,
     on meta tensors of the sizes the engine would hand it."""
-    import torch
-
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    elem = {"params": dtypes[precision], "trained": dtypes[precision],
-            "grads": dtypes[reduce_dtype], "norm": torch.float32}
+    elem = {"params": DTYPES[precision], "trained": DTYPES[precision],
+            "grads": DTYPES[reduce_dtype], "norm": torch.float32}
     meter = CommMeter()
     comm = DryRunCommunicator(topo, meter, algorithm)
     collectives = plan(strategy)

@@ -50,7 +50,7 @@ from rlhf_paro.comm.collectives import Communicator
 from rlhf_paro.comm.meter import CommMeter
 from rlhf_paro.comm.topology import Topology
 from rlhf_paro.sharding import _checkpoint
-from rlhf_paro.sharding._flat import FlatBuffer
+from rlhf_paro.sharding._flat import DTYPES, FlatBuffer
 from rlhf_paro.sharding._step import BoundaryStep
 from rlhf_paro.sharding._unit import PostBackward, Unit, UnitState, tensors_requiring_grad
 from rlhf_paro.sharding.errors import EngineError
@@ -64,7 +64,6 @@ class TrainingState(enum.Enum):
     BACKWARD = "backward"  # from the first pre-backward hook to the end-of-backward callback
 
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class ShardedEngine:
@@ -77,8 +76,8 @@ class ShardedEngine:
                  unit_classes: list[str] | None = None, prefetch: bool = True,
                  verify_gathers: bool = False) -> None:
         for key, value in (("precision", precision), ("reduce_dtype", reduce_dtype)):
-            if value not in _DTYPES:
-                raise ValueError(f"{key}={value!r} is unknown; allowed: {', '.join(_DTYPES)}")
+            if value not in DTYPES:
+                raise ValueError(f"{key}={value!r} is unknown; allowed: {', '.join(DTYPES)}")
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps={grad_accum_steps} must be a positive integer")
         if topology.world is None and topology.num_ranks > 1:
@@ -89,7 +88,7 @@ class ShardedEngine:
         self.topo = topology
         self.precision = precision
         self.grad_accum_steps = grad_accum_steps
-        self.reduce_dtype = _DTYPES[reduce_dtype]  # [Note: gradient precision]
+        self.reduce_dtype = DTYPES[reduce_dtype]  # [Note: gradient precision]
         self.meter = CommMeter(model_name)
         self.comm = Communicator(topology, self.meter, comm)
         self.schedule = plan(strategy)  # the collectives this strategy runs (schedule.py)
@@ -105,7 +104,7 @@ class ShardedEngine:
         if strategy.frozen:
             for p in module.parameters():
                 p.requires_grad_(False)
-        self.units = self._build_units(unit_classes, _DTYPES[precision])
+        self.units = self._build_units(unit_classes, DTYPES[precision])
         self.root = self.units[0]
         self._boundary = None if strategy.frozen else BoundaryStep(
             self.units, strategy, self.comm, self.schedule, optim or {}, max_grad_norm,
