@@ -27,7 +27,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from rlhf_paro.config import (
-    Config, ConfigError, available_confs, cli_errors, load_config, parse_overrides, split_sweep,
+    FILE_LIST_KEYS, Config, ConfigError, available_confs, cli_errors, load_config, parse_overrides, split_sweep,
 )
 
 OVERRIDES = """\
@@ -106,7 +106,8 @@ def _jobs(args: list[str]) -> list[Job]:
     choices = []
     for arg in args:
         head, sep, text = arg.partition("=")
-        values = split_sweep(text) if sep and not arg.startswith("~") else [text]
+        sweep = sep and not arg.startswith("~") and head.lstrip("+") not in FILE_LIST_KEYS
+        values = split_sweep(text) if sweep else [text]
         choices.append([(arg, False)] if len(values) == 1 else
                        [(f"{head}={value}", True) for value in values])
     return [Job(",".join(a for a, swept in combo if swept), [a for a, _ in combo])

@@ -119,6 +119,8 @@ class LoraConfig:
     """Low-rank adapters (PEFT) on the backbone; only the adapters are trained."""
 
     enabled: bool = False  # train adapters instead of the whole model (actor and critic only)
+    # Export the base model with the adapters merged in, next to the adapter itself.
+    merge_on_export: bool = False
     r: int = 8  # adapter rank
     alpha: float = 16.0  # adapter scale numerator (scale = alpha / r)
     dropout: float = 0.0  # dropout on the adapter input
@@ -160,6 +162,16 @@ class ModelConfig:
     micro_batch_size: int = 4
     gradient_checkpointing: bool = False  # recompute block activations in the backward pass
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # Actor only: a local tokenizer directory (None: the actor's path); AutoTokenizer loads it.
+    tokenizer: str | None = None
+    # Run code that ships with a model or tokenizer directory (off: such a model is refused).
+    trust_remote_code: bool = False
+    # Reward only: ``file.py:name``, a Python function (prompts, responses, **columns) ->
+    # list[float] run on the reward workers instead of a reward model.
+    function: str | None = None
+    # Reward only: ``file.py:name`` like ``function``, logged as ppo/task_score and
+    # eval/score_mean and never trained on (None: the reward itself is the score).
+    score_function: str | None = None
 
     def __post_init__(self) -> None:
         _positive("micro_batch_size", self.micro_batch_size)
@@ -167,12 +179,30 @@ class ModelConfig:
             raise ConfigError("path", "set either path (a local model directory) or config "
                                       "(an inline model config), not both; unset one with ~ (e.g. "
                                       "~actor.config) or =null")
+        if self.function is not None and (self.path is not None or self.config is not None):
+            raise ConfigError("function", "set either function (a reward function) or a model "
+                                          "(path or config), not both; unset one with ~")
+        for key in ("function", "score_function"):
+            _check_function_spec(key, getattr(self, key))
+        if self.tokenizer is not None and not Path(self.tokenizer).expanduser().is_dir():
+            raise ConfigError("tokenizer", f"no directory at {self.tokenizer!r}; allowed: a "
+                                           "local tokenizer directory, never downloaded")
         if self.path is not None:
             model_dir = Path(self.path).expanduser()
             if not (model_dir / "config.json").is_file():
                 raise ConfigError("path", f"no Hugging Face model directory at {self.path!r} "
                                           "(needs config.json); allowed: an existing local "
                                           "directory, models are never downloaded")
+
+
+def _check_function_spec(key: str, spec: str | None) -> None:
+    if spec is None:
+        return
+    file, sep, name = spec.rpartition(":")
+    if not sep or not file.endswith(".py") or not name.isidentifier():
+        raise ConfigError(key, f"got {spec!r}; allowed: path/to/file.py:function_name")
+    if not Path(file).expanduser().is_file():
+        raise ConfigError(key, f"no file {file!r}; allowed: an existing .py file")
 
 
 # --- the other components -------------------------------------------------------------------------
@@ -301,12 +331,18 @@ class TrainerConfig:
     # Stop the run when a trained model skips more than this many optimizer steps in a row
     # (a non-finite loss or gradient norm skips the update).
     max_skipped_steps: int = 5
+    # Export the actor in Hugging Face format every K steps to <output_dir>/hf/step_<k>/ (0:
+    # only at the end, to <output_dir>/hf/actor/ and hf/critic/).
+    export_every: int = 0
+    # Greedy responses to data.val_files every K steps, logged as eval/* (0: never).
+    eval_every: int = 0
 
     def __post_init__(self) -> None:
         _positive("steps", self.steps)
-        for key in ("save_every", "keep_checkpoints", "max_skipped_steps"):
+        for key in ("save_every", "keep_checkpoints", "max_skipped_steps", "export_every",
+                    "eval_every"):
             if getattr(self, key) < 0:
-                raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}")
+                raise ConfigError(key, f"must be >= 0 (0: off), got {getattr(self, key)}")
         if self.resume not in RESUME_CHOICES and not (Path(self.resume).expanduser()
                                                       / MANIFEST).is_file():
             raise ConfigError("resume", f"no complete checkpoint at {self.resume!r} (it has no "
@@ -358,6 +394,44 @@ RAY_ADDRESS_ALLOWED = ("allowed: null (a private Ray on this machine) or the add
 
 
 @dataclass
+class DataConfig:
+    """Prompts from files (``rlhf_paro.ppo.data``); without ``train_files`` the task makes them."""
+
+    # Comma-separated local .json, .jsonl or .parquet files of prompts (None: the task's).
+    train_files: str | None = None
+    # Comma-separated files of validation prompts for trainer.eval_every (None: no evaluation).
+    val_files: str | None = None
+    # Column holding each prompt: a string, or a list of chat messages ({role, content}).
+    prompt_key: str = "prompt"
+    # Render prompts with the tokenizer's chat template (needed for chat messages).
+    apply_chat_template: bool = False
+    # Prompts longer than this many tokens are skipped, and the count is printed.
+    max_prompt_length: int = 256
+    shuffle: bool = True  # a new permutation of the prompts every epoch, seeded by trainer.seed
+
+    def __post_init__(self) -> None:
+        _positive("max_prompt_length", self.max_prompt_length)
+        for key in ("train_files", "val_files"):
+            for file in data_files(getattr(self, key)):
+                if not file.endswith((".json", ".jsonl", ".parquet")):
+                    raise ConfigError(key, f"{file!r} is not a data file; allowed: local "
+                                           ".json, .jsonl or .parquet files")
+                if not Path(file).expanduser().is_file():
+                    raise ConfigError(key, f"no file {file!r}; allowed: existing local files")
+        if self.val_files is not None and self.train_files is None:
+            raise ConfigError("val_files", "needs data.train_files")
+
+
+def data_files(text: str | None) -> list[str]:
+    """The files of a comma-separated ``data.*_files`` value."""
+    return [part.strip() for part in (text or "").split(",") if part.strip()]
+
+
+# Keys whose value is a comma-separated list of files, never a sweep.
+FILE_LIST_KEYS = ("data.train_files", "data.val_files")
+
+
+@dataclass
 class RayConfig:
     address: str | None = None  # None: start a local Ray; "auto" or host:port: join a cluster
     num_cpus: int | None = None  # CPUs of the local Ray (None: all)
@@ -379,6 +453,7 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    data: DataConfig = field(default_factory=DataConfig)
 
     def __post_init__(self) -> None:
         if self.actor.path is None and self.actor.config is None:
@@ -386,7 +461,11 @@ class Config:
                                        "model directory) or actor.config (an inline config)")
         for role in ROLES:
             model = self.model(role)
-            if model.path is None and model.config is None:
+            if role == "critic" and model.path is None and model.config is None and \
+                    self.reward.path is not None:
+                # A reward model's score head starts the value head (as OpenRLHF does).
+                model.path = self.reward.path
+            if model.path is None and model.config is None and model.function is None:
                 model.path, model.config = self.actor.path, copy.deepcopy(self.actor.config)
             model.strategy = _normalise_strategy(role, model.strategy)
             if model.lora.enabled and role in FROZEN_ROLES:
@@ -655,7 +734,7 @@ def parse_overrides(argv: list[str]) -> tuple[str, list[Override]]:
                 raise ConfigError(key, "selects the conf; allowed: conf=NAME or conf=path.yaml")
             conf = text.strip()
             continue
-        if op != "~" and len(split_sweep(text)) > 1:
+        if op != "~" and len(split_sweep(text)) > 1 and key not in FILE_LIST_KEYS:
             raise ConfigError(key, f"{text!r} is a sweep; allowed: -m to run one job per value, "
                                    f"a list [{text}], or a quoted string '{text}'")
         overrides.append(Override(op, key, None if op == "~" else _parse_value(key, text)))
@@ -706,10 +785,30 @@ def _apply(cfg: DictConfig, override: Override) -> None:
         raise ConfigError(key, "is not set, so there is nothing to delete")
 
 
+def _drop_competing(cfg: DictConfig, given: set[str]) -> None:
+    """A key given on the command line replaces the conf's keys that compete with it, so that a
+    user's few keys are enough whatever the conf holds: a model's ``path`` drops its inline
+    ``config`` (and the reward's ``function``), ``reward.function`` drops the reward model, and
+    ``data.train_files`` drops the conf's ``data.val_files`` unless that is given too."""
+    competing = {f"{role}.path": [f"{role}.config"] for role in ROLES}
+    competing["reward.path"] += ["reward.function"]
+    competing["reward.function"] = ["reward.path", "reward.config"]
+    competing["data.train_files"] = ["data.val_files"]
+    for key, dropped in competing.items():
+        if key not in given:
+            continue
+        for other in dropped:
+            section, _, name = other.partition(".")
+            node = cfg.get(section)
+            if other not in given and isinstance(node, DictConfig) and name in node:
+                del node[name]
+
+
 def compose(conf: str, overrides: list[Override]) -> dict[str, Any]:
     """The conf with the overrides applied and interpolations resolved, as plain data."""
     cfg = _read_conf(conf_path(conf))
     with _omegaconf_errors():
+        _drop_competing(cfg, {override.key for override in overrides if override.op != "~"})
         for override in overrides:
             _apply(cfg, override)
         return OmegaConf.to_container(cfg, resolve=True)

@@ -140,7 +140,9 @@ def test_nodes_and_gpus_per_node_define_the_cluster():
     (["trainer.resume=/no/such/step_3"], "trainer.resume", "auto, none or a checkpoint"),
     (["ref.lora.enabled=true"], "ref.lora.enabled", "actor and critic"),
     (["conf=no_such_conf"], "conf", "ppo_tiny"),
-    (["actor.path=/no/such/model"], "actor.path", "not both"),
+    # A path on the command line replaces the conf's inline config; both given is a mistake.
+    (["actor.path=/no/such/model"], "actor.path", "never downloaded"),
+    (["actor.path=/no/such/model", "actor.config={hidden_size: 8}"], "actor.path", "not both"),
     (["actor.config=null", "actor.path=/no/such/model"], "actor.path", "never downloaded"),
     (["actor.config=null"], "actor", "actor.path"),
     (["ppo.gamma"], "ppo.gamma", "key=value"),
