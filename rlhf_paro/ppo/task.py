@@ -145,13 +145,16 @@ def response_mask(responses: torch.Tensor,
     return (~after_eos).float()
 
 
-def join(prompts: torch.Tensor, responses: torch.Tensor,
-         mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompt + response as model input: (input_ids, attention_mask), both (B, P + R)."""
+def join(prompts: torch.Tensor, responses: torch.Tensor, mask: torch.Tensor | None = None,
+         prompt_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt + response as model input: (input_ids, attention_mask), both (B, P + R).
+    ``prompt_mask`` marks the tokens of left-padded prompts (default: all of them)."""
     if mask is None:
         mask = response_mask(responses)
+    if prompt_mask is None:
+        prompt_mask = torch.ones_like(prompts)
     input_ids = torch.cat([prompts, responses], dim=1)
-    attention_mask = torch.cat([torch.ones_like(prompts), mask.long()], dim=1)
+    attention_mask = torch.cat([prompt_mask.long(), mask.long()], dim=1)
     return input_ids, attention_mask
 
 
