@@ -15,6 +15,7 @@ meta device: parameter counts and unit sizes without allocating a byte, for the 
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -55,8 +56,14 @@ def hf_config(role: str, model_cfg: ModelConfig, vocab_size: int) -> Any:
     """
     transformers = _transformers()
     if model_cfg.path is not None:
-        config = transformers.AutoConfig.from_pretrained(model_cfg.path, local_files_only=True)
         key = f"{role}.path"
+        try:
+            config = transformers.AutoConfig.from_pretrained(
+                model_cfg.path, local_files_only=True,
+                trust_remote_code=model_cfg.trust_remote_code)
+        except Exception as err:  # a directory that is not a model fails in many ways
+            raise _rejected(key, f"{model_cfg.path!r} is not a Hugging Face model directory "
+                                 f"(or its code needs {role}.trust_remote_code=true)", err) from None
     else:
         options = dict(model_cfg.config or {})
         model_type = options.pop("model_type", "llama")
@@ -103,7 +110,11 @@ def check_model_configs(cfg: Config, vocab_size: int) -> None:
     built: list[dict[str, Any]] = []
     for role in ROLES:
         model_cfg = cfg.model(role)
+        if model_cfg.function is not None:
+            continue
         config = hf_config(role, model_cfg, vocab_size)
+        if role == "reward" and model_cfg.path is not None:
+            check_reward_directory(model_cfg.path, config)
         if model_cfg.config is None or model_cfg.config in built:
             continue
         built.append(model_cfg.config)
@@ -193,9 +204,13 @@ def _backbone(role: str, model_cfg: ModelConfig, config: Any, auto_class: Any,
         with torch.device(device):
             module = auto_class.from_config(config)
     else:
+        # A backbone read out of a classifier or a causal LM leaves their heads unread: that is
+        # meant, so transformers' load report is not shown.
+        _transformers().utils.logging.set_verbosity_error()
         try:
             module = auto_class.from_pretrained(model_cfg.path, local_files_only=True,
-                                                dtype=torch.float32)
+                                                dtype=torch.float32,
+                                                trust_remote_code=model_cfg.trust_remote_code)
         except MemoryError:
             raise
         except Exception as err:  # missing, cut or mismatched weights: the directory's fault
@@ -232,10 +247,10 @@ def build_value_model(model_cfg: ModelConfig, vocab_size: int, *, role: str = "c
     """
     config = hf_config(role, model_cfg, vocab_size)
     transformers = _transformers()
-    head_file = Path(model_cfg.path or "") / VALUE_HEAD_FILE
-    if not per_token and model_cfg.path is not None and not head_file.is_file():
-        raise ConfigError(f"{role}.path", f"{model_cfg.path!r} has no {VALUE_HEAD_FILE}; "
-                          "allowed: a reward model saved by rlhf_paro (save_value_model)")
+    head = None if model_cfg.path is None or meta else saved_head(model_cfg.path)
+    if not per_token and model_cfg.path is not None and not meta and head is None:
+        raise ConfigError(f"{role}.path", f"{model_cfg.path!r} has no score head; allowed: a "
+                          "Hugging Face sequence-classification model with one label")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         backbone = _backbone(role, model_cfg, config, transformers.AutoModel, meta)
@@ -245,11 +260,49 @@ def build_value_model(model_cfg: ModelConfig, vocab_size: int, *, role: str = "c
             # A small head keeps initial values near 0 whatever the backbone's scale.
             nn.init.normal_(model.value_head.weight, std=1.0 / (config.hidden_size + 1))
             nn.init.zeros_(model.value_head.bias)
-    if model_cfg.path is not None and head_file.is_file() and not meta:
-        from safetensors.torch import load_file
-
-        model.value_head.load_state_dict(load_file(str(head_file)))
+    if head is not None:
+        weight, bias = head
+        with torch.no_grad():
+            model.value_head.weight.copy_(weight.reshape(1, -1))
+            model.value_head.bias.copy_(bias.reshape(1) if bias is not None else 0.0)
     return model
+
+
+# Names of a scalar head in a saved model: rlhf_paro's value head, a Hugging Face
+# *ForSequenceClassification's ``score`` (what TRL and OpenRLHF reward models are).
+_HEAD_NAMES = ("value_head", "score")
+
+
+def saved_head(directory: str | Path) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, bias or None) of the one-output head saved in ``directory``, or None."""
+    from safetensors import safe_open
+
+    directory = Path(directory).expanduser()
+    found: dict[str, torch.Tensor] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                parts = key.split(".")
+                if len(parts) >= 2 and parts[-2] in _HEAD_NAMES and \
+                        parts[-1] in ("weight", "bias"):
+                    found.setdefault(parts[-1], f.get_tensor(key).float())
+    if "weight" not in found:
+        return None
+    return found["weight"], found.get("bias")
+
+
+def check_reward_directory(path: str, config: Any) -> None:
+    """A reward model directory: a value model saved by rlhf_paro, or a sequence classifier
+    with one label."""
+    if (Path(path).expanduser() / VALUE_HEAD_FILE).is_file():
+        return
+    architectures = getattr(config, "architectures", None) or []
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
+        raise ConfigError("reward.path", f"{path!r} holds {', '.join(architectures) or 'no'} "
+                          "architecture; allowed: a Hugging Face *ForSequenceClassification "
+                          "model with one label (reward.function for a Python reward)")
+    if getattr(config, "num_labels", 1) != 1:
+        raise ConfigError("reward.path", f"{path!r} has {config.num_labels} labels; allowed: 1")
 
 
 def save_value_model(model: ValueModel, directory: str | Path) -> None:
@@ -285,3 +338,66 @@ def count_parameters(role: str, model_cfg: ModelConfig, vocab_size: int) -> tupl
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return total, trainable
 
+
+
+def export_hf(model: nn.Module, state: dict[str, torch.Tensor], directory: str | Path,
+              tokenizer: Any = None, merge_lora: bool = False) -> Path:
+    """Write ``model`` with the full state ``state`` (``engine.full_state_dict()``) in Hugging
+    Face format to ``directory``, with the tokenizer: a causal LM for ``from_pretrained``, a LoRA
+    actor as its PEFT adapter (and the merged model under ``merged/`` with ``merge_lora``), a
+    value model as its backbone plus the value head (``save_value_model``).
+
+    Safetensors, written under a temporary name next to ``directory`` and renamed when
+    complete, so a directory that exists is whole.
+    """
+    import shutil
+    import tempfile
+
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    try:
+        if isinstance(model, CausalLM):
+            inner = {k.removeprefix("lm."): v for k, v in state.items()}
+            model.lm.save_pretrained(scratch, state_dict=inner, safe_serialization=True)
+            if merge_lora and hasattr(model.lm, "merge_and_unload"):
+                _merged(model.lm, inner).save_pretrained(scratch / "merged",
+                                                         safe_serialization=True)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(scratch / "merged")
+        elif isinstance(model, ValueModel):
+            inner = {k.removeprefix("backbone."): v for k, v in state.items()
+                     if k.startswith("backbone.")}
+            model.backbone.save_pretrained(scratch, state_dict=inner, safe_serialization=True)
+            from safetensors.torch import save_file
+
+            head = {k.removeprefix("value_head."): v.contiguous() for k, v in state.items()
+                    if k.startswith("value_head.")}
+            save_file(head, str(scratch / VALUE_HEAD_FILE))
+        else:
+            raise TypeError(f"cannot export {type(model).__name__}")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(scratch)
+        old = None
+        if directory.exists():
+            old = directory.with_name(f".{directory.name}.old-{scratch.name[-8:]}")
+            os.replace(directory, old)
+        os.replace(scratch, directory)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    return directory
+
+
+def _merged(peft_model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+    """A fresh copy of a PEFT model with ``state`` loaded and its adapters merged in."""
+    import peft
+
+    base_config = peft_model.get_base_model().config
+    with torch.device("meta"):
+        base = _transformers().AutoModelForCausalLM.from_config(base_config)
+    copy = peft.get_peft_model(base, peft_model.peft_config["default"])
+    copy.load_state_dict(state, assign=True, strict=False)
+    return copy.merge_and_unload()

@@ -88,12 +88,16 @@ def _inference_passes(cfg: Config, role: str) -> int:
 
 def model_plan(cfg: Config, role: str, vocab_size: int) -> ModelPlan:
     """Memory and per-PPO-step traffic of every strategy of one model (see the module notes)."""
+    import torch
+
     from rlhf_paro.models import build_model
     from rlhf_paro.sharding.cost import memory, traffic
     from rlhf_paro.sharding.layout import unit_sizes
 
     model_cfg = cfg.model(role)
-    model = build_model(role, model_cfg, vocab_size, meta=True)
+    # A reward function has no model: it holds and sends nothing.
+    model = (torch.nn.Module() if model_cfg.function is not None else
+             build_model(role, model_cfg, vocab_size, meta=True))
     units = unit_sizes(model)
     num_params = sum(p.numel() for p in model.parameters())
     num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -151,9 +155,9 @@ def make_plan(cfg: Config, vocab_size: int | None = None,
               fixed: dict[str, Strategy] | None = None) -> Plan:
     """Plan all four models; ``fixed`` pins the strategies of some of them."""
     if vocab_size is None:
-        from rlhf_paro.ppo.task import task_from_config
+        from rlhf_paro.ppo.data import vocab_size as actor_vocab_size
 
-        vocab_size = task_from_config(cfg).tokenizer.vocab_size
+        vocab_size = actor_vocab_size(cfg)
     models = {role: model_plan(cfg, role, vocab_size) for role in ROLES}
     budget = _budget(cfg)
     best, fits = _search(models, budget, fixed or {})

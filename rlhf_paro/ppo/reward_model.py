@@ -132,7 +132,7 @@ def train_reward_model(cfg: Config) -> TrainedRewardModel:
 def reward_model_config(cfg: Config) -> ModelConfig:
     """The reward section to build the reward model from: the user's ``reward.path`` as is, or
     the cached model trained on this task (trained now if missing)."""
-    if cfg.reward.path is not None:
+    if cfg.reward.path is not None or cfg.reward.function is not None:
         return cfg.reward
     trained = train_reward_model(cfg)
     return dataclasses.replace(cfg.reward, path=str(trained.path), config=None)
