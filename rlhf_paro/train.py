@@ -25,11 +25,11 @@ def prepare(cfg: Config, conf: str) -> Config:
     if cfg.ray.address:
         require_ray(cfg.ray.address)
     # Everything below needs transformers; a bad command line has failed before it.
-    from rlhf_paro import models, plan
-    from rlhf_paro.ppo.task import task_from_config
+    from rlhf_paro import models, plan, runs
 
-    models.check_model_configs(cfg, task_from_config(cfg).tokenizer.vocab_size)
-    return plan.resolve_auto(cfg)
+    vocab_size = runs.check_inputs(cfg)
+    models.check_model_configs(cfg, vocab_size)
+    return plan.resolve_auto(cfg, vocab_size)
 
 
 def run(cfg: Config, argv: list[str]) -> None:

@@ -27,10 +27,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import ray
-import torch
 from omegaconf import OmegaConf
 
-from rlhf_paro import report
+from rlhf_paro import report, runs
 from rlhf_paro.actors import checkpoint
 from rlhf_paro.actors.actor import ActorWorker
 from rlhf_paro.actors.critic import CriticWorker
@@ -43,6 +42,7 @@ from rlhf_paro.config import RAY_ADDRESS_ALLOWED, ROLES, TRAINED_ROLES, Config, 
 from rlhf_paro.metrics import MetricsLogger, model_metrics
 from rlhf_paro.ppo import core
 from rlhf_paro.ppo.reward_model import reward_model_config
+from rlhf_paro.ppo.rewards import RewardFunctionError
 from rlhf_paro.ppo.task import task_from_config
 
 WORKERS = {"actor": ActorWorker, "critic": CriticWorker, "reward": RewardWorker,
@@ -81,7 +81,7 @@ class PPOTrainer:
         # The four models join their process groups and build their engines at once.
         self.pids = self.wait(**{role: group.rendezvous() for role, group in self.models.items()})
         self.task = task_from_config(cfg)
-        self.prompt_rng = torch.Generator().manual_seed(cfg.trainer.seed)
+        self.prompts = runs.Prompts(cfg, self.task)  # from data.train_files, or the task's
         ppo = cfg.ppo
         self.kl_ctl = core.kl_controller(ppo.kl_coef, ppo.adaptive_kl, ppo.kl_target,
                                          ppo.kl_horizon)
@@ -117,17 +117,25 @@ class PPOTrainer:
             for step in range(self.start_step, trainer.steps):
                 with self._stops_at(step):
                     row = self.step(step)
+                    done = step + 1
                     over = {role: n for role, n in self.skip_runs.items()
                             if n > trainer.max_skipped_steps}
+                    if trainer.eval_every and (done % trainer.eval_every == 0
+                                               or done == trainer.steps):
+                        row.update(runs.evaluate(self.models, self.prompts, done, self.wait))
+                    if trainer.export_every and done % trainer.export_every == 0:
+                        runs.export(self.models, trainer.output_dir, self.wait, done)
                     # A run that stops here keeps its last checkpoint from before the skips.
-                    if not over and trainer.save_every and (step + 1) % trainer.save_every == 0:
-                        row.update(self.save(step + 1))
+                    if not over and trainer.save_every and done % trainer.save_every == 0:
+                        row.update(self.save(done))
                     logger.log(step, row)
                 for role, n in over.items():
                     raise self._stopped(
                         f"{role} skipped {n} optimizer step{'s' * (n > 1)} in a row (non-finite "
                         f"loss or gradient norm) at step {step}, more than "
                         f"trainer.max_skipped_steps={trainer.max_skipped_steps}")
+            with self._stops_at(trainer.steps):
+                runs.export(self.models, trainer.output_dir, self.wait)
         finally:
             logger.close()
         return report.draw(trainer.output_dir)
@@ -138,6 +146,8 @@ class PPOTrainer:
         try:
             yield
         except WorkerError as err:
+            if isinstance(err.cause, RewardFunctionError):  # its line names function and step
+                raise self._stopped(str(err.cause)) from None
             raise self._stopped(f"{err.role} rank {err.rank} {'died' if err.died else 'raised'}"
                                 f" at step {step} ({err.reason})") from None
         except KeyboardInterrupt:
@@ -165,7 +175,7 @@ class PPOTrainer:
                      for role, group in self.models.items()})
         checkpoint.write_json(scratch / checkpoint.TRAINER_FILE, {
             "step": step, "kl_coef": self.kl_ctl.value, "wandb_id": self.wandb_id,
-            "prompt_rng": checkpoint.generator_state(self.prompt_rng),
+            "prompts": self.prompts.state(),
             "rng": checkpoint.rng_state()})
         (scratch / checkpoint.CONFIG_FILE).write_text(OmegaConf.to_yaml(self.cfg.to_dict()))
         digests = self._digests(scratch, checkpoint.files(scratch))
@@ -226,7 +236,7 @@ class PPOTrainer:
         state = json.loads((directory / checkpoint.TRAINER_FILE).read_text())
         self.start_step = state["step"]
         self.kl_ctl.value = state["kl_coef"]
-        checkpoint.set_generator_state(self.prompt_rng, state["prompt_rng"])
+        self.prompts.load_state(state["prompts"])
         checkpoint.set_rng_state(state["rng"])
         # Our own checkpoint goes on with its wandb run; another run's starts a new one.
         output_dir = Path(self.cfg.trainer.output_dir).resolve()
@@ -237,23 +247,24 @@ class PPOTrainer:
     def step(self, step: int) -> dict[str, float]:
         """PPO step ``step``: its metrics row."""
         actor, critic, ref, reward = (self.models[r] for r in ("actor", "critic", "ref", "reward"))
-        num_ranks = self.cfg.cluster.num_devices
         start = time.perf_counter()
 
-        prompts = self.task.sample_prompts(self.cfg.ppo.rollout_batch_size, self.prompt_rng)
         # Sliced here, before anything is sent: each rank receives only its own prompts.
-        rollouts, gen_stats = zip(*actor.call("generate", prompts.chunk(num_ranks),
-                                                  num_returns=2))
+        prompts, rows = self.prompts.next(self.cfg.ppo.rollout_batch_size)
+        rollouts, gen_stats = zip(*actor.call("generate", prompts, num_returns=2))
         gen = _sum(self.wait(actor=list(gen_stats))["actor"])
         generated = time.perf_counter()
 
         old = actor.call("old_logprobs")
         ref_logp = ref.call("logprobs", rollouts)
         values = critic.call("values", rollouts)
-        scores = reward.call("score", rollouts)
+        scores = (reward.call("score", rollouts) if rows is None else
+                  reward.call("score", rollouts, rows, step=step))
         targets, exp_stats = zip(*actor.call("make_experience", ref_logp, values, scores,
                                              kl_coef=self.kl_ctl.value, num_returns=2))
         exp = _sum(self.wait(actor=list(exp_stats))["actor"])
+        if rows is not None:
+            gen.update(_sum(self.wait(reward=reward.call("score_sums"))["reward"]))
         self.wait(actor=old)
         experienced = time.perf_counter()
 

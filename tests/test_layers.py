@@ -18,7 +18,8 @@ Every ``import`` and ``from`` statement counts, at the top of a module, inside a
                     plain data that ``actors`` imports, so below it.
     3  actors     the Ray workers of the four models and their placement
     4  the PPO loop that drives the workers (``trainer``) and the entry points (``train``,
-       ``plan``, ``report``) with their command line (``cli``)
+       ``plan``, ``report``) with their command line (``cli``), and what a run reads and
+       writes besides metrics (``runs``: prompts, evaluation, exports)
 
 Modules of one layer may import each other.
 """
@@ -45,6 +46,7 @@ LAYERS = {
     "rlhf_paro.cli": 4,
     "rlhf_paro.plan": 4,
     "rlhf_paro.report": 4,
+    "rlhf_paro.runs": 4,
 }
 
 def _within(name: str, prefix: str) -> bool:

@@ -14,41 +14,56 @@ import torch.nn.functional as F
 
 from rlhf_paro.actors.worker import Batch, TrainedWorker, Worker
 from rlhf_paro.ppo import core
+from rlhf_paro.ppo.data import actor_tokenizer, tokenizer_dir
 from rlhf_paro.ppo.task import join, response_mask, task_from_config
 
 
 class ActorWorker(TrainedWorker):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.task = task_from_config(self.cfg)  # token ids and the ground-truth score
+        self.task = task_from_config(self.cfg)  # the task's prompts and score (no data files)
+        # The actor's tokenizer (pad and eos ids); the task's when the actor is an inline config.
+        self.tokenizer = (actor_tokenizer(self.cfg) if tokenizer_dir(self.cfg) is not None
+                          else self.task.tokenizer)
 
     @torch.no_grad()
-    def generate(self, prompts: torch.Tensor) -> tuple[Batch, dict[str, float]]:
+    def generate(self, prompts: torch.Tensor | Batch, greedy: bool = False
+                 ) -> tuple[Batch, dict[str, float]]:
         """Sample one response per prompt, the full parameters gathered once for all of it.
 
+        ``prompts``: the task's (B, P) ids, or ``{"input_ids", "attention_mask"}`` left-padded
+        (``ppo/data.py``). ``greedy``: an evaluation, whose rollout is returned and not kept.
         Returns the rollout (for the other models of this rank) and sums for the driver.
         """
-        ppo, tokenizer = self.cfg.ppo, self.task.tokenizer
-        prompts = prompts.to(self.device)
+        ppo, tokenizer = self.cfg.ppo, self.tokenizer
+        if isinstance(prompts, dict):
+            prompts, prompt_mask = prompts["input_ids"], prompts["attention_mask"]
+        else:
+            prompt_mask = torch.ones_like(prompts)
         num_tokens = prompts.shape[0] * (prompts.shape[1] + ppo.max_new_tokens)
+        sampling = ({"do_sample": False} if greedy else
+                    {"do_sample": True, "temperature": ppo.temperature, "top_k": ppo.top_k})
         with self.timed("generate", num_tokens), self.engine.gathered(phase="generate") as model:
             model.eval()
-            out = model.generate(prompts, torch.ones_like(prompts), do_sample=True,
-                                 max_new_tokens=ppo.max_new_tokens, temperature=ppo.temperature,
-                                 top_k=ppo.top_k, pad_token_id=tokenizer.pad_token_id,
-                                 eos_token_id=tokenizer.eos_token_id)
+            out = model.generate(prompts.to(self.device), prompt_mask.to(self.device),
+                                 max_new_tokens=ppo.max_new_tokens,
+                                 pad_token_id=tokenizer.pad_token_id,
+                                 eos_token_id=tokenizer.eos_token_id, **sampling)
         responses = out[:, prompts.shape[1]:].cpu()
         # Generation stops when every row has ended: pad to a fixed response length.
         responses = F.pad(responses, (0, ppo.max_new_tokens - responses.shape[1]),
                           value=tokenizer.pad_token_id)
         action_mask = response_mask(responses, tokenizer.eos_token_id)
-        sequences, attention_mask = join(prompts.cpu(), responses, action_mask)
-        self._rollout = {"sequences": sequences, "attention_mask": attention_mask,
-                         "action_mask": action_mask}
-        score = self.task.score(prompts.cpu(), responses, action_mask)
-        stats = {"count": float(len(score)), "task_score": float(score.sum()),
-                 "response_length": float(action_mask.sum())}
-        return self._rollout, stats
+        sequences, attention_mask = join(prompts, responses, action_mask, prompt_mask)
+        rollout = {"sequences": sequences, "attention_mask": attention_mask,
+                   "action_mask": action_mask}
+        stats = {"count": float(len(prompts)), "response_length": float(action_mask.sum())}
+        if self.cfg.data.train_files is None:
+            score = self.task.score(prompts, responses, action_mask)
+            stats["task_score"] = float(score.sum())
+        if not greedy:
+            self._rollout = rollout
+        return rollout, stats
 
     @torch.no_grad()
     def old_logprobs(self) -> None:

@@ -34,7 +34,7 @@ import transformers
 from rlhf_paro import models
 from rlhf_paro.actors import checkpoint
 from rlhf_paro.metrics import RankReport
-from rlhf_paro.ppo.task import task_from_config
+from rlhf_paro.ppo import data
 from rlhf_paro.sharding import Strategy, Topology, shard
 
 Batch = dict[str, Any]
@@ -94,7 +94,7 @@ class Worker:
         return os.getpid()
 
     def build_model(self) -> torch.nn.Module:
-        vocab_size = task_from_config(self.cfg).tokenizer.vocab_size
+        vocab_size = data.vocab_size(self.cfg)
         return models.build_model(self.role, self.model_cfg, vocab_size, seed=self.cfg.trainer.seed)
 
     def shard_options(self) -> dict[str, Any]:
@@ -254,6 +254,17 @@ class TrainedWorker(Worker):
         self._skipped += skipped
         self._skip_run = self._skip_run + 1 if skipped else 0
         self._longest_skip_run = max(self._longest_skip_run, self._skip_run)
+
+    def export(self, directory: str) -> None:
+        """The model in Hugging Face format with the actor's tokenizer under ``directory``
+        (``models.export_hf``): every rank gathers, rank 0 writes."""
+        state = self.engine.full_state_dict()
+        if self.rank == 0:
+            tokenizer = (data.actor_tokenizer(self.cfg)
+                         if data.tokenizer_dir(self.cfg) is not None else None)
+            models.export_hf(self.engine.module, {k: v.cpu() for k, v in state.items()},
+                             directory, tokenizer, self.model_cfg.lora.merge_on_export)
+        dist.barrier()
 
     def _mini_batches(self, mask: torch.Tensor) -> list[tuple[torch.Tensor, float]]:
         """This rank's shuffled mini-batches, each with ``num_tokens``: the global mini-batch's

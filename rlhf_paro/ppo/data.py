@@ -164,15 +164,32 @@ class PromptStream:
         self.epoch = 0
         self._order: list[int] = []
 
+    @property
+    def left(self) -> int:
+        """Prompts of the current epoch not yet taken."""
+        return len(self._order)
+
+    def seek(self, epoch: int, left: int) -> None:
+        """Stand where a stream stood with ``epoch`` epochs begun and ``left`` prompts of the
+        last one untaken (a resumed run's prompts go on where the saved run's stopped)."""
+        self.epoch = max(epoch - 1, 0)
+        self._order = []
+        if epoch:
+            self._draw()
+            self._order = self._order[len(self._order) - left:] if left else []
+
+    def _draw(self) -> None:
+        n = len(self.prompts)
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        self._order = (torch.randperm(n, generator=generator).tolist() if self.shuffle
+                       else list(range(n)))
+        self.epoch += 1
+
     def next(self, num: int) -> PromptSet:
         index: list[int] = []
         while len(index) < num:
             if not self._order:
-                n = len(self.prompts)
-                generator = torch.Generator().manual_seed(self.seed + self.epoch)
-                self._order = (torch.randperm(n, generator=generator).tolist() if self.shuffle
-                               else list(range(n)))
-                self.epoch += 1
+                self._draw()
             take = num - len(index)
             index += self._order[:take]
             self._order = self._order[take:]

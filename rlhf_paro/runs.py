@@ -1,0 +1,129 @@
+"""What a PPO run reads and writes besides its metrics: prompts, evaluation, Hugging Face exports.
+
+``Prompts`` hands the trainer each step's prompts, sliced per rank: from ``data.train_files``
+(``ppo/data.py``) or, without them, made by the task. ``evaluate`` runs greedy responses to
+``data.val_files`` through the reward; ``export`` writes the actor (and at the end the critic) in
+Hugging Face format under ``<output_dir>/hf/``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from rlhf_paro.actors import checkpoint
+from rlhf_paro.config import Config, ConfigError
+from rlhf_paro.ppo import data
+
+# The trainer's wait: each model's refs in, their results out, a failed worker raised at once.
+Wait = Callable[..., dict[str, list[Any]]]
+
+
+class Prompts:
+    """Each step's prompts as per-rank slices; ``rows`` are what the reward workers need."""
+
+    def __init__(self, cfg: Config, task: Any) -> None:
+        self.cfg = cfg
+        self.task = task
+        self.files = cfg.data.train_files is not None
+        self.rng = torch.Generator().manual_seed(cfg.trainer.seed)
+        self.tokenizer = data.actor_tokenizer(cfg) if self.files else None
+        self.stream = None
+        self.val = None
+        if self.files:
+            self.stream = data.PromptStream(data.load_prompts(cfg, self.tokenizer),
+                                            cfg.trainer.seed, cfg.data.shuffle)
+            if cfg.data.val_files is not None:
+                self.val = data.load_prompts(cfg, self.tokenizer, split="val")
+
+    def state(self) -> dict[str, Any]:
+        """Where the prompts stand, for a run checkpoint: the task's generator, or the epoch
+        and how much of it is used."""
+        if not self.files:
+            return {"rng": checkpoint.generator_state(self.rng)}
+        return {"epoch": self.stream.epoch, "left": self.stream.left}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Go on from ``state()``: the next prompts are those the saved run would have taken."""
+        if not self.files:
+            checkpoint.set_generator_state(self.rng, state["rng"])
+        else:
+            self.stream.seek(state["epoch"], state["left"])
+
+    def next(self, num: int) -> tuple[list[Any], list[Any] | None]:
+        """(per-rank prompts, per-rank rows or None) for ``num`` prompts."""
+        num_ranks = self.cfg.cluster.num_devices
+        if not self.files:
+            return list(self.task.sample_prompts(num, self.rng).chunk(num_ranks)), None
+        return self.split(self.stream.next(num))
+
+    def split(self, prompts: data.PromptSet) -> tuple[list[Any], list[Any]]:
+        """Pad the whole batch to one width, then cut it in contiguous per-rank slices."""
+        num_ranks = self.cfg.cluster.num_devices
+        ids, mask = data.left_pad(prompts.ids, self.tokenizer.pad_token_id)
+        size = -(-len(prompts) // num_ranks)
+        batches, rows = [], []
+        for r in range(num_ranks):
+            index = list(range(r * size, min(len(prompts), (r + 1) * size)))
+            part = prompts.rows(index)
+            batches.append({"input_ids": ids[index], "attention_mask": mask[index]})
+            rows.append({"texts": part.texts, "columns": part.columns})
+        return batches, rows
+
+
+def evaluate(models: dict[str, Any], prompts: Prompts, step: int, wait: Wait
+             ) -> dict[str, float]:
+    """Greedy responses to every validation prompt, scored: ``eval/reward_mean`` and
+    ``eval/score_mean``. The validation set goes in rollout-batch pieces, all ranks busy."""
+    actor, reward = models["actor"], models["reward"]
+    total = {"count": 0.0, "reward": 0.0, "task_score": 0.0}
+    batch = prompts.cfg.ppo.rollout_batch_size
+    num_ranks = prompts.cfg.cluster.num_devices
+    for start in range(0, len(prompts.val), batch):
+        index = list(range(start, min(len(prompts.val), start + batch)))
+        while len(index) % num_ranks:  # every rank needs rows: repeat the last prompt
+            index.append(index[-1])
+        per_rank, rows = prompts.split(prompts.val.rows(index))
+        rollouts, _ = zip(*actor.call("generate", per_rank, num_returns=2, greedy=True))
+        scores = wait(reward=reward.call("score", list(rollouts), rows, step=step))["reward"]
+        sums = wait(reward=reward.call("score_sums"))["reward"]
+        total["count"] += sum(len(s) for s in scores)
+        total["reward"] += float(sum(s.sum() for s in scores))
+        total["task_score"] += sum(s["task_score"] for s in sums)
+    return {"eval/reward_mean": total["reward"] / total["count"],
+            "eval/score_mean": total["task_score"] / total["count"]}
+
+
+def export(models: dict[str, Any], output_dir: str, wait: Wait, step: int | None = None
+           ) -> Path:
+    """The actor (and, at the end, the critic) in Hugging Face format: ``hf/actor`` and
+    ``hf/critic``, or ``hf/step_<k>/actor`` during the run."""
+    root = Path(output_dir) / "hf" / (f"step_{step}" if step is not None else "")
+    roles = ("actor",) if step is not None else ("actor", "critic")
+    wait(**{role: models[role].call("export", directory=str(root / role)) for role in roles})
+    return root
+
+
+def check_inputs(cfg: Config) -> int:
+    """Every user file a run reads, read once before anything runs: the tokenizer, the prompt
+    files, the reward function. Returns the vocabulary the models must hold."""
+    from rlhf_paro.ppo import rewards
+
+    vocab_size = data.vocab_size(cfg)
+    if cfg.data.train_files is not None:
+        tokenizer = data.actor_tokenizer(cfg)
+        data.load_prompts(cfg, tokenizer)
+        if cfg.data.val_files is not None:
+            data.load_prompts(cfg, tokenizer, split="val")
+    elif cfg.reward.function is not None or cfg.reward.score_function is not None:
+        raise ConfigError("reward.function", "a reward function reads the prompts' text; "
+                                             "allowed: with data.train_files")
+    for key in ("function", "score_function"):
+        spec = getattr(cfg.reward, key)
+        if spec is not None:
+            rewards.load_function(spec, f"reward.{key}")
+    if cfg.trainer.eval_every and cfg.data.val_files is None:
+        raise ConfigError("trainer.eval_every", "evaluates on data.val_files, which is not set")
+    return vocab_size
