@@ -110,6 +110,10 @@ def _learning(ax, rows, steps, window) -> None:
     reward = _series(rows, "ppo/reward_mean")
     twin.plot(steps, reward, color="#e07b39", alpha=0.3, lw=1)
     twin.plot(steps, smooth(reward, window), color="#e07b39", lw=2.2, label="reward model score")
+    evaluated = _series(rows, "eval/reward_mean")
+    if np.isfinite(evaluated).any():
+        # Evaluation runs every trainer.eval_every steps: points, not a line through the gaps.
+        twin.plot(steps, evaluated, "o", color="#55a868", ms=4, label="eval reward (greedy)")
     twin.set_ylabel("reward model score", color="#e07b39")
     twin.spines["right"].set_visible(True)
     first, last = np.nanmean(score[:window]), np.nanmean(score[-window:])
