@@ -280,11 +280,12 @@ def saved_head(directory: str | Path) -> tuple[torch.Tensor, torch.Tensor | None
     directory = Path(directory).expanduser()
     found: dict[str, torch.Tensor] = {}
     for file in sorted(directory.glob("*.safetensors")):
+        own = file.name == VALUE_HEAD_FILE  # save_value_model's file: the head's own keys
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
                 parts = key.split(".")
-                if len(parts) >= 2 and parts[-2] in _HEAD_NAMES and \
-                        parts[-1] in ("weight", "bias"):
+                if parts[-1] in ("weight", "bias") and (
+                        own or len(parts) >= 2 and parts[-2] in _HEAD_NAMES):
                     found.setdefault(parts[-1], f.get_tensor(key).float())
     if "weight" not in found:
         return None

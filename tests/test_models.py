@@ -122,7 +122,7 @@ def test_models_load_from_a_local_directory(cfg, tmp_path):
     torch.testing.assert_close(again(ids, mask), reward(ids, mask))
     # A causal LM directory has no value head: fine for a critic, not for a reward model.
     build_model("critic", ModelConfig(path=str(tmp_path / "actor")), VOCAB)
-    with pytest.raises(ConfigError, match="reward.path: .*value_head"):
+    with pytest.raises(ConfigError, match="reward.path: .*no score head"):
         build_model("reward", ModelConfig(path=str(tmp_path / "actor")), VOCAB)
     # A directory whose weights are gone (what a worker finds, not the config check): one line.
     (tmp_path / "actor" / "model.safetensors").unlink()
