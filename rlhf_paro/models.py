@@ -102,7 +102,7 @@ def hf_config(role: str, model_cfg: ModelConfig, vocab_size: int) -> Any:
     return config
 
 
-def check_model_configs(cfg: Config, vocab_size: int) -> None:
+def check_model_configs(cfg: Config, vocab_sizes: dict[str, int]) -> None:
     """Raise ``ConfigError`` for a model section of any role that transformers rejects (run it
     before anything is written). Each distinct inline config is also built on the meta device
     (no memory, a fraction of a second): some values, an unknown activation for one, only fail
@@ -112,7 +112,7 @@ def check_model_configs(cfg: Config, vocab_size: int) -> None:
         model_cfg = cfg.model(role)
         if model_cfg.function is not None:
             continue
-        config = hf_config(role, model_cfg, vocab_size)
+        config = hf_config(role, model_cfg, vocab_sizes[role])
         if role == "reward" and model_cfg.path is not None:
             check_reward_directory(model_cfg.path, config)
         if model_cfg.config is None or model_cfg.config in built:

@@ -151,14 +151,15 @@ def _search(models: dict[str, ModelPlan], budget: float, fixed: dict[str, Strate
     return best, fits
 
 
-def make_plan(cfg: Config, vocab_size: int | None = None,
+def make_plan(cfg: Config, vocab_sizes: dict[str, int] | None = None,
               fixed: dict[str, Strategy] | None = None) -> Plan:
-    """Plan all four models; ``fixed`` pins the strategies of some of them."""
-    if vocab_size is None:
-        from rlhf_paro.ppo.data import vocab_size as actor_vocab_size
+    """Plan all four models; ``fixed`` pins the strategies of some of them; ``vocab_sizes``:
+    ``ppo.data.vocab_sizes`` (read here when not given)."""
+    if vocab_sizes is None:
+        from rlhf_paro.ppo.data import vocab_sizes as read_vocab_sizes
 
-        vocab_size = actor_vocab_size(cfg)
-    models = {role: model_plan(cfg, role, vocab_size) for role in ROLES}
+        vocab_sizes = read_vocab_sizes(cfg)
+    models = {role: model_plan(cfg, role, vocab_sizes[role]) for role in ROLES}
     budget = _budget(cfg)
     best, fits = _search(models, budget, fixed or {})
     return Plan(models, budget, best, fits)
@@ -170,7 +171,8 @@ def configured_strategies(cfg: Config) -> dict[str, Strategy]:
             for role in ROLES if cfg.model(role).strategy != "auto"}
 
 
-def choose_strategies(cfg: Config, vocab_size: int | None = None) -> dict[str, Strategy]:
+def choose_strategies(cfg: Config, vocab_sizes: dict[str, int] | None = None
+                      ) -> dict[str, Strategy]:
     """A strategy for every role: the conf's where it sets one, the planner's for ``auto``.
 
     The ``auto`` roles get the lowest estimated traffic time such that all four models fit in
@@ -179,7 +181,7 @@ def choose_strategies(cfg: Config, vocab_size: int | None = None) -> dict[str, S
     fixed = configured_strategies(cfg)
     if len(fixed) == len(ROLES):
         return fixed
-    plan = make_plan(cfg, vocab_size, fixed)
+    plan = make_plan(cfg, vocab_sizes, fixed)
     if plan.best is None:
         auto = [r for r in ROLES if r not in fixed]
         raise ConfigError(f"{auto[0]}.strategy", "auto found no strategy with which all four "
@@ -188,9 +190,9 @@ def choose_strategies(cfg: Config, vocab_size: int | None = None) -> dict[str, S
     return {role: plan.best[role].strategy for role in ROLES}
 
 
-def resolve_auto(cfg: Config, vocab_size: int | None = None) -> Config:
+def resolve_auto(cfg: Config, vocab_sizes: dict[str, int] | None = None) -> Config:
     """``cfg`` with every ``auto`` strategy replaced by the planner's choice."""
-    chosen = choose_strategies(cfg, vocab_size)
+    chosen = choose_strategies(cfg, vocab_sizes)
     resolved = dataclasses.replace(cfg)
     for role in ROLES:
         setattr(resolved, role, dataclasses.replace(cfg.model(role), strategy=chosen[role].name))
@@ -285,9 +287,9 @@ _ABOUT = __doc__.split("\n\n")[0]
 
 def _check_models(cfg: Config, conf: str) -> Config:
     from rlhf_paro.models import check_model_configs
-    from rlhf_paro.ppo.task import task_from_config
+    from rlhf_paro.ppo.data import vocab_sizes
 
-    check_model_configs(cfg, task_from_config(cfg).tokenizer.vocab_size)
+    check_model_configs(cfg, vocab_sizes(cfg))
     return cfg
 
 

@@ -106,12 +106,18 @@ def export(models: dict[str, Any], output_dir: str, wait: Wait, step: int | None
     return root
 
 
-def check_inputs(cfg: Config) -> int:
-    """Every user file a run reads, read once before anything runs: the tokenizer, the prompt
-    files, the reward function. Returns the vocabulary the models must hold."""
+def check_inputs(cfg: Config) -> dict[str, int]:
+    """Every user file a run reads, read once before anything runs: the tokenizers, the prompt
+    files, the reward function. Returns the vocabulary each model must hold."""
     from rlhf_paro.ppo import rewards
 
-    vocab_size = data.vocab_size(cfg)
+    vocab_sizes = data.vocab_sizes(cfg)
+    if cfg.critic.path is not None and cfg.critic.path == cfg.reward.path and \
+            data.reward_tokenizer(cfg) is not None:
+        # The critic reads the actor's token ids; a reward model of another tokenizer cannot.
+        raise ConfigError("critic.path", f"{cfg.critic.path!r} is the reward model, whose "
+                                         "tokenizer differs from the actor's; allowed: a model "
+                                         "of the actor's tokenizer, such as actor.path")
     if cfg.data.train_files is not None:
         tokenizer = data.actor_tokenizer(cfg)
         data.load_prompts(cfg, tokenizer)
@@ -126,4 +132,4 @@ def check_inputs(cfg: Config) -> int:
             rewards.load_function(spec, f"reward.{key}")
     if cfg.trainer.eval_every and cfg.data.val_files is None:
         raise ConfigError("trainer.eval_every", "evaluates on data.val_files, which is not set")
-    return vocab_size
+    return vocab_sizes

@@ -27,9 +27,9 @@ def prepare(cfg: Config, conf: str) -> Config:
     # Everything below needs transformers; a bad command line has failed before it.
     from rlhf_paro import models, plan, runs
 
-    vocab_size = runs.check_inputs(cfg)
-    models.check_model_configs(cfg, vocab_size)
-    return plan.resolve_auto(cfg, vocab_size)
+    vocab_sizes = runs.check_inputs(cfg)
+    models.check_model_configs(cfg, vocab_sizes)
+    return plan.resolve_auto(cfg, vocab_sizes)
 
 
 def run(cfg: Config, argv: list[str]) -> None:

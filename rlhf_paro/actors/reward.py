@@ -30,13 +30,10 @@ class RewardWorker(Worker):
         score_spec = self.model_cfg.score_function
         self.score_function = (rewards.load_function(score_spec, "reward.score_function")
                                if score_spec else None)
-        self.reward_tokenizer = None  # the reward model's own, when it differs from the actor's
-        if files and self.function is None:
-            own = data.load_tokenizer(self.model_cfg.path, self.model_cfg.trust_remote_code,
-                                      "reward.path")
-            if own.get_vocab() != self.tokenizer.get_vocab():
-                own.padding_side = "right"
-                self.reward_tokenizer = own
+        # The reward model's own tokenizer, when it differs from the actor's.
+        self.reward_tokenizer = data.reward_tokenizer(self.cfg) if files else None
+        if self.reward_tokenizer is not None:
+            self.reward_tokenizer.padding_side = "right"
         self._score_sums = {"count": 0.0, "task_score": 0.0}
 
     def setup(self, master_addr: str, master_port: int) -> None:

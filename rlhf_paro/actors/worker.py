@@ -94,7 +94,7 @@ class Worker:
         return os.getpid()
 
     def build_model(self) -> torch.nn.Module:
-        vocab_size = data.vocab_size(self.cfg)
+        vocab_size = data.vocab_sizes(self.cfg)[self.role]
         return models.build_model(self.role, self.model_cfg, vocab_size, seed=self.cfg.trainer.seed)
 
     def shard_options(self) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from rlhf_paro.config import Config, ConfigError, data_files
+from rlhf_paro.config import ROLES, Config, ConfigError, data_files
 
 
 def tokenizer_dir(cfg: Config) -> str | None:
@@ -59,13 +59,36 @@ def actor_tokenizer(cfg: Config) -> Any:
     return load_tokenizer(tokenizer_dir(cfg), cfg.actor.trust_remote_code, key)
 
 
-def vocab_size(cfg: Config) -> int:
-    """Token ids the actor's embedding must hold: the tokenizer's, or the task's."""
+# Files by which a model directory carries its own tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def reward_tokenizer(cfg: Config) -> Any | None:
+    """The reward model's own tokenizer when it differs from the actor's (rollouts are then
+    decoded and encoded again), else None: the reward reads the actor's token ids."""
+    reward = cfg.reward
+    if reward.path is None or reward.function is not None or tokenizer_dir(cfg) is None:
+        return None
+    if not any((Path(reward.path).expanduser() / f).is_file() for f in TOKENIZER_FILES):
+        return None  # a directory without a tokenizer is read with the actor's
+    own = load_tokenizer(reward.path, reward.trust_remote_code, "reward.path")
+    return None if own.get_vocab() == actor_tokenizer(cfg).get_vocab() else own
+
+
+def vocab_sizes(cfg: Config) -> dict[str, int]:
+    """Token ids each model's embedding must hold: the actor tokenizer's (or the task's), except
+    for a reward model that reads its own tokenizer's."""
     if tokenizer_dir(cfg) is None:
         from rlhf_paro.ppo.task import task_from_config
 
-        return task_from_config(cfg).tokenizer.vocab_size
-    return len(actor_tokenizer(cfg))
+        size = task_from_config(cfg).tokenizer.vocab_size
+    else:
+        size = len(actor_tokenizer(cfg))
+    sizes = dict.fromkeys(ROLES, size)
+    own = reward_tokenizer(cfg)
+    if own is not None:
+        sizes["reward"] = len(own)
+    return sizes
 
 
 @dataclass

@@ -7,6 +7,8 @@ no pad token) scored by a Llama sequence classifier of another tokenizer, export
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import ray
 import torch
@@ -72,7 +74,7 @@ def test_llama_with_chat_prompts_a_reward_function_and_evaluation(runs):
         assert row["ppo/task_score"] == pytest.approx(row["ppo/reward_mean"])
         assert 0.0 <= row["eval/reward_mean"] <= 1.0 and "eval/score_mean" in row
     assert abs(rows[0]["ppo/kl"]) < 1e-4  # ref is the actor's path: the first KL is zero
-    assert (cfg.trainer.output_dir + "/hf/actor/model.safetensors")
+    assert Path(cfg.trainer.output_dir, "hf", "actor", "model.safetensors").is_file()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     AutoModelForCausalLM.from_pretrained(cfg.trainer.output_dir + "/hf/actor")
@@ -80,7 +82,6 @@ def test_llama_with_chat_prompts_a_reward_function_and_evaluation(runs):
 
 
 def test_gpt2_scored_by_a_classifier_of_another_tokenizer_and_exported_every_step(runs):
-    from pathlib import Path
 
     from transformers import AutoModelForCausalLM
 

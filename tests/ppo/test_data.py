@@ -76,6 +76,7 @@ def test_long_prompts_are_skipped_and_counted(assets, capsys):
     ("not_a_classifier", "reward.path"),
     ("bad_function", "reward.function"),
     ("file_and_function", "reward.function"),
+    ("critic_of_another_tokenizer", "critic.path"),
 ])
 def test_bad_input_is_one_line_naming_the_key(assets, tmp_path, mistake, key):
     from rlhf_paro import runs
@@ -96,6 +97,9 @@ def test_bad_input_is_one_line_naming_the_key(assets, tmp_path, mistake, key):
         "bad_function": [f"reward.function={assets['fns']}:nope"],
         "file_and_function": [f"reward.function={assets['fns']}:length",
                               f"reward.path={assets['rm']}"],
+        # The critic defaults to the reward model, which reads another tokenizer's ids.
+        "critic_of_another_tokenizer": [f"actor.path={assets['gpt2']}",
+                                        f"reward.path={assets['rm']}"],
     }[mistake]
     with pytest.raises(ConfigError) as info:
         cfg = config(assets, *argv)
