@@ -26,6 +26,7 @@ that need transformers (an inline model config) live in ``rlhf_paro.models``.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import dataclasses
 import difflib
@@ -365,12 +366,26 @@ class LoggerConfig:
     progress: bool = True  # console progress bar (off for plain logs, e.g. in CI)
 
 
+def _demo_model() -> dict[str, Any]:
+    return {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+            "max_position_embeddings": 64}
+
+
 @dataclass
 class TaskConfig:
-    """The synthetic task (``rlhf_paro.ppo.task``) and the training of its reward model."""
+    """The synthetic counting task (``rlhf_paro.ppo.task``) and the default run's assets made
+    from it (``rlhf_paro.ppo.demo``, ``${demo:NAME}`` in a conf)."""
 
     num_symbols: int = 16  # the alphabet the counting task runs over
     prompt_len: int = 4  # prompt tokens, <bos> included
+    # Inline Hugging Face config of the demo's actor and reward model.
+    model: dict[str, Any] = field(default_factory=_demo_model)
+    sft_steps: int = 60  # supervised fine-tuning steps of the demo's actor
+    sft_batch_size: int = 64  # demonstrations per SFT step
+    sft_lr: float = 3e-3  # AdamW learning rate of the SFT
+    train_prompts: int = 2048  # rows of the demo's training prompt file
+    val_prompts: int = 64  # rows of its validation prompt file
     reward_pairs: int = 4096  # preference pairs to train the reward model on
     reward_eval_pairs: int = 512  # held-out pairs for its accuracy
     reward_steps: int = 300  # optimizer steps of the reward model's Bradley-Terry training
@@ -380,7 +395,8 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         for key in ("num_symbols", "reward_pairs", "reward_eval_pairs", "reward_steps",
-                    "reward_batch_size", "reward_lr"):
+                    "reward_batch_size", "reward_lr", "sft_steps", "sft_batch_size", "sft_lr",
+                    "train_prompts", "val_prompts"):
             _positive(key, getattr(self, key))
         if self.num_symbols < 2:
             raise ConfigError("num_symbols", f"must be at least 2, got {self.num_symbols}")
@@ -640,6 +656,10 @@ def _omegaconf_errors() -> Iterator[None]:
     try:
         yield
     except OmegaConfBaseException as err:
+        failed = _RESOLVER_ERROR.get()
+        if failed is not None:  # our resolver's own one-line error, which OmegaConf wraps
+            _RESOLVER_ERROR.set(None)
+            raise failed from None
         # The first line is the problem; OmegaConf adds the key and the object type below it.
         problem = str(err).splitlines()[0] if str(err) else type(err).__name__
         allowed = ("numbers, strings, booleans, null, lists and mappings"
@@ -686,7 +706,18 @@ def _read_conf(path: Path, chain: tuple[Path, ...] = ()) -> DictConfig:
             sibling = path.parent / f"{name}.yaml"
             base = sibling if sibling.is_file() else conf_path(str(name))
             merged = OmegaConf.merge(merged, _read_conf(base, chain + (path.resolve(),)))
+        # A conf's keys replace its defaults' competing keys, as the command line's do.
+        _drop_competing(merged, set(_dotted_keys(data)))
         return OmegaConf.merge(merged, OmegaConf.create(data))
+
+
+def _dotted_keys(data: dict[str, Any], prefix: str = "") -> Iterator[str]:
+    """Every key of nested mappings, dotted (``actor``, ``actor.path``, ...)."""
+    for key, value in data.items():
+        dotted = _join(prefix, str(key))
+        yield dotted
+        if isinstance(value, dict):
+            yield from _dotted_keys(value, dotted)
 
 
 class Override(NamedTuple):
@@ -788,12 +819,19 @@ def _apply(cfg: DictConfig, override: Override) -> None:
 def _drop_competing(cfg: DictConfig, given: set[str]) -> None:
     """A key given on the command line replaces the conf's keys that compete with it, so that a
     user's few keys are enough whatever the conf holds: a model's ``path`` drops its inline
-    ``config`` (and the reward's ``function``), ``reward.function`` drops the reward model, and
-    ``data.train_files`` drops the conf's ``data.val_files`` unless that is given too."""
+    ``config`` and the other way round (and the reward's ``function``), ``reward.function`` drops
+    the reward model, and ``data.train_files`` drops the conf's ``data.val_files`` (with the
+    evaluation on them) and ``reward.score_function`` (which reads the conf's prompts) unless
+    those are given too."""
     competing = {f"{role}.path": [f"{role}.config"] for role in ROLES}
+    competing.update({f"{role}.config": [f"{role}.path"] for role in ROLES})
     competing["reward.path"] += ["reward.function"]
     competing["reward.function"] = ["reward.path", "reward.config"]
-    competing["data.train_files"] = ["data.val_files"]
+    competing["data.train_files"] = ["data.val_files", "reward.score_function"]
+    # A key inside a model's inline config (actor.config.hidden_size) gives that config too.
+    given = given | {".".join(key.split(".")[:2]) for key in given
+                     if key.split(".")[1:2] == ["config"]}
+    dropped_keys = set()
     for key, dropped in competing.items():
         if key not in given:
             continue
@@ -802,6 +840,43 @@ def _drop_competing(cfg: DictConfig, given: set[str]) -> None:
             node = cfg.get(section)
             if other not in given and isinstance(node, DictConfig) and name in node:
                 del node[name]
+                dropped_keys.add(other)
+    trainer = cfg.get("trainer")
+    if "data.val_files" in dropped_keys and "trainer.eval_every" not in given and \
+            isinstance(trainer, DictConfig) and "eval_every" in trainer:
+        del trainer["eval_every"]  # nothing left to evaluate on
+
+
+# Set while ``compose`` resolves the finished conf: only then may ``${demo:NAME}`` make assets.
+# OmegaConf also evaluates an interpolation while merging a conf over it (with a root that is
+# not the final one), and that evaluation must not train models.
+_RESOLVING = contextvars.ContextVar("rlhf_paro_resolving", default=False)
+# The ConfigError ``${demo:NAME}`` raised, which OmegaConf reports wrapped in several lines.
+_RESOLVER_ERROR: contextvars.ContextVar[ConfigError | None] = contextvars.ContextVar(
+    "rlhf_paro_resolver_error", default=None)
+
+
+def _demo(name: str, *, _root_: DictConfig) -> str:
+    """``${demo:NAME}`` in a conf: the path of the default run's asset NAME (``ppo/demo.py``),
+    made on first use and cached; its cache key is the ``task`` section (and the response
+    length, ``ppo.max_new_tokens``)."""
+    if not _RESOLVING.get():
+        return f"<demo:{name}>"
+    from rlhf_paro.ppo import demo  # torch and transformers: only when a conf asks for the demo
+
+    try:
+        task = _build(TaskConfig, OmegaConf.to_container(_root_.get("task") or {}, resolve=True),
+                      "task")
+        ppo = _build(PPOConfig, OmegaConf.to_container(_root_.get("ppo") or {}, resolve=True),
+                     "ppo")
+        return demo.asset(name, task, ppo.max_new_tokens)
+    except ConfigError as err:
+        _RESOLVER_ERROR.set(err)
+        raise
+
+
+if not OmegaConf.has_resolver("demo"):
+    OmegaConf.register_new_resolver("demo", _demo)
 
 
 def compose(conf: str, overrides: list[Override]) -> dict[str, Any]:
@@ -811,7 +886,11 @@ def compose(conf: str, overrides: list[Override]) -> dict[str, Any]:
         _drop_competing(cfg, {override.key for override in overrides if override.op != "~"})
         for override in overrides:
             _apply(cfg, override)
-        return OmegaConf.to_container(cfg, resolve=True)
+        token = _RESOLVING.set(True)
+        try:
+            return OmegaConf.to_container(cfg, resolve=True)
+        finally:
+            _RESOLVING.reset(token)
 
 
 def load_config(argv: list[str]) -> Config:

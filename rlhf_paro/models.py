@@ -14,6 +14,7 @@ meta device: parameter counts and unit sizes without allocating a byte, for the 
 
 from __future__ import annotations
 
+import copy
 import difflib
 import os
 import re
@@ -314,6 +315,24 @@ def save_value_model(model: ValueModel, directory: str | Path) -> None:
     model.backbone.save_pretrained(directory)
     head = {k: v.detach().contiguous() for k, v in model.value_head.state_dict().items()}
     save_file(head, str(directory / VALUE_HEAD_FILE))
+
+
+def save_sequence_classifier(model: ValueModel, directory: str | Path, tokenizer: Any) -> None:
+    """A reward model as a Hugging Face ``*ForSequenceClassification`` with one label (what TRL
+    and OpenRLHF write), with its tokenizer: loadable with ``reward.path`` and by transformers.
+    The score head has no bias, so ``model``'s must be 0."""
+    if float(model.value_head.bias.abs().max()) != 0.0:
+        raise ValueError("a sequence classifier's score head has no bias; this one is not 0")
+    config = copy.deepcopy(model.backbone.config)
+    config.num_labels = 1
+    config.pad_token_id = tokenizer.pad_token_id
+    classifier = _transformers().AutoModelForSequenceClassification.from_config(config)
+    inner = {f"{classifier.base_model_prefix}.{k}": v
+             for k, v in model.backbone.state_dict().items()}
+    inner["score.weight"] = model.value_head.weight.detach()
+    classifier.load_state_dict(inner, strict=True)
+    classifier.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
 
 
 def build_model(role: str, model_cfg: ModelConfig, vocab_size: int, *, seed: int = 0,

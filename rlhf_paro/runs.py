@@ -112,13 +112,11 @@ def check_inputs(cfg: Config) -> dict[str, int]:
     from rlhf_paro.ppo import rewards
 
     vocab_sizes = data.vocab_sizes(cfg)
-    if cfg.critic.path is not None and cfg.critic.path == cfg.reward.path and \
-            data.reward_tokenizer(cfg) is not None:
-        # The critic reads the actor's token ids; a reward model of another tokenizer cannot.
-        raise ConfigError("critic.path", f"{cfg.critic.path!r} is the reward model, whose "
-                                         "tokenizer differs from the actor's; allowed: a model "
-                                         "of the actor's tokenizer, such as actor.path")
     if cfg.data.train_files is not None:
+        if data.tokenizer_dir(cfg) is None:
+            raise ConfigError("data.train_files", "prompt files are read with the actor's "
+                                                  "tokenizer, and an inline actor has none; "
+                                                  "allowed: with actor.path or actor.tokenizer")
         tokenizer = data.actor_tokenizer(cfg)
         data.load_prompts(cfg, tokenizer)
         if cfg.data.val_files is not None:

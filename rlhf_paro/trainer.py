@@ -41,7 +41,7 @@ from rlhf_paro.actors.reward import RewardWorker
 from rlhf_paro.config import RAY_ADDRESS_ALLOWED, ROLES, TRAINED_ROLES, Config, ConfigError
 from rlhf_paro.metrics import MetricsLogger, model_metrics
 from rlhf_paro.ppo import core
-from rlhf_paro.ppo.reward_model import reward_model_config
+from rlhf_paro.ppo.data import with_critic_default
 from rlhf_paro.ppo.rewards import RewardFunctionError
 from rlhf_paro.ppo.task import task_from_config
 
@@ -63,6 +63,7 @@ class PPOTrainer:
     """Places the four models on the devices and runs PPO steps."""
 
     def __init__(self, cfg: Config) -> None:
+        cfg = with_critic_default(cfg)
         num_devices, use_gpu = cfg.cluster.num_devices, cfg.cluster.device == "cuda"
         try:
             init_ray(cfg.ray.address, cfg.ray.num_cpus, num_devices)
@@ -71,8 +72,6 @@ class PPOTrainer:
         problem = missing_devices(num_devices, use_gpu)
         if problem:
             raise ConfigError("cluster.num_devices", problem)
-        # The reward model is trained here on first use (cached after), once, not by N ranks.
-        cfg = dataclasses.replace(cfg, reward=reward_model_config(cfg))
         self.cfg = cfg
         self.placement, bundles = make_placement_group(num_devices, use_gpu)
         self.models = {role: ModelGroup(WORKERS[role], role, cfg, self.placement, bundles,

@@ -16,6 +16,7 @@ import yaml
 from rlhf_paro import plan, train
 from rlhf_paro.cli import _leaves
 from rlhf_paro.config import load_config
+from tests.confs import INLINE
 
 
 @pytest.fixture
@@ -150,9 +151,9 @@ def test_every_bad_override_exits_2_with_one_line_and_writes_nothing(jobs, capsy
 
 @pytest.mark.parametrize("good", [
     [],
-    ["+actor.config.rms_norm_eps=1e-5", "~actor.config.num_key_value_heads"],
+    [*INLINE, "+actor.config.rms_norm_eps=1e-5", "~actor.config.num_key_value_heads"],
     ["~ppo.kl_coef", "ppo.mini_batch_size=${ppo.rollout_batch_size}"],
-    ["actor.config.hidden_act=gelu", "critic.strategy=zero3", "ref.strategy=IGG"],
+    [*INLINE, "actor.config.hidden_act=gelu", "critic.strategy=zero3", "ref.strategy=IGG"],
     ["actor.strategy=auto", "conf=ppo_tiny", "logger.wandb.tags=[a, b]", "logger.wandb.name=7"],
 ])
 def test_good_overrides_still_reach_the_run(jobs, capsys, good):

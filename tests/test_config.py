@@ -9,6 +9,7 @@ from rlhf_paro.config import (
     CONF_DIR, ConfigError, PPOConfig, available_confs, build_config, cli_errors, load_config,
     split_sweep,
 )
+from tests.confs import INLINE
 
 
 def error_of(argv):
@@ -24,8 +25,11 @@ def test_default_conf_is_ppo_tiny_with_four_strategies_on_two_groups_of_two():
     assert (cfg.cluster.num_devices, cfg.cluster.group_size, cfg.cluster.num_groups) == (4, 2, 2)
     assert [cfg.model(r).strategy for r in ("actor", "critic", "reward", "ref")] == \
         ["IGG", "NIG", "I", "G"]
-    # critic, reward and ref name no model: they inherit the actor's inline config.
-    assert cfg.ref.config == cfg.actor.config and cfg.ref.config is not cfg.actor.config
+    # ref names no model: it is the actor's (the demo's SFT); the critic starts from the reward.
+    assert cfg.ref.path == cfg.actor.path and cfg.critic.path == cfg.reward.path
+    inline = load_config(INLINE)  # without paths, the inline config is inherited, as a copy
+    assert inline.ref.config == inline.actor.config and inline.ref.config is not inline.actor.config
+    assert inline.critic.config == inline.actor.config == inline.reward.config
     # 32 sequences per step / 4 devices / 4 per micro-batch = 2 micro-batches.
     assert cfg.grad_accum_steps("actor") == 2
 
@@ -48,7 +52,7 @@ def test_overrides_parse_as_yaml_and_normalise_strategies():
 def test_ppo_tiny_gives_the_values_of_the_default_run():
     # The values the hand-written loader gave before configs moved onto OmegaConf.
     cfg = load_config(["conf=ppo_tiny"])
-    assert cfg.actor.config == {"model_type": "llama", "hidden_size": 64,
+    assert cfg.task.model == {"model_type": "llama", "hidden_size": 64,
                                 "intermediate_size": 128, "num_hidden_layers": 2,
                                 "num_attention_heads": 4, "num_key_value_heads": 4,
                                 "max_position_embeddings": 64}
@@ -75,7 +79,8 @@ def test_llama7b_builds_on_ppo_tiny():
 
 
 def test_add_delete_and_interpolate():
-    cfg = load_config(["+actor.config.rms_norm_eps=1e-5", "~actor.config.num_key_value_heads",
+    cfg = load_config([*INLINE, "+actor.config.rms_norm_eps=1e-5",
+                       "~actor.config.num_key_value_heads",
                        "~ppo.kl_coef", "ppo.mini_batch_size=${ppo.rollout_batch_size}",
                        "trainer.output_dir=runs/seed${trainer.seed}", "trainer.seed=3"])
     assert cfg.actor.config["rms_norm_eps"] == 1e-5
@@ -151,7 +156,7 @@ def test_nodes_and_gpus_per_node_define_the_cluster():
     (["cluster.num_devices.x=1"], "cluster.num_devices", "not a section"),
     (["+actor.strategy=IGG"], "actor.strategy", "allowed: actor.strategy=VALUE"),
     (["+actor.nosuch=1"], "actor.nosuch", "unknown key"),
-    (["+actor.config.hidden_size=3"], "actor.config.hidden_size", "already set to 64"),
+    ([*INLINE, "+actor.config.hidden_size=3"], "actor.config.hidden_size", "already set to 64"),
     (["~acter"], "acter", "did you mean actor?"),
     (["~actor.config.nope"], "actor.config.nope", "nothing to delete"),
     (["~actor.strategy=IGG"], "actor.strategy", "allowed: ~actor.strategy"),

@@ -10,13 +10,14 @@ from rlhf_paro.models import (
     build_model, count_parameters, hf_config, save_value_model,
 )
 from rlhf_paro.sharding.layout import unit_sizes
+from tests.confs import INLINE
 
 VOCAB = 19
 
 
 @pytest.fixture(scope="module")
 def cfg():
-    return load_config([])
+    return load_config(INLINE)
 
 
 def batch(seed=0, batch_size=3, length=10):

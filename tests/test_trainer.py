@@ -34,7 +34,8 @@ from rlhf_paro.metrics import read_jsonl
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 # The tiny job of tests/actors/test_ppo_job.py: one optimizer step per model per PPO step.
-SMALL = ["actor.config.hidden_size=32", "actor.config.intermediate_size=64",
+SMALL = ["task.model.hidden_size=32", "task.model.intermediate_size=64", "task.sft_steps=10",
+         "task.train_prompts=64", "task.val_prompts=8",
          "actor.micro_batch_size=1", "critic.micro_batch_size=1", "reward.micro_batch_size=2",
          "ref.micro_batch_size=1", "ppo.rollout_batch_size=8", "ppo.mini_batch_size=8",
          "ppo.ppo_epochs=1", "task.reward_pairs=256", "task.reward_eval_pairs=64",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,9 +30,12 @@ def load_function(spec: str, key: str = "reward.function") -> RewardFunction:
     path = Path(file).expanduser().resolve()
     module_spec = importlib.util.spec_from_file_location(f"rlhf_paro_user_{path.stem}", path)
     module = importlib.util.module_from_spec(module_spec)
+    # Registered before it runs, as an import would: a dataclass in the file looks itself up.
+    sys.modules[module_spec.name] = module
     try:
         module_spec.loader.exec_module(module)
     except Exception as err:  # the user's file, whatever it raises
+        del sys.modules[module_spec.name]
         raise ConfigError(key, f"{file} fails on import: {type(err).__name__}: {err}") from None
     fn = getattr(module, name, None)
     if not callable(fn):

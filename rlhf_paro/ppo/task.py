@@ -9,7 +9,8 @@ not ruin the rest. A random policy scores about 1/num_symbols; counting perfectl
 Each step depends only on the previous token, which is why tiny models learn it in a few dozen PPO
 steps, while the prompt still decides what the right answer is.
 
-The task's reward model, trained on its preference pairs, is made in ``ppo/reward_model.py``.
+The default run's assets made from the task (SFT'd actor, reward model, prompt files) are in
+``ppo/demo.py``.
 """
 
 from __future__ import annotations
@@ -156,6 +157,22 @@ def join(prompts: torch.Tensor, responses: torch.Tensor, mask: torch.Tensor | No
     input_ids = torch.cat([prompts, responses], dim=1)
     attention_mask = torch.cat([prompt_mask.long(), mask.long()], dim=1)
     return input_ids, attention_mask
+
+
+def counting_score(prompts: list[str], responses: list[str], num_symbols: list[int],
+                   response_len: list[int], **_: list) -> list[float]:
+    """``CountingTask.score`` on text, as a reward function (``reward.score_function``): the
+    demo's prompt files carry ``num_symbols`` and ``response_len`` as columns. A response is
+    decoded without special tokens, so it ends where the model's <eos> was."""
+    out = []
+    for prompt, response, n, length in zip(prompts, responses, num_symbols, response_len):
+        symbols = SymbolTokenizer(n).symbols
+        index = {s: k for k, s in enumerate(symbols)}
+        words = prompt.split()[-1:] + response.split()
+        correct = sum(1 for prev, cur in zip(words, words[1:])
+                      if prev in index and cur == symbols[(index[prev] + 1) % n])
+        out.append(correct / length)
+    return out
 
 
 def task_from_config(cfg: Config) -> CountingTask:

@@ -32,7 +32,8 @@ def job(tmp_path_factory):
     cfg = load_config([
         f"cluster.num_devices={N}", f"cluster.group_size={M}",
         *(f"{role}.strategy={s}" for role, s in STRATEGIES.items()),
-        "actor.config.hidden_size=32", "actor.config.intermediate_size=64",
+        "task.model.hidden_size=32", "task.model.intermediate_size=64", "task.sft_steps=10",
+        "task.train_prompts=64", "task.val_prompts=8",
         "actor.micro_batch_size=1", "critic.micro_batch_size=1",
         "reward.micro_batch_size=2", "ref.micro_batch_size=1",
         "ppo.rollout_batch_size=8", "ppo.mini_batch_size=8", "ppo.ppo_epochs=1",

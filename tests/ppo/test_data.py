@@ -76,7 +76,7 @@ def test_long_prompts_are_skipped_and_counted(assets, capsys):
     ("not_a_classifier", "reward.path"),
     ("bad_function", "reward.function"),
     ("file_and_function", "reward.function"),
-    ("critic_of_another_tokenizer", "critic.path"),
+    ("files_without_tokenizer", "data.train_files"),
 ])
 def test_bad_input_is_one_line_naming_the_key(assets, tmp_path, mistake, key):
     from rlhf_paro import runs
@@ -97,9 +97,7 @@ def test_bad_input_is_one_line_naming_the_key(assets, tmp_path, mistake, key):
         "bad_function": [f"reward.function={assets['fns']}:nope"],
         "file_and_function": [f"reward.function={assets['fns']}:length",
                               f"reward.path={assets['rm']}"],
-        # The critic defaults to the reward model, which reads another tokenizer's ids.
-        "critic_of_another_tokenizer": [f"actor.path={assets['gpt2']}",
-                                        f"reward.path={assets['rm']}"],
+        "files_without_tokenizer": ["actor.config={hidden_size: 32}"],
     }[mistake]
     with pytest.raises(ConfigError) as info:
         cfg = config(assets, *argv)
@@ -118,6 +116,11 @@ def test_command_line_keys_replace_the_confs_competing_keys(assets, tmp_path):
     assert cfg.reward.function is None and cfg.data.val_files is None
     # The critic starts from the reward model, whose score head starts the value head.
     assert cfg.critic.path == str(assets["rm"])
+    # A reward model of another tokenizer than the actor's: the critic starts from the actor.
+    cfg = load_config([f"conf={conf}", f"actor.path={assets['gpt2']}",
+                       f"reward.path={assets['rm']}"])
+    assert cfg.critic.path == str(assets["rm"])
+    assert data.with_critic_default(cfg).critic.path == str(assets["gpt2"])
     cfg = load_config([f"conf={conf}", f"actor.path={assets['llama']}"])
     assert cfg.reward.function.endswith(":length") and cfg.critic.path == str(assets["llama"])
     cfg = load_config([f"actor.path={assets['llama']}",

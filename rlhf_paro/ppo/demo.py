@@ -1,0 +1,280 @@
+"""The default run's assets, made the way a user would bring theirs, on first use, then cached.
+
+``conf/ppo_tiny.yaml`` points at them through the keys a user sets (``${demo:NAME}``, resolved by
+``config.py``):
+
+- ``actor`` (``actor.path``): a Hugging Face Llama directory (``task.model``) with a real
+  ``tokenizers`` word-level tokenizer over the task's symbols, saved by ``save_pretrained``. The
+  weights are a short supervised fine-tune (``task.sft_steps``) on demonstrations of mixed skill
+  (``CountingTask.sample_responses``), so the policy counts some of the time: a reference worth
+  a KL penalty, with room for PPO to improve on.
+- ``reward`` (``reward.path``): a Hugging Face ``*ForSequenceClassification`` directory with one
+  label: the same architecture trained with the Bradley-Terry loss on preference pairs that
+  the task's score labels (``task.reward_*``).
+- ``train`` and ``val`` (``data.train_files``, ``data.val_files``): prompt files in jsonl, one
+  ``prompt`` column of symbols and the columns the score function reads.
+- ``score`` (``reward.score_function``): the counting score as a reward function,
+  ``ppo/task.py:counting_score``, logged but never trained on.
+
+The cache key is everything that determines the assets; a directory appears whole or not at all
+(built under a scratch name, then renamed), so a crash or two runs at once leave nothing half
+written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rlhf_paro.config import ConfigError, ModelConfig, TaskConfig
+from rlhf_paro.models import build_causal_lm, build_value_model, count_parameters
+from rlhf_paro.ppo import task as task_module
+from rlhf_paro.ppo.task import CountingTask, PreferencePairs, SymbolTokenizer, join
+
+# Bumped when the task, the data or a training recipe change, so stale caches are not reused.
+_RECIPE_VERSION = 2
+
+ASSETS = ("actor", "reward", "train", "val", "score")
+
+# The counting score as ``reward.score_function`` names it.
+SCORE_FUNCTION = f"{Path(task_module.__file__).resolve()}:counting_score"
+
+# Training in-process is meant for small models; a big demo model would take hours on a CPU.
+MAX_DEMO_PARAMS = 50_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class Demo:
+    root: Path  # the cache entry: actor/, reward/, train.jsonl, val.jsonl, meta.json
+    meta: dict[str, Any]  # what was measured when it was made: accuracies and scores
+
+    def path(self, name: str) -> str:
+        if name == "score":
+            return SCORE_FUNCTION
+        return str(self.root / {"train": "train.jsonl", "val": "val.jsonl"}.get(name, name))
+
+
+def cache_root(task: TaskConfig) -> Path:
+    return Path(task.cache_dir or Path.home() / ".cache" / "rlhf_paro").expanduser()
+
+
+def cache_key(task: TaskConfig, response_len: int) -> str:
+    """Hash of everything that determines the assets."""
+    spec = dataclasses.asdict(task)
+    spec.pop("cache_dir")
+    spec.update(version=_RECIPE_VERSION, response_len=response_len)
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def asset(name: str, task: TaskConfig, response_len: int) -> str:
+    """The path of one asset (``ASSETS``), made first if the cache has none."""
+    if name not in ASSETS:
+        raise ConfigError("demo", f"no asset {name!r}; allowed: {', '.join(ASSETS)}")
+    if name == "score":
+        return SCORE_FUNCTION
+    return make(task, response_len).path(name)
+
+
+def make(task: TaskConfig, response_len: int) -> Demo:
+    """The demo's cache entry, made now if missing (a minute or less with the defaults)."""
+    target = cache_root(task) / f"demo-{cache_key(task, response_len)}"
+    meta_file = target / "meta.json"
+    if meta_file.is_file():
+        return Demo(target, json.loads(meta_file.read_text()))
+    counting = CountingTask(task.num_symbols, task.prompt_len, response_len)
+    model_cfg = ModelConfig(config=dict(task.model))
+    vocab_size = len(_tokenizer_vocab(counting))
+    try:
+        num_params, _ = count_parameters("actor", model_cfg, vocab_size)
+    except ConfigError as err:  # transformers' verdict on task.model, keyed by where it is set
+        raise ConfigError(err.key.replace("actor.config", "task.model", 1), err.problem) from None
+    if num_params > MAX_DEMO_PARAMS:
+        raise ConfigError("task.model", f"the demo's models are trained in-process only up to "
+                          f"{MAX_DEMO_PARAMS:,} parameters (this one has {num_params:,}); "
+                          "allowed: a smaller task.model, or your own actor.path and reward.path")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    threads = torch.get_num_threads()
+    # One thread: on a small shared CPU, threads fighting over cores make tiny matmuls 10x slower.
+    torch.set_num_threads(1)
+    try:
+        _transformers_quiet()
+        tokenizer = make_tokenizer(counting)
+        _say(f"making the demo's assets in {target} (once; cached after)")
+        meta = {"key": target.name}
+        meta.update(_sft_actor(task, counting, model_cfg, vocab_size, tokenizer, scratch / "actor"))
+        meta.update(_reward_model(task, counting, model_cfg, vocab_size, tokenizer,
+                                  scratch / "reward"))
+        _write_prompts(scratch / "train.jsonl", counting, task.train_prompts, seed=11)
+        _write_prompts(scratch / "val.jsonl", counting, task.val_prompts, seed=12)
+        (scratch / "meta.json").write_text(json.dumps(meta, indent=1))
+        os.replace(scratch, target)
+    except OSError:
+        # Another process put the same demo in place first; theirs is as good as ours.
+        shutil.rmtree(scratch, ignore_errors=True)
+        if not meta_file.is_file():
+            raise
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    finally:
+        torch.set_num_threads(threads)
+    return Demo(target, json.loads(meta_file.read_text()))
+
+
+def _transformers_quiet() -> None:
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # our own lines say what is happening
+
+
+def _say(text: str) -> None:
+    # stderr: `--cfg job` prints the config on stdout, and this must not mix into it.
+    print(f"demo: {text}", file=sys.stderr, flush=True)
+
+
+# -- tokenizer ---------------------------------------------------------------------------------
+
+def _tokenizer_vocab(counting: CountingTask) -> dict[str, int]:
+    # The task's own ids (<pad> 0, <bos> 1, <eos> 2, then the symbols), so the task's score on
+    # ids and the tokenizer agree; <unk> last, which the task never produces.
+    vocab = list(counting.tokenizer.vocab)
+    return {token: i for i, token in enumerate([*vocab, "<unk>"])}
+
+
+def make_tokenizer(counting: CountingTask) -> Any:
+    """A ``tokenizers`` word-level tokenizer over the task's symbols: ``"f g h"`` encodes to
+    ``<bos> f g h``; pad, bos and eos as the task's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab=_tokenizer_vocab(counting), unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    bos = SymbolTokenizer.bos_token
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, SymbolTokenizer.bos_token_id)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos,
+                                   eos_token=SymbolTokenizer.eos_token,
+                                   pad_token=SymbolTokenizer.pad_token, unk_token="<unk>")
+
+
+# -- the SFT'd actor ---------------------------------------------------------------------------
+
+def _sft_actor(task: TaskConfig, counting: CountingTask, model_cfg: ModelConfig,
+               vocab_size: int, tokenizer: Any, directory: Path) -> dict[str, float]:
+    """Next-token cross-entropy on the responses of mixed-skill demonstrations."""
+    model = build_causal_lm(model_cfg, vocab_size, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=task.sft_lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(21)
+    model.train()
+    for step in range(task.sft_steps):
+        prompts = counting.sample_prompts(task.sft_batch_size, generator)
+        responses = counting.sample_responses(prompts, generator)
+        ids, mask = join(prompts, responses)
+        response_mask = mask[:, -responses.shape[1]:].float()
+        logp = model(ids, mask, response_len=responses.shape[1])
+        loss = -(logp * response_mask).sum() / response_mask.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if (step + 1) % max(task.sft_steps // 4, 1) == 0:
+            _say(f"SFT of the actor: step {step + 1}/{task.sft_steps}, loss {loss.item():.3f}")
+    model.eval()
+    score = _sampled_score(model, counting, generator)
+    model.lm.generation_config.pad_token_id = SymbolTokenizer.pad_token_id
+    model.lm.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    return {"sft_steps": task.sft_steps, "sft_sampled_score": score}
+
+
+@torch.no_grad()
+def _sampled_score(model: torch.nn.Module, counting: CountingTask,
+                  generator: torch.Generator) -> float:
+    """Mean task score of sampled responses to 256 prompts: how well the SFT policy counts."""
+    prompts = counting.sample_prompts(256, generator)
+    out = model.generate(prompts, torch.ones_like(prompts), do_sample=True, top_k=0,
+                         max_new_tokens=counting.response_len,
+                         eos_token_id=SymbolTokenizer.eos_token_id,
+                         pad_token_id=SymbolTokenizer.pad_token_id)
+    responses = out[:, prompts.shape[1]:]
+    return float(counting.score(prompts, responses).mean())
+
+
+# -- the reward model --------------------------------------------------------------------------
+
+def _score_pairs(model: torch.nn.Module, pairs: PreferencePairs) -> tuple[torch.Tensor, ...]:
+    """(chosen scores, rejected scores), both sides in one forward."""
+    prompts = torch.cat([pairs.prompts, pairs.prompts])
+    scores = model(*join(prompts, torch.cat([pairs.chosen, pairs.rejected])))
+    return scores.chunk(2)
+
+
+def pairwise_accuracy(model: torch.nn.Module, pairs: PreferencePairs, batch: int = 256) -> float:
+    """Fraction of pairs in which the model scores the chosen response above the rejected one."""
+    wins = 0
+    with torch.no_grad():
+        for start in range(0, pairs.prompts.shape[0], batch):
+            part = PreferencePairs(*(x[start:start + batch] for x in dataclasses.astuple(pairs)))
+            chosen, rejected = _score_pairs(model, part)
+            wins += int((chosen > rejected).sum())
+    return wins / pairs.prompts.shape[0]
+
+
+def held_out_pairs(task: TaskConfig, counting: CountingTask) -> PreferencePairs:
+    return counting.preference_pairs(task.reward_eval_pairs, seed=2)
+
+
+def _reward_model(task: TaskConfig, counting: CountingTask, model_cfg: ModelConfig,
+                  vocab_size: int, tokenizer: Any, directory: Path) -> dict[str, float]:
+    """Bradley-Terry on preference pairs labelled by the task's score, saved as a Hugging Face
+    sequence classifier with one label."""
+    from rlhf_paro.models import save_sequence_classifier
+
+    train = counting.preference_pairs(task.reward_pairs, seed=1)
+    model = build_value_model(model_cfg, vocab_size, role="reward", per_token=False, seed=0)
+    # The loss sees only score differences, so the head's bias keeps its initial 0 and the
+    # classifier's bias-free score head holds the model exactly.
+    model.value_head.bias.requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                  lr=task.reward_lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(3)
+    model.train()
+    for step in range(task.reward_steps):
+        index = torch.randint(0, task.reward_pairs, (task.reward_batch_size,),
+                              generator=generator)
+        chosen, rejected = _score_pairs(model, PreferencePairs(
+            train.prompts[index], train.chosen[index], train.rejected[index]))
+        loss = -F.logsigmoid(chosen - rejected).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if (step + 1) % max(task.reward_steps // 4, 1) == 0:
+            _say(f"reward model: step {step + 1}/{task.reward_steps}, loss {loss.item():.3f}")
+    model.eval()
+    accuracy = pairwise_accuracy(model, held_out_pairs(task, counting))
+    save_sequence_classifier(model, directory, tokenizer)
+    return {"reward_steps": task.reward_steps, "reward_accuracy": accuracy}
+
+
+# -- prompt files ------------------------------------------------------------------------------
+
+def _write_prompts(file: Path, counting: CountingTask, num: int, seed: int) -> None:
+    """``num`` prompts as text (``<bos>`` is the tokenizer's to add), with the columns
+    ``counting_score`` reads."""
+    prompts = counting.sample_prompts(num, torch.Generator().manual_seed(seed))
+    tokenizer = counting.tokenizer
+    with open(file, "w") as f:
+        for row in prompts:
+            f.write(json.dumps({"prompt": tokenizer.decode(row[1:]),
+                                "num_symbols": counting.num_symbols,
+                                "response_len": counting.response_len}) + "\n")
