@@ -97,7 +97,7 @@ def test_bad_input_is_one_line_naming_the_key(assets, tmp_path, mistake, key):
         "bad_function": [f"reward.function={assets['fns']}:nope"],
         "file_and_function": [f"reward.function={assets['fns']}:length",
                               f"reward.path={assets['rm']}"],
-        "files_without_tokenizer": ["actor.config={hidden_size: 32}"],
+        "files_without_tokenizer": ["actor.path=null", "actor.config={hidden_size: 32}"],
     }[mistake]
     with pytest.raises(ConfigError) as info:
         cfg = config(assets, *argv)
