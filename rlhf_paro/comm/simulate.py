@@ -120,11 +120,15 @@ def _step_loads(name: str, op: str, nodes: int, gpus_per_node: int,
     algo = _algorithm(name, num_pieces)
     c = num_pieces  # a whole number of elements per piece, so every load is exact
     per_rank = [algo.steps(op, topo.with_rank(r), c) for r in range(topo.num_ranks)]
-    return tuple(
-        frozenset((sent.intra / c, sent.inter / c)
-                  for r, steps in enumerate(per_rank)
-                  for sent in [step_bytes(steps[k], r, gpus_per_node, 1)])
-        for k in range(len(per_rank[0])))
+    out = []
+    for k in range(len(per_rank[0])):
+        loads = {(sent.intra / c, sent.inter / c) for r, steps in enumerate(per_rank)
+                 for sent in [step_bytes(steps[k], r, gpus_per_node, 1)]}
+        # A rank that sends no more than another on either port never decides the step.
+        out.append(frozenset(x for x in loads
+                             if not any(y != x and y[0] >= x[0] and y[1] >= x[1]
+                                        for y in loads)))
+    return tuple(out)
 
 
 def _ring_seconds(steps: int, size: float, lat: float, bw: float) -> float:
