@@ -44,8 +44,8 @@ from rlhf_paro.comm.topology import Topology
 from rlhf_paro.config import ModelConfig
 from rlhf_paro.models import build_model
 from rlhf_paro.sharding.layout import unit_sizes
-from rlhf_paro.sharding.steptime import Machine, Workload, peak_memory, step_time, \
-    transformer_workload
+from rlhf_paro.sharding.steptime import Machine, Workload, max_micro_batch, peak_memory, \
+    step_time, transformer_workload
 from rlhf_paro.sharding.strategy import Strategy, all_strategies
 
 GIB = 2 ** 30
@@ -193,10 +193,14 @@ def fit(paper: Paper) -> tuple[Links, float, float]:
     return links, flops, math.sqrt(best[0] / len(paper.residuals(best[1])))
 
 
+def budget() -> float:
+    return MEMORY_GIB * GIB * (1 - RESERVE)
+
+
 def fits(paper: Paper, model: str, strategy: str, n: int) -> bool:
     peak = peak_memory(Strategy.parse(strategy), paper.workloads[model],
                        Topology(n, GPUS_PER_NODE), MICRO_BATCH).train
-    return peak <= MEMORY_GIB * GIB * (1 - RESERVE)
+    return peak <= budget()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,13 +244,28 @@ def main(argv: list[str] | None = None) -> int:
     agree = all(fits(paper, "65b", name, 128) == ok for name, ok in PAPER_65B_FITS.items())
     print(f"oom pattern 65b 128 against the paper's runs ({', '.join(PAPER_65B_FITS)}): "
           f"{'exact' if agree else 'DIFFERS'}")
+    per_step = MICRO_BATCH * NUM_MICRO
+    print(f"plan: the three fastest strategies that fit, in seconds per step of {per_step} "
+          "sequences per GPU: total (compute + exposed communication)")
+    sizes = [b for b in range(MICRO_BATCH, per_step + 1) if per_step % b == 0]
     for model in LLAMA:
         for n in (32, 128):
-            times = sorted((paper.seconds(model, s.name, n, links, flops, comm), s.name)
-                           for s in all_strategies() if fits(paper, model, s.name, n))
-            ranked = ", ".join(f"{name} {t:.0f} s" for t, name in times[:4])
-            print(f"plan {model} {n} (comm {comm}): {ranked} per step of "
-                  f"{MICRO_BATCH * NUM_MICRO} sequences per GPU")
+            topo, m = Topology(n, GPUS_PER_NODE), Machine(links, flops)
+            for grow in (False, True):
+                ranked = []
+                for s in all_strategies():
+                    b = max_micro_batch(s, paper.workloads[model], topo, budget(),
+                                        sizes if grow else [MICRO_BATCH])
+                    if b is not None:
+                        t = step_time(s, paper.workloads[model], topo, m, b, per_step // b,
+                                      comm)
+                        ranked.append((t.total, s.name, b, t))
+                ranked.sort()
+                cells = ", ".join(f"{name}{f' b={b}' if grow else ''} {t:.0f} s "
+                                  f"({st.compute:.0f} + {st.exposed:.0f})"
+                                  for t, name, b, st in ranked[:3])
+                what = f"micro-batch up to {per_step}" if grow else f"micro-batch {MICRO_BATCH}"
+                print(f"plan {model} {n} ({what}): {cells}")
     return 0
 
 
