@@ -427,7 +427,7 @@ def format_plan(cfg: Config, plan: Plan) -> str:
                          f"{t.seconds:9.4g} {t.compute:8.3g} {t.exposed:8.3g}  {marks}")
         if model.kv_cache_bytes:
             lines.append(f"  generation also holds a key/value cache of "
-                         f"{model.kv_cache_bytes / GIB:.1f} GiB for the device's "
+                         f"{model.kv_cache_bytes / mem_scale:.1f} {mem_unit} for the device's "
                          f"{cfg.ppo.rollout_batch_size // c.num_devices} prompts at once, "
                          "not counted in any peak")
     lines.append("")
