@@ -27,7 +27,11 @@ the third number is then a prediction.
   - ``world`` all-gather and reduce-scatter: the steps of the algorithm's own schedule
     (``native`` is the ring in rank order, whose one cross-group hop per group makes every
     step wait for a single NIC: the per-NIC concentration that averaged bytes hide);
-  - ``world`` all-reduce: always native, the ring's reduce-scatter then its all-gather.
+  - ``world`` all-reduce: always native, the ring's reduce-scatter then its all-gather;
+  - ``reduce`` (the whole buffer summed on one rank, NCCL's ring reduce): a chain through the
+    scope's ring, pipelined, so n-1 step latencies to fill it and then the whole buffer once
+    through the slowest link of the chain (on ``world`` the inter hop, a step's latency that of
+    the slower port, as in the ring).
 A step's latency is paid once per port, so a collective costs n-1 latencies however small it
 is: many small collectives (a LoRA model's, a deep model's) are bound by their count.
 """
@@ -139,14 +143,20 @@ def scope_seconds(op: str, scope: str, size: float, nodes: int, gpus_per_node: i
                   links: Links, algorithm: str = "native",
                   num_pieces: int = PIPELINE_PIECES) -> float:
     """Seconds of one collective on ``scope`` whose full buffer has ``size`` bytes (the
-    output of an all-gather, the input of a reduce-scatter, the buffer of an all-reduce); see
-    [Note: any collective on any scope]. ``algorithm`` applies to world all-gathers and
-    reduce-scatters only, as in the communicator."""
-    if op not in (*OPS, "all_reduce"):
-        raise ValueError(f"unknown collective {op!r}; allowed: {', '.join(OPS)}, all_reduce")
+    output of an all-gather, the input of a reduce-scatter, the buffer of an all-reduce or a
+    reduce); see [Note: any collective on any scope]. ``algorithm`` applies to world
+    all-gathers and reduce-scatters only, as in the communicator."""
+    if op not in (*OPS, "all_reduce", "reduce"):
+        raise ValueError(f"unknown collective {op!r}; allowed: {', '.join(OPS)}, all_reduce, "
+                         "reduce")
     n = Topology(nodes * gpus_per_node, gpus_per_node).scope_size(scope)
     if n == 1 or size <= 0:
         return 0.0
+    if op == "reduce":
+        ports = [(links.intra_lat, links.intra_bw)] if scope != "inter" and gpus_per_node > 1 \
+            else []
+        ports += [(links.inter_lat, links.inter_bw)] if scope != "intra" and nodes > 1 else []
+        return (n - 1) * max(lat for lat, _ in ports) + size / min(bw for _, bw in ports)
     rounds = 2 if op == "all_reduce" else 1
     if scope == "intra":
         return _ring_seconds(rounds * (n - 1), size / n, links.intra_lat, links.intra_bw)

@@ -115,6 +115,11 @@ INTRA_CHUNK, INTER_CHUNK = 101e-6, 1010e-6
     # each group (ranks 1 -> 2 and 3 -> 0): per-NIC concentration.
     ("all_gather", "world", 3 * INTER_CHUNK),
     ("all_reduce", "world", 6 * INTER_CHUNK),
+    # A reduce: a pipelined chain, n-1 step latencies and the whole 4 MB once through its
+    # slowest link (on the world, the inter hop at the inter step latency).
+    ("reduce", "intra", 1e-6 + 4e6 / 10e9),
+    ("reduce", "inter", 10e-6 + 4e6 / 1e9),
+    ("reduce", "world", 3 * 10e-6 + 4e6 / 1e9),
 ])
 def test_scope_seconds_of_native_rings_by_hand(op: str, scope: str, expected: float) -> None:
     assert simulate.scope_seconds(op, scope, 4e6, 2, 2, HAND) == pytest.approx(expected,
