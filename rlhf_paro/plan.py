@@ -208,7 +208,7 @@ def _timed(cfg: Config, role: str, strategy: Strategy, w: Workload, b: int) -> T
     mem = peak_memory(strategy, w, topo, b)
     peak = mem.inference
     if role == "actor":
-        seconds += gather_seconds(strategy, w, topo, m.links, algorithm)
+        seconds += gather_seconds(strategy, w, topo, m, algorithm)
         peak = max(peak, mem.gathered)
     if role in TRAINED_ROLES:
         optimizer_steps = (cfg.ppo.rollout_batch_size // cfg.ppo.mini_batch_size

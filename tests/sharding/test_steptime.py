@@ -63,8 +63,60 @@ def test_ring_schedules_run_inline_and_hide_nothing() -> None:
     # 30 us the root; block 2's gather starts with block 1's compute: 30 + 1 + 60 + 60 + 3.
     t = forward_time(Strategy.parse("G", frozen=True), TOY, TOPO, MACHINE, 1, "native")
     assert t.total == pytest.approx((30 + 1 + 60 + max(3, 60) + 3) * US, rel=1e-12)
-    assert gather_seconds(Strategy.parse("G", frozen=True), TOY, TOPO, LINKS) == \
+    assert gather_seconds(Strategy.parse("G", frozen=True), TOY, TOPO, MACHINE) == \
         pytest.approx(150 * US, rel=1e-12)
+
+
+def test_ring_links_time_our_ring_schedules_only() -> None:
+    # Ring links twice as fast as the native ones: HO-Ring's world gather of a block (8000 B)
+    # becomes 2000 B at 5 ns on the NIC beside 2000 B at 0.5 ns inside the group, then one
+    # intra step of 2000 B: 10 + 1 = 11 us (22 us on LINKS); the root 5.5 us.
+    fast = Machine(LINKS, flops=1e12, ring_links=Links(2e9, 2e8, 0.0, 0.0))
+    frozen = Strategy.parse("G", frozen=True)
+    t = forward_time(frozen, TOY, TOPO, fast, 1, "horing")
+    assert t.total == pytest.approx((5.5 + 1 + 11 + 3 + 11 + 3) * US, rel=1e-12)
+    # Native collectives keep the native links (the values of the test above).
+    t = forward_time(frozen, TOY, TOPO, fast, 1, "native")
+    assert t.total == pytest.approx((30 + 1 + 60 + max(3, 60) + 3) * US, rel=1e-12)
+
+
+def test_overlapped_reductions_hide_behind_the_next_units_backward() -> None:
+    # NGG, one micro-batch of 10 sequences: backward compute 20 us (root), 60 us a block;
+    # each unit's gradient reduce-scattered on the world ring (3 steps of a quarter at
+    # 10 ns/B): 30 us the root, 60 us a block. Backward order: root, block 2, block 1.
+    # Synchronous: 20 + 30 + (60 + 60) + (60 + 60) = 290 us.
+    # Overlapped: the root's reduction runs during block 2's compute, block 2's during
+    # block 1's, and block 1's is exposed: 20 + max(60, 30) + max(60, 60) + 60 = 200 us.
+    # Around it: forward 70 us, the norm 0.06 us, the update all-gather 30 + 60 + 60 us.
+    ngg = Strategy.parse("NGG")
+    sync = step_time(ngg, TOY, TOPO, MACHINE, 10, 1)
+    over = step_time(ngg, TOY, TOPO, MACHINE, 10, 1, overlap_reduce=True)
+    assert sync.total == pytest.approx((70 + 290 + 0.06 + 150) * US, rel=1e-12)
+    assert over.total == pytest.approx((70 + 200 + 0.06 + 150) * US, rel=1e-12)
+    assert over.hidden - sync.hidden == pytest.approx(90 * US, rel=1e-9)
+    # On HO-Ring the world reduce-scatter is a ring schedule of ours: inline, nothing hides.
+    assert step_time(ngg, TOY, TOPO, MACHINE, 10, 1, "horing", overlap_reduce=True).total \
+        == step_time(ngg, TOY, TOPO, MACHINE, 10, 1, "horing").total
+
+
+def test_reduces_per_owner_cost_a_chain_per_partition() -> None:
+    # NGG with the gradient reduced as one reduce per owner of a flat partition of the whole
+    # model over the N = 4 ranks. Shares: root 1000 / 5000 = 0.2, a block 0.4, so the root
+    # overlaps 1 + 4 x 0.2 = 1.8 partitions on average and a block 2.6: 7 reduces a
+    # micro-batch (N + units). Each reduce is a chain of 3 world steps at 10 us, plus its
+    # bytes once at 1 TB/s: the root 1.8 x 30 us + 4000 B, a block 2.6 x 30 us + 8000 B.
+    slow = Machine(Links(1e12, 1e12, intra_lat=1 * US, inter_lat=10 * US), flops=1e30)
+    ngg = Strategy.parse("NGG")
+    owner = step_time(ngg, TOY, TOPO, slow, 1, 2, reduce_per_owner=True)
+    ring = step_time(ngg, TOY, TOPO, slow, 1, 2)
+    per_micro = (1.8 + 2.6 + 2.6) * 30 * US + (4000 + 8000 + 8000) / 1e12
+    assert owner.by_phase["backward"] == pytest.approx(2 * per_micro, rel=1e-12)
+    # The ring reduce-scatter: 3 steps of 10 us plus a quarter of the buffer per step, per unit.
+    ring_micro = 3 * 3 * 10 * US + 3 * (1000 + 2000 + 2000) / 1e12
+    assert ring.by_phase["backward"] == pytest.approx(2 * ring_micro, rel=1e-12)
+    assert owner.total - ring.total == pytest.approx(2 * (per_micro - ring_micro), rel=1e-9)
+    # Messages: 7 reduces twice, the update all-gather of 3 units and the norm.
+    assert owner.messages == 2 * 7 + 3 + 1 and ring.messages == 2 * 3 + 3 + 1
 
 
 def test_replicated_parameters_and_gradients_only_communicate_at_the_boundary() -> None:
