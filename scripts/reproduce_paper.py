@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     names = ", ".join(f"{m} {s}/{b}" for m, s, b in RATIOS)
     print(f"latency profile (the inter latency fixed, the rest fitted; errors of {names}):")
     for f in points:
-        print(f"  inter {f.links.inter_lat * 1e6:g} us: rms {f.rms:.3f}; 32 GPUs "
+        print(f"  inter {f.links.inter_lat * 1e6:g} us: rms {f.rms:.4f}; 32 GPUs "
               + " ".join(f"{e:+.0%}" for e in predictions(paper, f, 32)) + "; 128 GPUs "
               + " ".join(f"{e:+.0%}" for e in predictions(paper, f, 128)))
     for model in LLAMA:
