@@ -159,6 +159,30 @@ def test_trained_model_plan_counts_optimizer_steps_of_the_ppo_step():
     assert b.intra_bytes - inference == pytest.approx(2 * (a.intra_bytes - inference), abs=16)
 
 
+def test_gradient_traffic_and_time_follow_reduce_dtype():
+    # ppo_tiny with bf16 parameters: N = 4, 4 optimizer steps of s = 2 micro-batches per PPO
+    # step. NGG reduce-scatters each unit's padded gradient over the world every micro-batch,
+    # a device sending 3/4 of it; fp32 reductions send 2 bytes per element more than bf16.
+    from rlhf_paro.models import build_model
+    from rlhf_paro.sharding.layout import padded, unit_sizes
+
+    ngg = Strategy.parse("NGG")
+    cfgs = {dtype: load_config(["actor.precision=bf16", f"actor.reduce_dtype={dtype}"])
+            for dtype in ("fp32", "bf16")}
+    options = {dtype: model_plan(cfg, "actor", 19).option(ngg) for dtype, cfg in cfgs.items()}
+    units = unit_sizes(build_model("actor", cfgs["bf16"].actor, 19, meta=True))
+    grads = sum(padded(u.trainable, 4) for u in units)
+
+    def sent(o):
+        return o.intra_bytes + o.inter_bytes
+
+    assert sent(options["fp32"]) - sent(options["bf16"]) == 4 * 2 * grads * 3 // 4 * 2
+    # The step-time model reads the same dtype: the fp32 reductions take longer, and the
+    # gradient accumulator holds 4 bytes per element in both (G = grads / N of them).
+    assert options["fp32"].seconds > options["bf16"].seconds
+    assert options["fp32"].grads_bytes == options["bf16"].grads_bytes == 4 * grads // 4
+
+
 def test_cli_prints_the_table_and_rejects_bad_input(capsys):
     main(["conf=ppo_llama7b", "cluster.nodes=4", "cluster.gpus_per_node=8"])
     out = capsys.readouterr().out
