@@ -97,6 +97,7 @@ class Machine:
     ring_links: Links | None = None
 
     def links_for(self, op: str, scope: str, algorithm: str) -> Links:
+        """The links that carry ``op`` on ``scope`` (ours only for world gathers/scatters)."""
         ring = scope == "world" and op in OPS and algorithm != "native"
         return self.ring_links if ring and self.ring_links is not None else self.links
 
@@ -176,9 +177,8 @@ def owner_reduces(c: Collective, numel: int, share: float, elem: int, topo: Topo
     n = topo.scope_size(c.scope)
     size = numel // ways(min(c.src, c.dst), topo) * elem
     owners = 1.0 + n * share  # partitions an interval of this length overlaps, on average
-    links = machine.links_for("reduce", c.scope, "native")
     return owners * scope_seconds("reduce", c.scope, size / owners, topo.num_groups,
-                                  topo.group_size, links), owners
+                                  topo.group_size, machine.links), owners
 
 
 def asynchronous(c: Collective, algorithm: str) -> bool:
