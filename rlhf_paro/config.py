@@ -161,6 +161,10 @@ class ModelConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     # Sequences per forward/backward on one device; gradient accumulation makes up the rest.
     micro_batch_size: int = 4
+    # The planner may raise micro_batch_size up to this when the memory its strategies leave
+    # holds the activations (fewer micro-batches, fewer per-micro-batch collectives); None
+    # keeps micro_batch_size.
+    max_micro_batch_size: int | None = None
     gradient_checkpointing: bool = False  # recompute block activations in the backward pass
     lora: LoraConfig = field(default_factory=LoraConfig)
     # Actor only: a local tokenizer directory (None: the actor's path); AutoTokenizer loads it.
@@ -176,6 +180,11 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _positive("micro_batch_size", self.micro_batch_size)
+        if self.max_micro_batch_size is not None and \
+                self.max_micro_batch_size < self.micro_batch_size:
+            raise ConfigError("max_micro_batch_size", f"{self.max_micro_batch_size} is below "
+                              f"micro_batch_size={self.micro_batch_size}; allowed: null or at "
+                              "least micro_batch_size")
         if self.path is not None and self.config is not None:
             raise ConfigError("path", "set either path (a local model directory) or config "
                                       "(an inline model config), not both; unset one with ~ (e.g. "
@@ -224,17 +233,26 @@ class ClusterConfig:
     device: Literal["cpu", "cuda"] = "cpu"  # cpu runs on gloo, cuda on NCCL (one GPU a device)
     # Memory of one device, for the planner and strategy=auto; None: no limit.
     memory_gb: float | None = None
-    # Fraction of memory_gb the planner keeps free for activations, buffers and fragmentation.
+    # Fraction of memory_gb the planner keeps free beyond what it models (it models
+    # activations, gathered parameters and gradient buffers): fragmentation, runtime buffers.
     activation_reserve: float = 0.2
-    # Per-device link bandwidths (GB/s) with which the planner ranks strategies by traffic time:
-    # inside a group, and between groups (inter_gbps).
+    # Per-device link bandwidths (GB/s) of the planner's step-time model: inside a group, and
+    # between groups (inter_gbps).
     intra_gbps: float = 100.0
     inter_gbps: float = 12.5  # GB/s of a device's links to other groups (see intra_gbps)
+    # Per-step latency (us) of a device's link inside a group, for the planner's model.
+    intra_latency_us: float = 5.0
+    inter_latency_us: float = 10.0  # us, the same between groups (see intra_latency_us)
+    # Achieved TFLOP/s of one device on the models' arithmetic (A100 bf16: 312 peak).
+    tflops: float = 150.0
 
     def __post_init__(self) -> None:
         for key in ("num_devices", "group_size", "nodes", "gpus_per_node", "memory_gb",
-                    "intra_gbps", "inter_gbps"):
+                    "intra_gbps", "inter_gbps", "tflops"):
             _positive(key, getattr(self, key))
+        for key in ("intra_latency_us", "inter_latency_us"):
+            if getattr(self, key) < 0:
+                raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}")
         if not 0.0 <= self.activation_reserve < 1.0:
             raise ConfigError("activation_reserve",
                               f"must be in [0, 1), got {self.activation_reserve}")

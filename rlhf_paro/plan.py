@@ -1,26 +1,32 @@
-"""Planner: per-device memory and traffic of every strategy of every model, and what to pick.
+"""Planner: per-device memory, traffic and predicted time of every strategy of every model, and
+what to pick.
 
     python -m rlhf_paro.plan [--help] [--cfg job] [-m] [conf=NAME] [override ...]
     python -m rlhf_paro.plan conf=ppo_llama7b cluster.nodes=16 cluster.gpus_per_node=8
 
 Each model is built on the meta device (no weights, no GPU) and cut into units exactly as the
 engine cuts it; ``sharding/cost.py`` gives the bytes held in P, G and OS (the paper's Table 2)
-and the bytes sent on intra- and inter-group links (Table 3) for each strategy: the 14 triples
-for actor and critic, the three P levels for reward and ref.
+and sent on intra- and inter-group links (Table 3), and ``sharding/steptime.py`` predicts the
+time: compute at ``cluster.tflops``, every collective of the strategy's schedule on the links'
+bandwidths and latencies (``cluster.*_gbps``, ``cluster.*_latency_us``), what the engine
+hides behind compute, and the activation memory of a micro-batch. Strategies are the 14
+triples for actor and critic, the three P levels for reward and ref.
 
 [Note: what a PPO step costs]
-Traffic is counted per PPO step on one device: every model runs its inference forwards over
-the device's share of the rollout (rollout / N sequences, in micro-batches), the actor also
-gathers its parameters once for generation, and actor and critic each run
-(rollout / mini-batch) x epochs optimizer steps of s micro-batches. Time is estimated as
-intra bytes / ``cluster.intra_gbps`` + inter bytes / ``cluster.inter_gbps``, the links of one
-device taken one at a time (an upper bound for overlapping algorithms such as HO-Ring).
+Per PPO step on one device: every model runs its inference forwards over the device's share of
+the rollout (rollout / N sequences, in micro-batches), the actor also gathers its parameters
+once for generation, and actor and critic each run (rollout / mini-batch) x epochs optimizer
+steps of s micro-batches. The predicted time is the sum of those (the models run one after
+another); generation's decoding is the same for every strategy and is left out.
 
 [Note: all four models share a device]
-Every device holds its shard of all four models, so a strategy only fits together with the
-other three: the planner searches every combination (14 x 14 x 3 x 3) for the lowest estimated
-time whose P + G + OS sum stays within ``memory_gb`` x (1 - ``activation_reserve``). A strategy
-is marked as fitting when some combination that contains it fits.
+Every device holds the states (P + G + OS) of all four models; only the model that is running
+holds activations, gathered parameters and gradient buffers. A combination fits when the four
+states plus the largest of those peaks stay within ``memory_gb`` x (1 - ``activation_reserve``).
+The planner searches every combination (14 x 14 x 3 x 3) for the least predicted time that
+fits; where ``<role>.max_micro_batch_size`` allows, each model takes the largest micro-batch
+the memory left by the four states holds (fewer micro-batches, fewer collectives). A strategy is
+marked as fitting when some combination that contains it fits.
 """
 
 from __future__ import annotations
@@ -29,14 +35,28 @@ import dataclasses
 import itertools
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from rlhf_paro import cli
 from rlhf_paro.config import FROZEN_ROLES, ROLES, TRAINED_ROLES, Config, ConfigError
 from rlhf_paro.sharding.strategy import Level, Strategy, all_strategies
 
+if TYPE_CHECKING:
+    from rlhf_paro.sharding.steptime import Machine, StepTime, Workload
+
 GIB = 2 ** 30
 GB = 1e9
+
+
+@dataclass(frozen=True)
+class Timed:
+    """A model's predicted PPO-step time with one strategy at one micro-batch size."""
+
+    seconds: float
+    compute: float  # of which compute
+    exposed: float  # of which communication that nothing hides
+    peak_bytes: float  # the model's own peak above its states (activations, buffers)
 
 
 @dataclass(frozen=True)
@@ -47,13 +67,28 @@ class Option:
     params_bytes: int
     grads_bytes: int
     optim_bytes: int
-    intra_bytes: float  # sent per PPO step
+    intra_bytes: float  # sent per PPO step, at the configured micro-batch
     inter_bytes: float
-    seconds: float  # estimated link time per PPO step
+    # Micro-batch size -> prediction, for every size the model may take (the configured one
+    # first); see [Note: all four models share a device].
+    by_micro: dict[int, Timed] = field(default_factory=dict)
 
     @property
-    def memory_bytes(self) -> int:
+    def memory_bytes(self) -> int:  # P + G + OS
         return self.params_bytes + self.grads_bytes + self.optim_bytes
+
+    @property
+    def configured(self) -> Timed:
+        return next(iter(self.by_micro.values()))
+
+    @property
+    def seconds(self) -> float:  # predicted per PPO step at the configured micro-batch
+        return self.configured.seconds
+
+    def best_within(self, room: float) -> tuple[int, Timed] | None:
+        """The largest micro-batch whose peak fits in ``room`` bytes above the states."""
+        fitting = [(b, t) for b, t in self.by_micro.items() if t.peak_bytes <= room]
+        return max(fitting, key=lambda bt: bt[0]) if fitting else None
 
 
 @dataclass
@@ -62,16 +97,41 @@ class ModelPlan:
     num_params: int  # Psi
     num_trainable: int  # Psi'
     options: list[Option]
+    kv_cache_bytes: float = 0.0  # the actor's generation cache, not in any peak (see format)
 
     def option(self, strategy: Strategy) -> Option:
         return next(o for o in self.options if o.strategy == strategy)
 
 
+@dataclass(frozen=True)
+class Choice:
+    """A model's strategy in the recommended combination, at its micro-batch."""
+
+    option: Option
+    micro_batch: int
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.option.strategy
+
+    @property
+    def timed(self) -> Timed:
+        return self.option.by_micro[self.micro_batch]
+
+    @property
+    def seconds(self) -> float:
+        return self.timed.seconds
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.option.memory_bytes
+
+
 @dataclass
 class Plan:
     models: dict[str, ModelPlan]
-    budget_bytes: float  # per device, for the four models' P + G + OS
-    best: dict[str, Option] | None  # lowest estimated time that fits; None when nothing fits
+    budget_bytes: float  # per device, for the four models' states and the running one's peak
+    best: dict[str, Choice] | None  # least predicted time that fits; None when nothing fits
     fits: dict[str, set[Strategy]]  # per model, the strategies of some fitting combination
 
 
@@ -79,15 +139,95 @@ def frozen_strategies() -> list[Strategy]:
     return [Strategy(level) for level in Level]
 
 
-def _inference_passes(cfg: Config, role: str) -> int:
-    per_device = cfg.ppo.rollout_batch_size // cfg.cluster.num_devices
-    passes = math.ceil(per_device / cfg.model(role).micro_batch_size)
-    # The actor gathers its parameters once more, for the whole generation.
-    return passes + 1 if role == "actor" else passes
+def machine(cfg: Config) -> Machine:
+    """The device and links of ``cluster`` as the step-time model takes them."""
+    from rlhf_paro.comm.simulate import Links
+    from rlhf_paro.sharding.steptime import Machine
+
+    c = cfg.cluster
+    return Machine(Links(c.intra_gbps * GB, c.inter_gbps * GB, c.intra_latency_us * 1e-6,
+                         c.inter_latency_us * 1e-6), c.tflops * 1e12)
+
+
+def micro_batch_sizes(cfg: Config, role: str) -> list[int]:
+    """The configured micro-batch size first, then the larger ones the model may take: up to
+    ``max_micro_batch_size``, and for trained models only sizes that divide the mini-batch
+    (``ppo.mini_batch_size`` = N x micro-batch x s)."""
+    model_cfg = cfg.model(role)
+    top = model_cfg.max_micro_batch_size or model_cfg.micro_batch_size
+    n = cfg.cluster.num_devices
+    return [b for b in range(model_cfg.micro_batch_size, top + 1)
+            if role in FROZEN_ROLES or cfg.ppo.mini_batch_size % (n * b) == 0]
+
+
+def _inference_passes(cfg: Config, micro_batch: int) -> int:
+    return math.ceil(cfg.ppo.rollout_batch_size // cfg.cluster.num_devices / micro_batch)
+
+
+def _workload(cfg: Config, role: str, units: list, vocab_size: int) -> Workload:
+    from rlhf_paro.models import hf_config
+    from rlhf_paro.sharding.steptime import transformer_workload
+
+    model_cfg = cfg.model(role)
+    if model_cfg.function is not None:  # a reward function: no model, no FLOPs to speak of
+        return transformer_workload([], hidden=1, ffn=1, vocab=1, seq_len=1,
+                                    precision=model_cfg.precision,
+                                    reduce_dtype=model_cfg.reduce_dtype, checkpointing=False)
+    hf = hf_config(role, model_cfg, vocab_size)
+    hidden = hf.hidden_size
+    head = vocab_size if role in ("actor", "ref") else 1
+    return transformer_workload(units, hidden=hidden,
+                                ffn=getattr(hf, "intermediate_size", None) or 4 * hidden,
+                                vocab=head,
+                                seq_len=cfg.ppo.max_prompt_len + cfg.ppo.max_new_tokens,
+                                precision=model_cfg.precision,
+                                reduce_dtype=model_cfg.reduce_dtype,
+                                checkpointing=model_cfg.gradient_checkpointing)
+
+
+def _kv_cache_bytes(cfg: Config, vocab_size: int) -> float:
+    """The actor's key/value cache while it generates for all its prompts at once."""
+    from rlhf_paro.models import hf_config
+    from rlhf_paro.sharding.cost import bytes_per_element
+
+    hf = hf_config("actor", cfg.actor, vocab_size)
+    kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+    width = kv_heads * (hf.hidden_size // hf.num_attention_heads)
+    tokens = (cfg.ppo.rollout_batch_size // cfg.cluster.num_devices
+              * (cfg.ppo.max_prompt_len + cfg.ppo.max_new_tokens))
+    return 2 * hf.num_hidden_layers * width * tokens * bytes_per_element(cfg.actor.precision)
+
+
+def _timed(cfg: Config, role: str, strategy: Strategy, w: Workload, b: int) -> Timed:
+    """[Note: what a PPO step costs] for one strategy at micro-batch size ``b``."""
+    from rlhf_paro.comm.topology import Topology
+    from rlhf_paro.sharding.steptime import forward_time, gather_seconds, peak_memory, step_time
+
+    topo = Topology(cfg.cluster.num_devices, cfg.cluster.group_size)
+    m, algorithm = machine(cfg), cfg.comm.algorithm
+    parts: list[StepTime] = [forward_time(strategy, w, topo, m, b, algorithm)] * \
+        _inference_passes(cfg, b)
+    seconds = sum(t.total for t in parts)
+    compute = sum(t.compute for t in parts)
+    mem = peak_memory(strategy, w, topo, b)
+    peak = mem.inference
+    if role == "actor":
+        seconds += gather_seconds(strategy, w, topo, m, algorithm)
+        peak = max(peak, mem.gathered)
+    if role in TRAINED_ROLES:
+        optimizer_steps = (cfg.ppo.rollout_batch_size // cfg.ppo.mini_batch_size
+                           * cfg.ppo.ppo_epochs)
+        num_micro = cfg.ppo.mini_batch_size // cfg.cluster.num_devices // b
+        step = step_time(strategy, w, topo, m, b, num_micro, algorithm)
+        seconds += optimizer_steps * step.total
+        compute += optimizer_steps * step.compute
+        peak = max(peak, mem.train)
+    return Timed(seconds, compute, seconds - compute, peak - mem.states)
 
 
 def model_plan(cfg: Config, role: str, vocab_size: int) -> ModelPlan:
-    """Memory and per-PPO-step traffic of every strategy of one model (see the module notes)."""
+    """Memory, per-PPO-step traffic and predicted time of every strategy of one model (see the
+    module notes)."""
     import torch
 
     from rlhf_paro.models import build_model
@@ -102,14 +242,15 @@ def model_plan(cfg: Config, role: str, vocab_size: int) -> ModelPlan:
     num_params = sum(p.numel() for p in model.parameters())
     num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     del model
+    w = _workload(cfg, role, units, vocab_size)
     n, m, precision = cfg.cluster.num_devices, cfg.cluster.group_size, model_cfg.precision
     algorithm = cfg.comm.algorithm
     trained = role in TRAINED_ROLES
     optimizer_steps = (cfg.ppo.rollout_batch_size // cfg.ppo.mini_batch_size) * cfg.ppo.ppo_epochs
+    passes = _inference_passes(cfg, model_cfg.micro_batch_size) + (role == "actor")
     inference = {}  # P level -> per-step bytes of the inference forwards, shared by triples
     for level in Level:
-        phases = traffic(Strategy(level), units, n, m, _inference_passes(cfg, role), precision,
-                         algorithm)
+        phases = traffic(Strategy(level), units, n, m, passes, precision, algorithm)
         inference[level] = (sum(p.intra for p in phases.values()),
                             sum(p.inter for p in phases.values()))
     options = []
@@ -121,10 +262,11 @@ def model_plan(cfg: Config, role: str, vocab_size: int) -> ModelPlan:
                              algorithm, reduce_dtype=model_cfg.reduce_dtype)
             intra += optimizer_steps * sum(p.intra for p in phases.values())
             inter += optimizer_steps * sum(p.inter for p in phases.values())
-        seconds = intra / (cfg.cluster.intra_gbps * GB) + inter / (cfg.cluster.inter_gbps * GB)
+        by_micro = {b: _timed(cfg, role, strategy, w, b) for b in micro_batch_sizes(cfg, role)}
         options.append(Option(strategy, held["params"], held["grads"], held["optim"], intra,
-                              inter, seconds))
-    return ModelPlan(role, num_params, num_trainable, options)
+                              inter, by_micro))
+    kv = _kv_cache_bytes(cfg, vocab_size) if role == "actor" else 0.0
+    return ModelPlan(role, num_params, num_trainable, options, kv)
 
 
 def _budget(cfg: Config) -> float:
@@ -134,20 +276,22 @@ def _budget(cfg: Config) -> float:
 
 
 def _search(models: dict[str, ModelPlan], budget: float, fixed: dict[str, Strategy]
-            ) -> tuple[dict[str, Option] | None, dict[str, set[Strategy]]]:
-    """Lowest-time fitting combination (ties: less memory), and each model's fitting options."""
+            ) -> tuple[dict[str, Choice] | None, dict[str, set[Strategy]]]:
+    """Least-time fitting combination (ties: less memory), and each model's fitting options."""
     choices = [[models[r].option(fixed[r])] if r in fixed else models[r].options for r in ROLES]
     best, best_key = None, None
     fits: dict[str, set[Strategy]] = {r: set() for r in ROLES}
     for combo in itertools.product(*choices):
-        used = sum(o.memory_bytes for o in combo)
-        if used > budget:
+        states = sum(o.memory_bytes for o in combo)
+        picked = [o.best_within(budget - states) for o in combo]
+        if any(p is None for p in picked):
             continue
         for role, option in zip(ROLES, combo):
             fits[role].add(option.strategy)
-        key = (round(sum(o.seconds for o in combo), 6), used)
+        key = (round(sum(t.seconds for _, t in picked), 6), states)
         if best_key is None or key < best_key:
-            best, best_key = dict(zip(ROLES, combo)), key
+            best_key = key
+            best = {role: Choice(o, b) for role, o, (b, _) in zip(ROLES, combo, picked)}
     return best, fits
 
 
@@ -171,67 +315,94 @@ def configured_strategies(cfg: Config) -> dict[str, Strategy]:
             for role in ROLES if cfg.model(role).strategy != "auto"}
 
 
+def _choose(cfg: Config, vocab_sizes: dict[str, int] | None) -> dict[str, Choice] | None:
+    fixed = configured_strategies(cfg)
+    if len(fixed) == len(ROLES) and not any(cfg.model(r).max_micro_batch_size for r in ROLES):
+        return None  # nothing to choose
+    plan = make_plan(cfg, vocab_sizes, fixed)
+    if plan.best is None:
+        auto = [r for r in ROLES if r not in fixed] or list(ROLES)
+        raise ConfigError(f"{auto[0]}.strategy", "auto found no strategy with which all four "
+                          f"models fit in cluster.memory_gb={cfg.cluster.memory_gb}; allowed: "
+                          "more devices or memory, or see python -m rlhf_paro.plan")
+    return plan.best
+
+
 def choose_strategies(cfg: Config, vocab_sizes: dict[str, int] | None = None
                       ) -> dict[str, Strategy]:
     """A strategy for every role: the conf's where it sets one, the planner's for ``auto``.
 
-    The ``auto`` roles get the lowest estimated traffic time such that all four models fit in
+    The ``auto`` roles get the least predicted PPO-step time such that all four models fit in
     ``cluster.memory_gb``; raises ``ConfigError`` when no choice fits.
     """
-    fixed = configured_strategies(cfg)
-    if len(fixed) == len(ROLES):
-        return fixed
-    plan = make_plan(cfg, vocab_sizes, fixed)
-    if plan.best is None:
-        auto = [r for r in ROLES if r not in fixed]
-        raise ConfigError(f"{auto[0]}.strategy", "auto found no strategy with which all four "
-                          f"models fit in cluster.memory_gb={cfg.cluster.memory_gb}; allowed: "
-                          "more devices or memory, or see python -m rlhf_paro.plan")
-    return {role: plan.best[role].strategy for role in ROLES}
+    best = _choose(cfg, vocab_sizes)
+    if best is None:
+        return configured_strategies(cfg)
+    return {role: best[role].strategy for role in ROLES}
 
 
 def resolve_auto(cfg: Config, vocab_sizes: dict[str, int] | None = None) -> Config:
-    """``cfg`` with every ``auto`` strategy replaced by the planner's choice."""
-    chosen = choose_strategies(cfg, vocab_sizes)
+    """``cfg`` with every ``auto`` strategy replaced by the planner's choice, and every
+    micro-batch that ``max_micro_batch_size`` lets grow set to the planner's size."""
+    best = _choose(cfg, vocab_sizes)
+    if best is None:
+        return cfg
     resolved = dataclasses.replace(cfg)
     for role in ROLES:
-        setattr(resolved, role, dataclasses.replace(cfg.model(role), strategy=chosen[role].name))
+        setattr(resolved, role, dataclasses.replace(
+            cfg.model(role), strategy=best[role].strategy.name,
+            micro_batch_size=best[role].micro_batch))
     return resolved
 
 
 # --- report -------------------------------------------------------------------------------------
 
-def _time_key(option: Option) -> tuple[float, int]:
-    # Times within a microsecond are a tie (float noise of equal traffic): less memory wins.
-    return round(option.seconds, 6), option.memory_bytes
+def _time_key(seconds: float, memory_bytes: int) -> tuple[float, int]:
+    # Times within a microsecond are a tie (float noise of equal work): less memory wins.
+    return round(seconds, 6), memory_bytes
+
+
+def _alone(plan: Plan, model: ModelPlan) -> list[Option]:
+    """The model's options that fit the device with the device to itself, fastest first."""
+    fitting = [o for o in model.options
+               if o.memory_bytes + o.configured.peak_bytes <= plan.budget_bytes]
+    return sorted(fitting, key=lambda o: _time_key(o.seconds, o.memory_bytes))
 
 
 def _why(plan: Plan, role: str) -> str:
-    """One line: why this model got its recommended strategy."""
+    """One line: why this model got its recommended strategy, in predicted times."""
     chosen = plan.best[role]
     model = plan.models[role]
-    fastest = min(model.options, key=_time_key)
-    if _time_key(fastest)[0] >= _time_key(chosen)[0]:
-        return (f"{chosen.strategy}: least link time of its {len(model.options)} strategies "
-                f"({chosen.seconds:.3g} s/step; ties go to less memory)")
+    t = chosen.timed
+    grown = "" if chosen.micro_batch == next(iter(chosen.option.by_micro)) else \
+        f", micro-batch grown to {chosen.micro_batch}"
+    head = (f"{chosen.strategy}: {t.seconds:.4g} s/PPO step predicted (compute "
+            f"{t.compute:.3g} s, exposed communication {t.exposed:.3g} s{grown})")
+    faster = [o for o in model.options
+              if _time_key(o.seconds, o.memory_bytes) < _time_key(t.seconds, chosen.memory_bytes)
+              and o.strategy != chosen.strategy]
+    if not faster:
+        return f"{head}; the least of its {len(model.options)} strategies"
+    fastest = min(faster, key=lambda o: _time_key(o.seconds, o.memory_bytes))
     extra = fastest.memory_bytes - chosen.memory_bytes
-    return (f"{chosen.strategy}: {fastest.strategy} would send less ({fastest.seconds:.3g} vs "
-            f"{chosen.seconds:.3g} s/step) but needs {extra / GIB:.2f} GiB more: the four would "
-            "not fit")
+    return (f"{head}; {fastest.strategy} would take {fastest.seconds:.4g} s but holds "
+            f"{extra / GIB:+.2f} GiB of states: the four would not fit")
 
 
 def format_plan(cfg: Config, plan: Plan) -> str:
     c = cfg.cluster
     budget = "unlimited" if math.isinf(plan.budget_bytes) else (
         f"{plan.budget_bytes / GIB:.1f} GiB of {c.memory_gb:g} GiB (reserve "
-        f"{c.activation_reserve:.0%} for activations)")
+        f"{c.activation_reserve:.0%} beyond modelled activations and buffers)")
     lines = [
         f"cluster: N={c.num_devices} devices, M={c.group_size} per group, g={c.num_groups} "
-        f"groups, {c.device}; links {c.intra_gbps:g} GB/s intra, {c.inter_gbps:g} GB/s inter; "
+        f"groups, {c.device}; links {c.intra_gbps:g} GB/s + {c.intra_latency_us:g} us intra, "
+        f"{c.inter_gbps:g} GB/s + {c.inter_latency_us:g} us inter; {c.tflops:g} TFLOP/s; "
         f"comm {cfg.comm.algorithm}",
-        f"memory for the four models per device: {budget}",
+        f"memory per device: {budget}",
         f"PPO step: rollout {cfg.ppo.rollout_batch_size}, mini-batch {cfg.ppo.mini_batch_size}, "
-        f"{cfg.ppo.ppo_epochs} epoch(s); traffic is bytes one device sends per PPO step",
+        f"{cfg.ppo.ppo_epochs} epoch(s); traffic is bytes one device sends per PPO step, time "
+        "is predicted per PPO step (generation's decoding left out)",
     ]
     configured = configured_strategies(cfg)
     # Tiny models read better in MiB/MB, real ones in GiB/GB.
@@ -242,37 +413,55 @@ def format_plan(cfg: Config, plan: Plan) -> str:
         model = plan.models[role]
         m_cfg = cfg.model(role)
         steps = f", s={cfg.grad_accum_steps(role)}" if role in TRAINED_ROLES else ""
+        alone = _alone(plan, model)
+        rank = {o.strategy: k + 1 for k, o in enumerate(alone)}
         lines += ["", f"{role}: Psi={model.num_params:,} Psi'={model.num_trainable:,} "
-                      f"{m_cfg.precision}{steps}, conf strategy {m_cfg.strategy}",
-                  f"  strategy  {'P':>7} {'G':>8} {'OS':>8} {'sum':>8} {'intra':>9} "
-                  f"{'inter':>9}  link s/step  fits",
-                  f"            {mem_unit:>7} {mem_unit:>8} {mem_unit:>8} {mem_unit:>8} "
-                  f"{net_unit:>9} {net_unit:>9}"]
-        for o in model.options:
+                      f"{m_cfg.precision}{steps}, micro-batch {m_cfg.micro_batch_size}, conf "
+                      f"strategy {m_cfg.strategy}; fastest first (rank: alone on the device)",
+                  f"  rank strategy {'P':>7} {'G':>8} {'OS':>8} {'sum':>8} {'peak':>8} "
+                  f"{'intra':>9} {'inter':>9} {'s/step':>9} {'compute':>8} {'exposed':>8}  fits",
+                  f"                {mem_unit:>7} {mem_unit:>8} {mem_unit:>8} {mem_unit:>8} "
+                  f"{mem_unit:>8} {net_unit:>9} {net_unit:>9}"]
+        for o in sorted(model.options, key=lambda o: _time_key(o.seconds, o.memory_bytes)):
             marks = "yes" if o.strategy in plan.fits[role] else "no"
             if plan.best is not None and plan.best[role].strategy == o.strategy:
                 marks += "  <- recommended"
             if configured.get(role) == o.strategy:
                 marks += "  (conf)"
-            held = [o.params_bytes, o.grads_bytes, o.optim_bytes, o.memory_bytes]
+            held = [o.params_bytes, o.grads_bytes, o.optim_bytes, o.memory_bytes,
+                    o.memory_bytes + o.configured.peak_bytes]
             cells = " ".join(f"{b / mem_scale:8.2f}" for b in held)
             sent = " ".join(f"{b / net_scale:9.3f}" for b in (o.intra_bytes, o.inter_bytes))
-            lines.append(f"  {o.strategy.name:<8}{cells} {sent} {o.seconds:12.4g}  {marks}")
+            t = o.configured
+            lines.append(f"  {rank.get(o.strategy, '-')!s:>4} {o.strategy.name:<7}{cells} {sent} "
+                         f"{t.seconds:9.4g} {t.compute:8.3g} {t.exposed:8.3g}  {marks}")
+        if model.kv_cache_bytes:
+            lines.append(f"  generation also holds a key/value cache of "
+                         f"{model.kv_cache_bytes / mem_scale:.1f} {mem_unit} for the device's "
+                         f"{cfg.ppo.rollout_batch_size // c.num_devices} prompts at once, "
+                         "not counted in any peak")
     lines.append("")
     if plan.best is None:
         leanest = sum(min(o.memory_bytes for o in plan.models[r].options) for r in ROLES)
-        lines.append(f"no combination fits: the leanest needs {leanest / GIB:.1f} GiB per "
-                     "device; add devices or memory, or use LoRA for the actor")
+        lines.append(f"no combination fits: the leanest states need {leanest / GIB:.1f} GiB "
+                     "per device; add devices or memory, or use LoRA for the actor")
     else:
-        used = sum(o.memory_bytes for o in plan.best.values())
+        states = sum(ch.memory_bytes for ch in plan.best.values())
+        peak = max(ch.timed.peak_bytes for ch in plan.best.values())
+        total = sum(ch.seconds for ch in plan.best.values())
         room = "" if math.isinf(plan.budget_bytes) else \
-            f" (the four models hold {used / GIB:.1f} of {plan.budget_bytes / GIB:.1f} GiB)"
-        lines.append(f"recommended{room}:")
+            (f"; the four hold {states / GIB:.1f} GiB of states, {(states + peak) / GIB:.1f} "
+             f"GiB at the peak, of {plan.budget_bytes / GIB:.1f} GiB")
+        lines.append(f"recommended ({total:.4g} s per PPO step predicted{room}):")
         lines += [f"  {role:<7}{_why(plan, role)}" for role in ROLES]
         if len(configured) == len(ROLES):
-            used = sum(plan.models[r].option(configured[r]).memory_bytes for r in ROLES)
-            verdict = "fits" if used <= plan.budget_bytes else "does NOT fit"
-            lines.append(f"the conf's strategies hold {used / GIB:.1f} GiB per device: {verdict}")
+            picked = [plan.models[r].option(configured[r]) for r in ROLES]
+            states = sum(o.memory_bytes for o in picked)
+            fits = all(o.best_within(plan.budget_bytes - states) for o in picked)
+            seconds = sum(o.seconds for o in picked)
+            lines.append(f"the conf's strategies: {seconds:.4g} s per PPO step predicted, "
+                         f"{states / GIB:.1f} GiB of states per device: "
+                         f"{'fits' if fits else 'does NOT fit'}")
     return "\n".join(lines)
 
 

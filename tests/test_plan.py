@@ -53,29 +53,81 @@ def test_frozen_models_hold_only_parameters_and_n_sends_nothing(llama_plan):
     assert by_level["I"].inter_bytes == 0 and by_level["I"].intra_bytes > 0
 
 
+def _fits(plan, combo):
+    """The planner's rule: the four states plus the largest peak of the one running."""
+    states = sum(o.memory_bytes for o in combo.values())
+    return all(o.best_within(plan.budget_bytes - states) for o in combo.values())
+
+
 def test_recommendation_fits_the_device_and_beats_every_other_fitting_choice(llama, llama_plan):
     best = llama_plan.best
-    assert sum(o.memory_bytes for o in best.values()) <= llama_plan.budget_bytes
+    assert _fits(llama_plan, {r: ch.option for r, ch in best.items()})
+    states = sum(ch.memory_bytes for ch in best.values())
+    assert states + max(ch.timed.peak_bytes for ch in best.values()) <= llama_plan.budget_bytes
     assert llama_plan.budget_bytes == 80 * GIB * 0.8
     # DDP keeps 16 bytes per parameter: 100 GiB for the actor alone cannot fit.
     assert Strategy.parse("NNN") not in llama_plan.fits["actor"]
-    # Changing any single model's strategy to another that still fits is never faster.
-    total = sum(o.seconds for o in best.values())
+    # Changing any single model's strategy to another that still fits is never faster. The fit
+    # now counts the running model's activations and buffers, not only P + G + OS: a critic
+    # of III holds 4.6 GiB more states than IIG, which the old rule let through, and then the
+    # critic's 5.0 GiB training peak no longer fits (64.4 of 64 GiB).
+    total = sum(ch.seconds for ch in best.values())
     for role, model in llama_plan.models.items():
         for option in model.options:
-            others = sum(o.memory_bytes for r, o in best.items() if r != role)
-            if others + option.memory_bytes <= llama_plan.budget_bytes:
+            combo = {**{r: ch.option for r, ch in best.items()}, role: option}
+            if _fits(llama_plan, combo):
                 assert total - best[role].seconds + option.seconds >= total - 1e-6
     # The conf ships the planner's choice.
-    assert {r: o.strategy for r, o in best.items()} == choose_strategies(llama)
+    assert {r: ch.strategy for r, ch in best.items()} == choose_strategies(llama)
 
 
-def test_unlimited_memory_picks_each_models_least_traffic():
+def test_recommendation_is_explained_in_predicted_times(llama, llama_plan):
+    from rlhf_paro.plan import format_plan
+
+    out = format_plan(llama, llama_plan)
+    chosen = llama_plan.best["actor"]
+    assert f"actor  {chosen.strategy}: {chosen.seconds:.4g} s/PPO step predicted" in out
+    assert "exposed communication" in out and "key/value cache" in out
+    # Each model's table is ranked by predicted time, fastest first.
+    table = out[out.index("actor: Psi"):out.index("critic: Psi")].splitlines()[3:17]
+    times = [float(line.split()[9]) for line in table]
+    assert len(times) == 14 and times == sorted(times)
+
+
+def test_unlimited_memory_picks_each_models_least_time():
     cfg = load_config([])  # cpu, memory_gb unset
     plan = make_plan(cfg)
     assert math.isinf(plan.budget_bytes)
     for role, model in plan.models.items():
         assert plan.best[role].seconds == pytest.approx(min(o.seconds for o in model.options))
+
+
+def test_max_micro_batch_size_lets_the_planner_grow_a_micro_batch():
+    # ppo_tiny: a mini-batch of 32 over 4 devices, so the actor may take 4 or 8 per
+    # micro-batch; 8 halves its micro-batches per optimizer step, and with them the
+    # per-micro-batch collectives, so it never predicts more time and needs more memory.
+    argv = ["actor.max_micro_batch_size=8", "actor.strategy=auto", "critic.strategy=auto"]
+    fixed = make_plan(load_config(argv[1:]), vocab_size=19)
+    grown = make_plan(load_config(argv), vocab_size=19)
+    actor = grown.models["actor"]
+    assert all(list(o.by_micro) == [4, 8] for o in actor.options)
+    assert all(o.by_micro[8].seconds <= o.by_micro[4].seconds for o in actor.options)
+    assert all(o.by_micro[8].peak_bytes > o.by_micro[4].peak_bytes for o in actor.options)
+    # A strategy that gathers or reduces every micro-batch gains; one that does not, like NNI,
+    # has nothing to gain (its times are equal).
+    ggg, nni = (actor.option(Strategy.parse(x)) for x in ("GGG", "NNI"))
+    assert ggg.by_micro[8].seconds < ggg.by_micro[4].seconds
+    assert nni.by_micro[8].seconds == pytest.approx(nni.by_micro[4].seconds)
+    # Memory unlimited: the larger micro-batch, and never more predicted time than without it.
+    assert grown.best["actor"].micro_batch == 8
+    assert sum(c.seconds for c in grown.best.values()) <= \
+        sum(c.seconds for c in fixed.best.values())
+    # With one byte less than the peak of 8 above the states, an option falls back to 4.
+    option = grown.best["actor"].option
+    assert option.best_within(option.by_micro[8].peak_bytes - 1)[0] == 4
+    assert option.best_within(option.by_micro[4].peak_bytes - 1) is None
+    resolved = resolve_auto(load_config(argv), vocab_size=19)
+    assert (resolved.actor.micro_batch_size, resolved.critic.micro_batch_size) == (8, 4)
 
 
 @pytest.mark.slow
@@ -107,11 +159,36 @@ def test_trained_model_plan_counts_optimizer_steps_of_the_ppo_step():
     assert b.intra_bytes - inference == pytest.approx(2 * (a.intra_bytes - inference), abs=16)
 
 
+def test_gradient_traffic_and_time_follow_reduce_dtype():
+    # ppo_tiny with bf16 parameters: N = 4, 4 optimizer steps of s = 2 micro-batches per PPO
+    # step. NGG reduce-scatters each unit's padded gradient over the world every micro-batch,
+    # a device sending 3/4 of it; fp32 reductions send 2 bytes per element more than bf16.
+    from rlhf_paro.models import build_model
+    from rlhf_paro.sharding.layout import padded, unit_sizes
+
+    ngg = Strategy.parse("NGG")
+    cfgs = {dtype: load_config(["actor.precision=bf16", f"actor.reduce_dtype={dtype}"])
+            for dtype in ("fp32", "bf16")}
+    options = {dtype: model_plan(cfg, "actor", 19).option(ngg) for dtype, cfg in cfgs.items()}
+    units = unit_sizes(build_model("actor", cfgs["bf16"].actor, 19, meta=True))
+    grads = sum(padded(u.trainable, 4) for u in units)
+
+    def sent(o):
+        return o.intra_bytes + o.inter_bytes
+
+    assert sent(options["fp32"]) - sent(options["bf16"]) == 4 * 2 * grads * 3 // 4 * 2
+    # The step-time model reads the same dtype: the fp32 reductions take longer, and the
+    # gradient accumulator holds 4 bytes per element in both (G = grads / N of them).
+    assert options["fp32"].seconds > options["bf16"].seconds
+    assert options["fp32"].grads_bytes == options["bf16"].grads_bytes == 4 * grads // 4
+
+
 def test_cli_prints_the_table_and_rejects_bad_input(capsys):
     main(["conf=ppo_llama7b", "cluster.nodes=4", "cluster.gpus_per_node=8"])
     out = capsys.readouterr().out
     assert "N=32 devices, M=8 per group, g=4 groups" in out
-    assert out.count("<- recommended") == 4 and "recommended (the four models hold" in out
+    # The summary line now gives the predicted time and the peak, not only the states.
+    assert out.count("<- recommended") == 4 and "s per PPO step predicted; the four hold" in out
     with pytest.raises(SystemExit) as info:
         main(["cluster.group_size=3"])
     assert info.value.code == 2

@@ -18,11 +18,28 @@ bandwidths follow in closed form from the first two numbers: every Ring step is 
 inter hop per group, so 288 ms = 127 (a_inter + c/B_inter); H-Ring is 15 such steps plus 7 intra
 steps of 16 chunks. That gives B_inter = 3.460 GB/s and B_intra = 5.874 GB/s, the defaults below;
 the third number is then a prediction.
+
+[Note: any collective on any scope]
+``scope_seconds`` times one collective of the engine's schedule with the same port model:
+  - ``intra`` and ``inter``: a ring over the scope's n ranks, n-1 steps (2(n-1) for an
+    all-reduce) of S/n bytes each, all on the one kind of port (an inter ring runs on each
+    rank's own NIC, and the M rails' rings run side by side);
+  - ``world`` all-gather and reduce-scatter: the steps of the algorithm's own schedule
+    (``native`` is the ring in rank order, whose one cross-group hop per group makes every
+    step wait for a single NIC: the per-NIC concentration that averaged bytes hide);
+  - ``world`` all-reduce: always native, the ring's reduce-scatter then its all-gather;
+  - ``reduce`` (the whole buffer summed on one rank, NCCL's ring reduce): a chain through the
+    scope's ring, pipelined, so n-1 step latencies to fill it and then the whole buffer once
+    through the slowest link of the chain (on ``world`` the inter hop, a step's latency that of
+    the slower port, as in the ring).
+A step's latency is paid once per port, so a collective costs n-1 latencies however small it
+is: many small collectives (a LoRA model's, a deep model's) are bound by their count.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import sys
 from dataclasses import dataclass
@@ -96,6 +113,66 @@ def step_times(name: str, op: str, size: float, nodes: int, gpus_per_node: int, 
 def collective_time(name: str, op: str, size: float, nodes: int, gpus_per_node: int,
                     links: Links, num_pieces: int = PIPELINE_PIECES) -> float:
     return sum(step_times(name, op, size, nodes, gpus_per_node, links, num_pieces))
+
+
+@functools.lru_cache(maxsize=None)
+def _step_loads(name: str, op: str, nodes: int, gpus_per_node: int,
+                num_pieces: int) -> tuple[frozenset[tuple[float, float]], ...]:
+    """Per step of ``name``'s schedule for ``op``, the distinct (intra, inter) loads the ranks
+    send, in chunks; a collective's time follows for any chunk size (see ``scope_seconds``)."""
+    topo = Topology(nodes * gpus_per_node, gpus_per_node)
+    algo = _algorithm(name, num_pieces)
+    c = num_pieces  # a whole number of elements per piece, so every load is exact
+    per_rank = [algo.steps(op, topo.with_rank(r), c) for r in range(topo.num_ranks)]
+    out = []
+    for k in range(len(per_rank[0])):
+        loads = {(sent.intra / c, sent.inter / c) for r, steps in enumerate(per_rank)
+                 for sent in [step_bytes(steps[k], r, gpus_per_node, 1)]}
+        # A rank that sends no more than another on either port never decides the step.
+        out.append(frozenset(x for x in loads
+                             if not any(y != x and y[0] >= x[0] and y[1] >= x[1]
+                                        for y in loads)))
+    return tuple(out)
+
+
+def _ring_seconds(steps: int, size: float, lat: float, bw: float) -> float:
+    return steps * (lat + size / bw)
+
+
+def scope_seconds(op: str, scope: str, size: float, nodes: int, gpus_per_node: int,
+                  links: Links, algorithm: str = "native",
+                  num_pieces: int = PIPELINE_PIECES) -> float:
+    """Seconds of one collective on ``scope`` whose full buffer has ``size`` bytes (the
+    output of an all-gather, the input of a reduce-scatter, the buffer of an all-reduce or a
+    reduce); see [Note: any collective on any scope]. ``algorithm`` applies to world
+    all-gathers and reduce-scatters only, as in the communicator."""
+    if op not in (*OPS, "all_reduce", "reduce"):
+        raise ValueError(f"unknown collective {op!r}; allowed: {', '.join(OPS)}, all_reduce, "
+                         "reduce")
+    n = Topology(nodes * gpus_per_node, gpus_per_node).scope_size(scope)
+    if n == 1 or size <= 0:
+        return 0.0
+    if op == "reduce":
+        ports = [(links.intra_lat, links.intra_bw)] if scope != "inter" and gpus_per_node > 1 \
+            else []
+        ports += [(links.inter_lat, links.inter_bw)] if scope != "intra" and nodes > 1 else []
+        return (n - 1) * max(lat for lat, _ in ports) + size / min(bw for _, bw in ports)
+    rounds = 2 if op == "all_reduce" else 1
+    if scope == "intra":
+        return _ring_seconds(rounds * (n - 1), size / n, links.intra_lat, links.intra_bw)
+    if scope == "inter":
+        return _ring_seconds(rounds * (n - 1), size / n, links.inter_lat, links.inter_bw)
+    if op == "all_reduce":
+        return sum(scope_seconds(part, scope, size, nodes, gpus_per_node, links)
+                   for part in OPS)
+    name = "ring" if algorithm == "native" else algorithm
+    c = size / n
+    total = 0.0
+    for loads in _step_loads(name, op, nodes, gpus_per_node, num_pieces):
+        total += max(max(links.intra_lat + a * c / links.intra_bw if a else 0.0,
+                         links.inter_lat + b * c / links.inter_bw if b else 0.0)
+                     for a, b in loads)
+    return total
 
 
 def lower_bounds(size: float, nodes: int, gpus_per_node: int, links: Links) -> Bounds:

@@ -46,8 +46,9 @@ def optimizer_bytes_per_element(precision: str) -> int:
 
 
 def memory(strategy: Strategy, units: Sequence[UnitSizes], num_ranks: int, group_size: int,
-           precision: str = "fp32") -> dict[str, int]:
-    """Bytes held per rank in P, G and OS (Table 2), padding included."""
+           precision: str = "fp32", grad_bytes: int = GRAD_BYTES) -> dict[str, int]:
+    """Bytes held per rank in P, G and OS (Table 2), padding included. ``grad_bytes`` is the
+    engine's fp32 accumulator; 2 models a half-precision one (DeepSpeed's, in the paper)."""
     topo = Topology(num_ranks, group_size)  # validates M | N
     b = bytes_per_element(precision)
     trainable = sum(padded(u.trainable, num_ranks) for u in units)
@@ -55,7 +56,7 @@ def memory(strategy: Strategy, units: Sequence[UnitSizes], num_ranks: int, group
     params = everything * b // ways(strategy.params, topo)
     if strategy.frozen:
         return {"params": params, "grads": 0, "optim": 0}
-    grads = trainable * GRAD_BYTES // ways(strategy.grads, topo)
+    grads = trainable * grad_bytes // ways(strategy.grads, topo)
     optim = (trainable * optimizer_bytes_per_element(precision)
              // ways(strategy.optim, topo))
     return {"params": params, "grads": grads, "optim": optim}

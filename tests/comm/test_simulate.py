@@ -97,3 +97,53 @@ def test_command_line_rejects_bad_shapes(capsys: pytest.CaptureFixture) -> None:
         simulate.main(["--nodes", "2", "--gpus-per-node", "0"])
     assert exc.value.code == 2
     assert "group_size" in capsys.readouterr().err
+
+
+# scope_seconds on hand-computed cases: 2 groups of 2, a 4 MB buffer, intra 10 GB/s + 1 us,
+# inter 1 GB/s + 10 us. Per step an intra chunk costs 1 us + 1 MB / 10 GB/s = 101 us and an
+# inter one 10 us + 1 MB / 1 GB/s = 1010 us.
+HAND = Links(intra_bw=10e9, inter_bw=1e9, intra_lat=1e-6, inter_lat=10e-6)
+INTRA_CHUNK, INTER_CHUNK = 101e-6, 1010e-6
+
+
+@pytest.mark.parametrize("op,scope,expected", [
+    # A ring on the scope's 2 ranks: 1 step of half the buffer (2 MB), 2 for an all-reduce.
+    ("all_gather", "intra", 1e-6 + 2e6 / 10e9),
+    ("reduce_scatter", "inter", 10e-6 + 2e6 / 1e9),
+    ("all_reduce", "intra", 2 * (1e-6 + 2e6 / 10e9)),
+    # The world ring in rank order: 3 steps of 1 MB, each waiting for the one inter hop of
+    # each group (ranks 1 -> 2 and 3 -> 0): per-NIC concentration.
+    ("all_gather", "world", 3 * INTER_CHUNK),
+    ("all_reduce", "world", 6 * INTER_CHUNK),
+    # A reduce: a pipelined chain, n-1 step latencies and the whole 4 MB once through its
+    # slowest link (on the world, the inter hop at the inter step latency).
+    ("reduce", "intra", 1e-6 + 4e6 / 10e9),
+    ("reduce", "inter", 10e-6 + 4e6 / 1e9),
+    ("reduce", "world", 3 * 10e-6 + 4e6 / 1e9),
+])
+def test_scope_seconds_of_native_rings_by_hand(op: str, scope: str, expected: float) -> None:
+    assert simulate.scope_seconds(op, scope, 4e6, 2, 2, HAND) == pytest.approx(expected,
+                                                                                rel=1e-12)
+
+
+def test_scope_seconds_of_horing_by_hand() -> None:
+    # Step 1: the inter ring (1 chunk on the NIC) beside the intra ring (1 chunk): the NIC
+    # decides, 1010 us. Step 2: one intra step passing the other group's chunk, 101 us.
+    got = simulate.scope_seconds("reduce_scatter", "world", 4e6, 2, 2, HAND, "horing")
+    assert got == pytest.approx(INTER_CHUNK + INTRA_CHUNK, rel=1e-12)
+
+
+def test_scope_seconds_agree_with_the_simulated_schedules() -> None:
+    # 48 MB on 12 ranks: whole chunks and pieces, so the integer chunks of step_times agree.
+    for name in ("native", "hring", "horing", "horing_pipelined"):
+        for op in ("all_gather", "reduce_scatter"):
+            schedule = "ring" if name == "native" else name
+            assert simulate.scope_seconds(op, "world", 48e6, 3, 4, FITTED, name) == \
+                pytest.approx(collective_time(schedule, op, 48e6, 3, 4, FITTED), rel=1e-12)
+
+
+def test_scope_seconds_of_nothing_is_zero() -> None:
+    assert simulate.scope_seconds("all_gather", "inter", 4e6, 1, 8, HAND) == 0.0
+    assert simulate.scope_seconds("all_reduce", "world", 0, 2, 2, HAND) == 0.0
+    with pytest.raises(ValueError, match="unknown collective"):
+        simulate.scope_seconds("broadcast", "world", 1.0, 2, 2, HAND)

@@ -1,9 +1,10 @@
-"""The closed forms of cost.py against the paper's Table 2, Table 3 and equation (1)."""
+"""The closed forms of cost.py against the paper's Table 2, Table 3 (as corrected in
+docs/paper-errata.md) and equation (1)."""
 
 import pytest
 
 from rlhf_paro.sharding.cost import UnitSizes, memory, traffic
-from rlhf_paro.sharding.strategy import Strategy
+from rlhf_paro.sharding.strategy import Strategy, all_strategies
 
 N, M = 64, 8  # the paper's Figure 5 cluster
 G = N // M
@@ -87,3 +88,167 @@ def test_two_step_reduce_scatter_saves_equation_1() -> None:
     # Both have OS = G, so their gradient-norm all-reduces are the same and cancel.
     saving = per_rank("NGG") - per_rank("NIG")
     assert saving == pytest.approx(PSI * (s - 1) * (G - 1) / N, rel=0, abs=1e-3)
+
+
+# --- every phase of all 14 strategies against closed forms ---------------------------------------
+# Written from the paper's section 3 (what each level means) with the corrections of
+# docs/paper-errata.md, independently of schedule.py: totals over the N ranks, in elements,
+# Table 3's notation. A buffer x moved by a ring over n ranks costs each rank (n-1)/n of x.
+S = 8  # micro-batches per step
+
+
+def _world(x: float, algorithm: str) -> tuple[float, float]:
+    """A world all-gather or reduce-scatter of a buffer of x elements: (intra, inter)."""
+    if algorithm == "native":  # the ring in rank order: g of the N ranks cross groups
+        return (N - G) * x / N * (N - 1), G * x / N * (N - 1)
+    # HO-Ring: every rank sends g(M-1) chunks of x/N inside its group and g-1 across groups
+    return N * G * (M - 1) * x / N, N * (G - 1) * x / N
+
+
+def _intra(x: float) -> tuple[float, float]:  # N <-> I on a buffer of x: Table 3's N x/M (M-1)
+    return N * x / M * (M - 1), 0.0
+
+
+def _inter(x: float) -> tuple[float, float]:  # I <-> G on the I-shard x/M: N x/N (g-1), all dagger
+    return 0.0, N * x / N * (G - 1)
+
+
+def _all_reduce_world(x: float) -> tuple[float, float]:  # native ring, both halves
+    return 2 * (N - G) * x / N * (N - 1), 2 * G * x / N * (N - 1)
+
+
+def _all_reduce_inter(x: float) -> tuple[float, float]:  # over the g replicas of an I-shard x/M
+    return 0.0, 2 * N * x / N * (G - 1)
+
+
+def _sum(*terms: tuple[float, float]) -> tuple[float, float]:
+    return sum(t[0] for t in terms), sum(t[1] for t in terms)
+
+
+NONE = (0.0, 0.0)
+
+
+def closed_forms(algorithm: str) -> dict[str, dict[str, list[tuple[str, tuple[float, float]]]]]:
+    """Per strategy and phase, the collectives as (what, (intra, inter) elements summed over
+    ranks) for one step of S micro-batches; "p" moves parameters, "g" gradients (each Psi
+    elements). The norm is left out (below)."""
+    w, a, e = _world(PSI, algorithm), _intra(PSI), _inter(PSI)
+    ar_inter = _all_reduce_inter(PSI)
+
+    def micro(term: tuple[float, float]) -> tuple[float, float]:
+        return S * term[0], S * term[1]
+
+    return {
+        "NNN": dict(boundary=[("g", _all_reduce_world(PSI))]),
+        "NNI": dict(boundary=[("g", a), ("g", ar_inter)], update=[("p", a)]),
+        "NNG": dict(boundary=[("g", w)], update=[("p", w)]),
+        "NII": dict(backward=[("g", micro(a))], boundary=[("g", ar_inter)], update=[("p", a)]),
+        "NIG": dict(backward=[("g", micro(a))], boundary=[("g", e)], update=[("p", w)]),
+        "NGG": dict(backward=[("g", micro(w))], update=[("p", w)]),
+        "INI": dict(forward=[("p", micro(a))], backward=[("p", micro(a))],
+                    boundary=[("g", a), ("g", ar_inter)]),
+        "ING": dict(forward=[("p", micro(a))], backward=[("p", micro(a))],
+                    boundary=[("g", w)], update=[("p", e)]),
+        "III": dict(forward=[("p", micro(a))], backward=[("p", micro(a)), ("g", micro(a))],
+                    boundary=[("g", ar_inter)]),
+        "IIG": dict(forward=[("p", micro(a))], backward=[("p", micro(a)), ("g", micro(a))],
+                    boundary=[("g", e)], update=[("p", e)]),
+        "IGG": dict(forward=[("p", micro(a))], backward=[("p", micro(a)), ("g", micro(w))],
+                    update=[("p", e)]),
+        "GNG": dict(forward=[("p", micro(w))], backward=[("p", micro(w))],
+                    boundary=[("g", w)]),
+        "GIG": dict(forward=[("p", micro(w))], backward=[("p", micro(w)), ("g", micro(a))],
+                    boundary=[("g", e)]),
+        "GGG": dict(forward=[("p", micro(w))], backward=[("p", micro(w)), ("g", micro(w))]),
+    }
+
+
+def _norm_bytes(optim: str) -> tuple[float, float]:
+    """The fp32 squared norm (one element, a chunk of one element per rank and ring step)
+    all-reduced over the OS level's shards, summed over ranks, in bytes."""
+    if optim == "N":
+        return NONE
+    if optim == "I":
+        return N * 2 * (M - 1) * 4.0, 0.0
+    return (N - G) * 2 * (N - 1) * 4.0, G * 2 * (N - 1) * 4.0
+
+
+@pytest.mark.parametrize("algorithm", ["native", "horing"])
+@pytest.mark.parametrize("reduce_dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("name", [s.name for s in all_strategies()])
+def test_every_phase_of_every_strategy_matches_its_closed_form(name: str, reduce_dtype: str,
+                                                               algorithm: str) -> None:
+    sent = traffic(Strategy.parse(name), UNITS, N, M, S, "bf16", algorithm,
+                   reduce_dtype=reduce_dtype)
+    # Bytes per element on the wire: bf16 parameters, gradients in reduce_dtype.
+    size = {"p": 2, "g": 2 if reduce_dtype == "bf16" else 4}
+    for phase in ("forward", "backward", "boundary", "update"):
+        terms = closed_forms(algorithm)[name].get(phase, [])
+        intra = sum(size[what] * t[0] for what, t in terms)
+        inter = sum(size[what] * t[1] for what, t in terms)
+        if phase == "boundary":
+            intra, inter = _sum((intra, inter), _norm_bytes(name[2]))
+        got = sent[phase]
+        assert (got.intra * N, got.inter * N) == pytest.approx((intra, inter), rel=1e-12), phase
+
+
+# --- the errata (docs/paper-errata.md): Table 3 as printed against what the code counts -------
+def _elements(name: str, phase: str, algorithm: str = "horing") -> tuple[float, float]:
+    """Table 3's quantity: (intra, inter) elements summed over ranks, bf16 everywhere, the
+    fp32 norm left out."""
+    sent = traffic(Strategy.parse(name), UNITS, N, M, S, "bf16", algorithm,
+                   reduce_dtype="bf16")[phase]
+    intra, inter = sent.intra * N, sent.inter * N
+    if phase == "boundary":
+        intra, inter = intra - _norm_bytes(name[2])[0], inter - _norm_bytes(name[2])[1]
+    return intra / 2, inter / 2
+
+
+def test_erratum_igg_backward_inter_traffic_is_psi_over_n() -> None:
+    # Printed: N s Psi/M (g-1) across groups. A world reduce-scatter (HO-Ring) sends each
+    # rank's g-1 chunks of Psi/N across groups, M times less.
+    printed = N * S * PSI / M * (G - 1)
+    assert _elements("IGG", "backward")[1] == pytest.approx(printed / M, rel=1e-12)
+
+
+def test_erratum_igg_update_runs_once_per_step() -> None:
+    # Printed: N s Psi/N (g-1), as if the update all-gather ran every micro-batch; it runs
+    # once, after the optimizer step.
+    printed = N * S * PSI / N * (G - 1)
+    assert _elements("IGG", "update") == pytest.approx((0, printed / S), rel=1e-12)
+
+
+def test_erratum_nig_backward_reduce_scatters_every_micro_batch() -> None:
+    # Printed: N Psi/M (M-1), without s; the gradient is reduce-scattered inside the group
+    # after every micro-batch's backward (section 3.3 says so itself).
+    printed = N * PSI / M * (M - 1)
+    assert _elements("NIG", "backward") == pytest.approx((S * printed, 0), rel=1e-12)
+
+
+def test_erratum_mics_update_all_reduce_stays_between_groups() -> None:
+    # Printed: 2 g Psi/M (g-1) across groups + 2 (N-g) Psi/M (g-1) inside them, the shape of
+    # a world ring's row. MiCS (III) all-reduces each rank's Psi/M shard with its g replicas,
+    # one per group, over the rank's own NIC: 2 (g-1)/g Psi/M per rank, N of them, and nothing
+    # inside a group. The printed inter term is g/M times that (equal here, where g = M).
+    printed = 2 * (N - G) * PSI / M * (G - 1), 2 * G * PSI / M * (G - 1)
+    got = _elements("III", "boundary")
+    assert got == pytest.approx((0, 2 * N * PSI / M * (G - 1) / G), rel=1e-12)
+    assert got[1] == pytest.approx(printed[1] * M / G, rel=1e-12) and printed[0] > 0
+
+
+def test_deliberate_difference_zero1_reduce_scatters_at_the_boundary() -> None:
+    # Printed: an all-reduce of the gradient (2 x the ring). With OS = G a rank needs only its
+    # own shard of the summed gradient: a reduce-scatter, half the bytes; the update's
+    # all-gather then brings every rank the new parameters, as Table 3's A-G(P) column says.
+    ring = (N - G) * PSI / N * (N - 1), G * PSI / N * (N - 1)
+    assert _elements("NNG", "boundary", "native") == pytest.approx(ring, rel=1e-12)
+    assert _elements("NNG", "update", "native") == pytest.approx(ring, rel=1e-12)
+
+
+def test_nig_update_is_table_3s_two_step_all_gather_on_horing() -> None:
+    # Not an erratum: Table 3's NIG update, N Psi/N (g-1) across + N Psi/M (M-1) inside, is
+    # what HO-Ring's world all-gather sends; the native ring sends the ZeRO-2 row instead.
+    printed = N * PSI / M * (M - 1), N * PSI / N * (G - 1)
+    assert _elements("NIG", "update") == pytest.approx(printed, rel=1e-12)
+    assert _elements("NIG", "update", "native") == pytest.approx(
+        ((N - G) * PSI / N * (N - 1), G * PSI / N * (N - 1)), rel=1e-12)
