@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from rlhf_paro.config import ConfigError, load_config
+from rlhf_paro.config import ROLES, ConfigError, load_config
 from rlhf_paro.plan import (
     GIB, choose_strategies, main, make_plan, model_plan, resolve_auto,
 )
@@ -107,8 +107,8 @@ def test_max_micro_batch_size_lets_the_planner_grow_a_micro_batch():
     # micro-batch; 8 halves its micro-batches per optimizer step, and with them the
     # per-micro-batch collectives, so it never predicts more time and needs more memory.
     argv = ["actor.max_micro_batch_size=8", "actor.strategy=auto", "critic.strategy=auto"]
-    fixed = make_plan(load_config(argv[1:]), vocab_size=19)
-    grown = make_plan(load_config(argv), vocab_size=19)
+    fixed = make_plan(load_config(argv[1:]), vocab_sizes=dict.fromkeys(ROLES, 19))
+    grown = make_plan(load_config(argv), vocab_sizes=dict.fromkeys(ROLES, 19))
     actor = grown.models["actor"]
     assert all(list(o.by_micro) == [4, 8] for o in actor.options)
     assert all(o.by_micro[8].seconds <= o.by_micro[4].seconds for o in actor.options)
@@ -126,7 +126,7 @@ def test_max_micro_batch_size_lets_the_planner_grow_a_micro_batch():
     option = grown.best["actor"].option
     assert option.best_within(option.by_micro[8].peak_bytes - 1)[0] == 4
     assert option.best_within(option.by_micro[4].peak_bytes - 1) is None
-    resolved = resolve_auto(load_config(argv), vocab_size=19)
+    resolved = resolve_auto(load_config(argv), vocab_sizes=dict.fromkeys(ROLES, 19))
     assert (resolved.actor.micro_batch_size, resolved.critic.micro_batch_size) == (8, 4)
 
 
