@@ -8,11 +8,13 @@ time; ``full`` is the gathered buffer, whose storage exists only while the unit 
 [Note: filling a buffer]  (docs/design.md, "Setup")
 A buffer is filled from ``read(name, start, stop)``, elements start..stop of a flattened
 parameter: the parameters' own values, or files when the module was built on the meta device.
-Only what this rank keeps is read, one parameter piece at a time and straight into the P shard
-(and, for a bf16 model that trains it, into the fp32 master at the OS level), so that a rank
-never holds a unit's values whole unless its strategy keeps them. ``copy_`` does the one
-rounding to the buffer's precision, the same as widening to fp32 first and then rounding.
-The gathered buffer is allocated only after the reads, and freed at once (P != N).
+Only what this rank keeps is read, straight into the P shard (and, for a bf16 model that trains
+it, into the fp32 master at the OS level), a piece of one parameter at a time, each piece at
+most S * (bytes of the precision) / 4 elements: a read of up to 4 bytes an element never holds
+more than the gathered buffer would. The gathered buffer is allocated only after the reads, and
+freed at once (P != N). So filling a buffer costs at most the buffer gathered on top of what the
+strategy keeps. ``copy_`` does the one rounding to the buffer's precision, the same as widening
+to fp32 first and then rounding.
 """
 
 from __future__ import annotations
@@ -55,11 +57,12 @@ class FlatBuffer:
         self.size = padded(self.numel, topo.num_ranks)  # S
         self.device = device
         # [Note: filling a buffer] The shard first, then the master, then the gathered buffer.
-        self.shard = self._filled(self.level_slice(p_level), dtype, read)
+        piece = max(1, self.size * dtype.itemsize // 4)
+        self.shard = self._filled(self.level_slice(p_level), dtype, read, piece)
         # fp32 OS shard of a bf16 model's trained values, until the optimizer takes it as master.
         self.master: torch.Tensor | None = (
             None if master_level is None
-            else self._filled(self.level_slice(master_level), torch.float32, read))
+            else self._filled(self.level_slice(master_level), torch.float32, read, piece))
         self.full = self.shard if p_level == Level.N else torch.empty(
             self.size, dtype=dtype, device=device)
         for p, off, n, shape in zip(params, self.offsets, self.numels, self.shapes):
@@ -70,15 +73,18 @@ class FlatBuffer:
         if p_level != Level.N:
             self.full.untyped_storage().resize_(0)
 
-    def _filled(self, span: slice, dtype: torch.dtype, read: Read) -> torch.Tensor:
-        """Elements ``span`` of the flat buffer, read piece by piece; the padding is zero."""
+    def _filled(self, span: slice, dtype: torch.dtype, read: Read, piece: int) -> torch.Tensor:
+        """Elements ``span`` of the flat buffer, read ``piece`` elements at most at a time; the
+        padding is zero."""
         out = torch.zeros(span.stop - span.start, dtype=dtype, device=self.device)
-        for name, start, stop, at in self.pieces(span):
-            values = read(name, start, stop)
-            if values.numel() != stop - start:
-                raise EngineError(f"parameter {name!r}: elements {start}..{stop} came as "
-                                  f"{values.numel()} values")
-            out[at:at + stop - start].copy_(values.reshape(-1))
+        for name, first, last, at in self.pieces(span):
+            for start in range(first, last, piece):
+                stop = min(last, start + piece)
+                values = read(name, start, stop)
+                if values.numel() != stop - start:
+                    raise EngineError(f"parameter {name!r}: elements {start}..{stop} came as "
+                                      f"{values.numel()} values")
+                out[at + start - first:at + stop - first].copy_(values.reshape(-1))
         return out
 
     def pieces(self, span: slice) -> list[tuple[str, int, int, int]]:

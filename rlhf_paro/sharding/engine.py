@@ -26,6 +26,16 @@ shards they read, and gradients are read only after autograd has finished writin
 no device-wide synchronisation: on GPU the collective library orders a collective after the copy
 that filled its input on the same stream.
 
+[Note: setup memory]  (docs/design.md, "Setup")
+The engine fills the units one after another, each from ``read`` (a ``source``, or the
+parameters' own values): a unit's P shard, and for a bf16 model the fp32 master of its trained
+values at the OS level, are read piece by piece (_flat.py, [Note: filling a buffer]), no piece
+larger in bytes than the unit's gathered buffer; then that buffer is allocated and, for P != N,
+freed. The gradient accumulators and the Adam moments come after the last unit. So while it
+sets up, a rank holds at most what its strategy keeps (``cost.memory``) plus one unit gathered
+(``cost.setup_memory``). A module built with its parameters on the meta device and a source
+that reads files is never whole on any rank; without a source the caller built it whole.
+
 [Note: gradient precision]
 Gradients are summed over micro-batches in fp32 whatever the parameter precision: a bf16
 accumulator rounds every addition to 8 bits, so the result would depend on the order in which
@@ -118,7 +128,7 @@ class ShardedEngine:
     # -- construction ------------------------------------------------------------------------
     def _build_units(self, unit_classes: list[str] | None, dtype: torch.dtype, read: Read,
                      device: torch.device) -> list[Unit]:
-        """[Note: setup memory] One unit at a time, each rank reads only what it keeps."""
+        """The units, filled one at a time from ``read`` ([Note: setup memory])."""
         gather = select(self.schedule, "forward", "params")
         names = {id(p): name for name, p in self.module.named_parameters()}
         # A bf16 model's optimizer keeps fp32 masters of the trained values at the OS level.
