@@ -21,6 +21,13 @@ Every device holds its shard of all four models, so a strategy only fits togethe
 other three: the planner searches every combination (14 x 14 x 3 x 3) for the lowest estimated
 time whose P + G + OS sum stays within ``memory_gb`` x (1 - ``activation_reserve``). A strategy
 is marked as fitting when some combination that contains it fits.
+
+[Note: setup peak]
+The four models set up at the same time, each rank reading only its shards from the model's
+files one unit at a time; a model then holds at most its P + G + OS plus its largest unit
+gathered (``cost.setup_memory``, the engine's [Note: setup memory]). A fitting combination's
+four setup peaks must also fit in ``memory_gb`` (no activations exist yet, so the reserve is
+free then).
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ class Option:
     params_bytes: int
     grads_bytes: int
     optim_bytes: int
+    setup_bytes: int  # held at most while setting up: P + G + OS + one unit gathered
     intra_bytes: float  # sent per PPO step
     inter_bytes: float
     seconds: float  # estimated link time per PPO step
@@ -71,6 +79,7 @@ class ModelPlan:
 class Plan:
     models: dict[str, ModelPlan]
     budget_bytes: float  # per device, for the four models' P + G + OS
+    device_bytes: float  # per device, for the four models' setup peaks ([Note: setup peak])
     best: dict[str, Option] | None  # lowest estimated time that fits; None when nothing fits
     fits: dict[str, set[Strategy]]  # per model, the strategies of some fitting combination
 
@@ -91,7 +100,7 @@ def model_plan(cfg: Config, role: str, vocab_size: int) -> ModelPlan:
     import torch
 
     from rlhf_paro.models import build_model
-    from rlhf_paro.sharding.cost import memory, traffic
+    from rlhf_paro.sharding.cost import memory, setup_memory, traffic
     from rlhf_paro.sharding.layout import unit_sizes
 
     model_cfg = cfg.model(role)
@@ -122,18 +131,20 @@ def model_plan(cfg: Config, role: str, vocab_size: int) -> ModelPlan:
             intra += optimizer_steps * sum(p.intra for p in phases.values())
             inter += optimizer_steps * sum(p.inter for p in phases.values())
         seconds = intra / (cfg.cluster.intra_gbps * GB) + inter / (cfg.cluster.inter_gbps * GB)
-        options.append(Option(strategy, held["params"], held["grads"], held["optim"], intra,
-                              inter, seconds))
+        setup = setup_memory(strategy, units, n, m, precision)
+        options.append(Option(strategy, held["params"], held["grads"], held["optim"], setup,
+                              intra, inter, seconds))
     return ModelPlan(role, num_params, num_trainable, options)
 
 
-def _budget(cfg: Config) -> float:
+def _budget(cfg: Config, reserve: float) -> float:
     if cfg.cluster.memory_gb is None:
         return math.inf
-    return cfg.cluster.memory_gb * GIB * (1.0 - cfg.cluster.activation_reserve)
+    return cfg.cluster.memory_gb * GIB * (1.0 - reserve)
 
 
-def _search(models: dict[str, ModelPlan], budget: float, fixed: dict[str, Strategy]
+def _search(models: dict[str, ModelPlan], budget: float, device: float,
+            fixed: dict[str, Strategy]
             ) -> tuple[dict[str, Option] | None, dict[str, set[Strategy]]]:
     """Lowest-time fitting combination (ties: less memory), and each model's fitting options."""
     choices = [[models[r].option(fixed[r])] if r in fixed else models[r].options for r in ROLES]
@@ -141,7 +152,7 @@ def _search(models: dict[str, ModelPlan], budget: float, fixed: dict[str, Strate
     fits: dict[str, set[Strategy]] = {r: set() for r in ROLES}
     for combo in itertools.product(*choices):
         used = sum(o.memory_bytes for o in combo)
-        if used > budget:
+        if used > budget or sum(o.setup_bytes for o in combo) > device:
             continue
         for role, option in zip(ROLES, combo):
             fits[role].add(option.strategy)
@@ -160,9 +171,9 @@ def make_plan(cfg: Config, vocab_sizes: dict[str, int] | None = None,
 
         vocab_sizes = read_vocab_sizes(cfg)
     models = {role: model_plan(cfg, role, vocab_sizes[role]) for role in ROLES}
-    budget = _budget(cfg)
-    best, fits = _search(models, budget, fixed or {})
-    return Plan(models, budget, best, fits)
+    budget, device = _budget(cfg, cfg.cluster.activation_reserve), _budget(cfg, 0.0)
+    best, fits = _search(models, budget, device, fixed or {})
+    return Plan(models, budget, device, best, fits)
 
 
 def configured_strategies(cfg: Config) -> dict[str, Strategy]:
@@ -244,17 +255,17 @@ def format_plan(cfg: Config, plan: Plan) -> str:
         steps = f", s={cfg.grad_accum_steps(role)}" if role in TRAINED_ROLES else ""
         lines += ["", f"{role}: Psi={model.num_params:,} Psi'={model.num_trainable:,} "
                       f"{m_cfg.precision}{steps}, conf strategy {m_cfg.strategy}",
-                  f"  strategy  {'P':>7} {'G':>8} {'OS':>8} {'sum':>8} {'intra':>9} "
-                  f"{'inter':>9}  link s/step  fits",
+                  f"  strategy  {'P':>7} {'G':>8} {'OS':>8} {'sum':>8} {'setup':>8} "
+                  f"{'intra':>9} {'inter':>9}  link s/step  fits",
                   f"            {mem_unit:>7} {mem_unit:>8} {mem_unit:>8} {mem_unit:>8} "
-                  f"{net_unit:>9} {net_unit:>9}"]
+                  f"{mem_unit:>8} {net_unit:>9} {net_unit:>9}"]
         for o in model.options:
             marks = "yes" if o.strategy in plan.fits[role] else "no"
             if plan.best is not None and plan.best[role].strategy == o.strategy:
                 marks += "  <- recommended"
             if configured.get(role) == o.strategy:
                 marks += "  (conf)"
-            held = [o.params_bytes, o.grads_bytes, o.optim_bytes, o.memory_bytes]
+            held = [o.params_bytes, o.grads_bytes, o.optim_bytes, o.memory_bytes, o.setup_bytes]
             cells = " ".join(f"{b / mem_scale:8.2f}" for b in held)
             sent = " ".join(f"{b / net_scale:9.3f}" for b in (o.intra_bytes, o.inter_bytes))
             lines.append(f"  {o.strategy.name:<8}{cells} {sent} {o.seconds:12.4g}  {marks}")
@@ -269,10 +280,17 @@ def format_plan(cfg: Config, plan: Plan) -> str:
             f" (the four models hold {used / GIB:.1f} of {plan.budget_bytes / GIB:.1f} GiB)"
         lines.append(f"recommended{room}:")
         lines += [f"  {role:<7}{_why(plan, role)}" for role in ROLES]
+        setup = sum(o.setup_bytes for o in plan.best.values())
+        lines.append(f"setup peak: {setup / mem_scale:.2f} {mem_unit} per device while the four "
+                     "models set up at once (each its P + G + OS and one unit gathered)")
         if len(configured) == len(ROLES):
-            used = sum(plan.models[r].option(configured[r]).memory_bytes for r in ROLES)
+            chosen = [plan.models[r].option(configured[r]) for r in ROLES]
+            used = sum(o.memory_bytes for o in chosen)
+            setup = sum(o.setup_bytes for o in chosen)
             verdict = "fits" if used <= plan.budget_bytes else "does NOT fit"
-            lines.append(f"the conf's strategies hold {used / GIB:.1f} GiB per device: {verdict}")
+            during = "fits" if setup <= plan.device_bytes else "does NOT fit"
+            lines.append(f"the conf's strategies hold {used / GIB:.1f} GiB per device: {verdict}; "
+                         f"setup peak {setup / mem_scale:.2f} {mem_unit}: {during}")
     return "\n".join(lines)
 
 
