@@ -234,6 +234,7 @@ def _backbone(role: str, model_cfg: ModelConfig, config: Any, auto_class: Any,
         with _parameters_on_meta():
             module = auto_class.from_config(config, dtype=torch.float32,
                                             trust_remote_code=model_cfg.trust_remote_code)
+        module.eval()  # as from_pretrained leaves it (dropout off)
     else:
         # A backbone read out of a classifier or a causal LM leaves their heads unread: that is
         # meant, so transformers' load report is not shown.
