@@ -1,8 +1,8 @@
 """A model read from files and sharded unit by unit (``models.build_for_setup`` and the engine's
-``source``) holds the same weights as the model built whole and then sharded, bit for bit: on 4
-gloo ranks as 2 groups x 2, a Llama (untied, and saved in bf16) and a GPT-2 (tied), causal LMs,
-value models and a sequence-classifier reward, LoRA, fp32 and bf16, under strategies of every P
-level. Each rank reads only the elements it keeps.
+``source``) holds the same weights as the model built whole and then sharded, bit for bit, and
+trains the same: on 4 gloo ranks as 2 groups x 2, a Llama (untied, and saved in bf16) and a GPT-2
+(tied), causal LMs, value models and a sequence-classifier reward, LoRA, gradient checkpointing,
+fp32 and bf16, under strategies of every P level. Each rank reads only the elements it keeps.
 """
 
 from __future__ import annotations
@@ -30,14 +30,16 @@ class Case:
     strategy: str
     precision: str = "fp32"
     lora: bool = False
+    ckpt: bool = False  # gradient checkpointing (the step runs in train mode: Llama has no dropout)
 
     @property
     def key(self) -> str:
         return (f"{self.role}-{self.asset}-{self.strategy}-{self.precision}"
-                + ("-lora" if self.lora else ""))
+                + ("-lora" if self.lora else "") + ("-ckpt" if self.ckpt else ""))
 
     def model_cfg(self, assets: dict) -> ModelConfig:
-        cfg = ModelConfig(path=str(assets[self.asset]), precision=self.precision)
+        cfg = ModelConfig(path=str(assets[self.asset]), precision=self.precision,
+                          gradient_checkpointing=self.ckpt)
         if self.lora:
             cfg.lora.enabled = True
             cfg.lora.target_modules = ["c_attn"] if self.asset == "gpt2" else ["q_proj", "v_proj"]
@@ -52,7 +54,7 @@ CASES = [
     Case("critic", "gpt2", "GIG", "bf16"), Case("actor", "llama", "GGG", lora=True),
     Case("actor", "gpt2", "IGG", "bf16", lora=True), Case("reward", "rm", "G"),
     Case("critic", "rm", "NGG", "bf16"), Case("actor", "llama_bf16", "IGG"),
-    Case("actor", "llama_bf16", "GGG", "bf16"),
+    Case("actor", "llama_bf16", "GGG", "bf16"), Case("critic", "llama", "GGG", ckpt=True),
 ]
 
 
@@ -114,6 +116,12 @@ def both_paths(rank: int, world_size: int, assets: dict, cases: list[Case]) -> d
         with torch.no_grad():
             outputs = [engine(input_ids=ids, attention_mask=mask, **kwargs)
                        for engine in (whole, lazy)]
+        trained = [None, None]
+        if not strategy.frozen:  # one optimizer step each: a backward re-gathers every unit
+            for k, engine in enumerate((whole, lazy)):
+                engine.module.train(case.ckpt)
+                engine.backward(engine(input_ids=ids, attention_mask=mask, **kwargs).mean())
+                trained[k] = (engine.step(), engine.state_dict()["tensors"])
         out[case.key] = {
             "on_meta": on_meta, "real_buffers": real_buffers,
             "read": read[0], "expected_read": _expected_reads(lazy),
@@ -126,6 +134,8 @@ def both_paths(rank: int, world_size: int, assets: dict, cases: list[Case]) -> d
             "buffers_equal": buffers[0].keys() == buffers[1].keys() and all(
                 torch.equal(v, buffers[1][k]) for k, v in buffers[0].items()),
             "outputs_equal": torch.equal(outputs[0], outputs[1]),
+            "trained_equal": trained[0] is None or trained[0][0] == trained[1][0] and all(
+                torch.equal(v, trained[1][1][k]) for k, v in trained[0][1].items()),
         }
     return out
 
@@ -149,7 +159,7 @@ def test_setup_from_files_equals_the_whole_build_and_reads_only_what_a_rank_keep
         # P shards, bf16 masters (and Adam moments, zero on both) of this rank's chunk; then
         # every parameter gathered, the buffers, and a forward: bit for bit.
         assert got["pieces_equal"] and got["states_equal"], rank
-        assert got["buffers_equal"] and got["outputs_equal"], rank
+        assert got["buffers_equal"] and got["outputs_equal"] and got["trained_equal"], rank
         assert got["read"] == got["expected_read"] > 0, rank
     trained = case.role in ("actor", "critic")
     kinds = ["exp_avg", "exp_avg_sq", "params"] if trained else ["params"]

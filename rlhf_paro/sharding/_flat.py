@@ -174,10 +174,12 @@ class FlatBuffer:
 def _point(param: nn.Parameter, view: torch.Tensor) -> None:
     """Make ``param`` the view ``view`` of a flat buffer, keeping the Python object (modules,
     tied weights and hooks hold it)."""
-    if not param.is_meta:
-        param.data = view
-        return
-    # A meta tensor cannot take data of another device: swap the whole tensor in its place.
-    new = nn.Parameter(view, requires_grad=param.requires_grad)
-    new.__dict__.update(param.__dict__)
-    torch.utils.swap_tensors(param, new)
+    if param.is_meta:
+        # A meta tensor cannot take data of another device: swap in an empty tensor of the
+        # buffer's device first. Not the view itself: it would share the buffer's version
+        # counter, and every gather into the buffer would look to autograd like a write to a
+        # parameter that a backward still needs; ``.data`` keeps the parameter's own counter.
+        empty = nn.Parameter(view.new_empty(0), requires_grad=param.requires_grad)
+        empty.__dict__.update(param.__dict__)
+        torch.utils.swap_tensors(param, empty)
+    param.data = view
