@@ -397,11 +397,11 @@ def build_for_setup(role: str, model_cfg: ModelConfig, vocab_size: int, *, seed:
         inner = model.lm if isinstance(model, CausalLM) else model.backbone
         base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
         head = saved_head(model_cfg.path) if isinstance(model, ValueModel) else None
+        wrapper = "lm." if isinstance(model, CausalLM) else "backbone."
         try:
             return model, weights.file_source(
-                model, TensorFiles(files), wrapper="lm." if isinstance(model, CausalLM) else "backbone.",
-                base_prefix=base.base_model_prefix, seed=seed,
-                given=_head_values(head) if head is not None else None)
+                model, TensorFiles(files), wrapper=wrapper, base_prefix=base.base_model_prefix,
+                seed=seed, given=_head_values(head) if head is not None else None)
         except weights.MissingWeights as err:
             warnings.warn(f"{role}.path: {err}; the model is built whole on every rank",
                           stacklevel=2)

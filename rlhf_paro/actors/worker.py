@@ -3,9 +3,9 @@
 A worker is one Ray actor: rank r of one model. ``setup`` joins the model's own process group
 (gloo on CPU, NCCL on GPU), builds the model identically on every rank (same seed), and wraps it
 with ``shard(...)`` under the model's strategy: a model read from files is built on the meta
-device and each rank reads only its shards from them (docs/design.md, "Setup"). The driver calls the role's methods on all ranks
-at once; between steps it collects one ``RankReport`` per rank (``report``), which also resets
-the step's timers and the engine's comm meter.
+device and each rank reads only its shards from them (docs/design.md, "Setup"). The driver
+calls the role's methods on all ranks at once; between steps it collects one ``RankReport`` per
+rank (``report``), which also resets the step's timers and the engine's comm meter.
 
 ``Worker`` is all a frozen model (ref, reward) is; ``TrainedWorker`` adds what the models PPO
 trains (actor, critic) need: an optimizer, the PPO epochs over the rollout, training statistics,
