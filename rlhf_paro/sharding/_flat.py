@@ -57,12 +57,12 @@ class FlatBuffer:
         self.size = padded(self.numel, topo.num_ranks)  # S
         self.device = device
         # [Note: filling a buffer] The shard first, then the master, then the gathered buffer.
-        piece = max(1, self.size * dtype.itemsize // 4)
-        self.shard = self._filled(self.level_slice(p_level), dtype, read, piece)
+        most = max(1, self.size * dtype.itemsize // 4)  # elements read at a time, at most
+        self.shard = self._filled(self.level_slice(p_level), dtype, read, most)
         # fp32 OS shard of a bf16 model's trained values, until the optimizer takes it as master.
         self.master: torch.Tensor | None = (
             None if master_level is None
-            else self._filled(self.level_slice(master_level), torch.float32, read, piece))
+            else self._filled(self.level_slice(master_level), torch.float32, read, most))
         self.full = self.shard if p_level == Level.N else torch.empty(
             self.size, dtype=dtype, device=device)
         for p, off, n, shape in zip(params, self.offsets, self.numels, self.shapes):
@@ -73,13 +73,13 @@ class FlatBuffer:
         if p_level != Level.N:
             self.full.untyped_storage().resize_(0)
 
-    def _filled(self, span: slice, dtype: torch.dtype, read: Read, piece: int) -> torch.Tensor:
-        """Elements ``span`` of the flat buffer, read ``piece`` elements at most at a time; the
+    def _filled(self, span: slice, dtype: torch.dtype, read: Read, most: int) -> torch.Tensor:
+        """Elements ``span`` of the flat buffer, read ``most`` elements at most at a time; the
         padding is zero."""
         out = torch.zeros(span.stop - span.start, dtype=dtype, device=self.device)
         for name, first, last, at in self.pieces(span):
-            for start in range(first, last, piece):
-                stop = min(last, start + piece)
+            for start in range(first, last, most):
+                stop = min(last, start + most)
                 values = read(name, start, stop)
                 if values.numel() != stop - start:
                     raise EngineError(f"parameter {name!r}: elements {start}..{stop} came as "
