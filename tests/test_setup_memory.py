@@ -37,7 +37,7 @@ from rlhf_paro import models
 from rlhf_paro.config import ModelConfig
 from tests.dist_utils import run_distributed
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 WORLD, GROUP = 4, 2
 MIB = 2 ** 20

@@ -151,6 +151,7 @@ def grid(assets) -> list[dict]:
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.key)
 def test_setup_from_files_equals_the_whole_build_and_reads_only_what_a_rank_keeps(grid, case):
     for rank, results in enumerate(grid):
