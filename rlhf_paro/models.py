@@ -10,21 +10,28 @@ The Hugging Face model stays a submodule, so the sharding engine finds its block
 a local directory (``path``; never downloaded) or from an inline config (random init, seeded, so
 actor and ref built with the same seed start from the same weights). ``meta=True`` builds on the
 meta device: parameter counts and unit sizes without allocating a byte, for the planner.
+``build_for_setup`` is what a worker shards: a model read from a directory comes with its
+parameters on the meta device and a reader of its files (``weights.py``), so that no rank ever
+holds it whole (docs/design.md, "Setup").
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
 import os
 import re
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
+from rlhf_paro import weights
 from rlhf_paro.config import FROZEN_ROLES, ROLES, Config, ConfigError, ModelConfig, coerce
+from rlhf_paro.sharding import TensorFiles
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 # Sizes and counts of a Hugging Face config (its names for them); below 1 they build no model.
@@ -196,14 +203,39 @@ def _with_lora(module: nn.Module, model_cfg: ModelConfig) -> nn.Module:
         target_modules=list(lora.target_modules)))
 
 
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Modules built inside put their parameters on the meta device as they register them, and
+    make their buffers (rotary tables) for real, as a whole build does. It patches
+    ``nn.Module``: one thread at a time."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:  # a tied weight is registered on meta
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
 def _backbone(role: str, model_cfg: ModelConfig, config: Any, auto_class: Any,
-              meta: bool) -> nn.Module:
+              meta: bool, lazy: bool = False) -> nn.Module:
     """The Hugging Face module of a section (weights from ``path`` or fresh), with checkpointing
-    and LoRA as configured. Call under a seeded RNG: fresh weights come from it."""
+    and LoRA as configured. Call under a seeded RNG: fresh weights come from it. ``lazy``: a
+    ``path``'s module with its parameters on the meta device, for ``build_for_setup``."""
     device = "meta" if meta else "cpu"
     if meta or model_cfg.path is None:
         with torch.device(device):
             module = auto_class.from_config(config)
+    elif lazy:
+        with _parameters_on_meta():
+            module = auto_class.from_config(config, dtype=torch.float32,
+                                            trust_remote_code=model_cfg.trust_remote_code)
+        module.eval()  # as from_pretrained leaves it (dropout off)
     else:
         # A backbone read out of a classifier or a causal LM leaves their heads unread: that is
         # meant, so transformers' load report is not shown.
@@ -223,24 +255,28 @@ def _backbone(role: str, model_cfg: ModelConfig, config: Any, auto_class: Any,
         module.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False})
     if model_cfg.lora.enabled:
-        with torch.device(device):
+        with torch.device(device), _parameters_on_meta() if lazy else contextlib.nullcontext():
             module = _with_lora(module, model_cfg)
     return module
 
 
 def build_causal_lm(model_cfg: ModelConfig, vocab_size: int, *, role: str = "actor",
-                    seed: int = 0, meta: bool = False) -> CausalLM:
+                    seed: int = 0, meta: bool = False, lazy: bool = False) -> CausalLM:
     """Actor or ref: a Hugging Face causal LM (LoRA on top if enabled)."""
     config = hf_config(role, model_cfg, vocab_size)
     transformers = _transformers()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        lm = _backbone(role, model_cfg, config, transformers.AutoModelForCausalLM, meta)
-    return CausalLM(lm)
+        lm = _backbone(role, model_cfg, config, transformers.AutoModelForCausalLM, meta, lazy)
+    model = CausalLM(lm)
+    if model_cfg.path is not None and not (meta or lazy):
+        weights.start_fresh(model, seed)  # LoRA adapters ([Note: fresh parameters])
+    return model
 
 
 def build_value_model(model_cfg: ModelConfig, vocab_size: int, *, role: str = "critic",
-                      per_token: bool = True, seed: int = 0, meta: bool = False) -> ValueModel:
+                      per_token: bool = True, seed: int = 0, meta: bool = False,
+                      lazy: bool = False) -> ValueModel:
     """Critic (per token) or reward (per sequence): the backbone of a causal LM + a scalar head.
 
     From a ``path``, a value head saved next to the weights (``save_value_model``) is loaded;
@@ -254,18 +290,21 @@ def build_value_model(model_cfg: ModelConfig, vocab_size: int, *, role: str = "c
                           "Hugging Face sequence-classification model with one label")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        backbone = _backbone(role, model_cfg, config, transformers.AutoModel, meta)
-        with torch.device("meta" if meta else "cpu"):
+        backbone = _backbone(role, model_cfg, config, transformers.AutoModel, meta, lazy)
+        with torch.device("meta" if meta else "cpu"), \
+                _parameters_on_meta() if lazy else contextlib.nullcontext():
             model = ValueModel(backbone, config.hidden_size, per_token)
-        if not meta:
+        if not meta and model_cfg.path is None:
             # A small head keeps initial values near 0 whatever the backbone's scale.
             nn.init.normal_(model.value_head.weight, std=1.0 / (config.hidden_size + 1))
             nn.init.zeros_(model.value_head.bias)
-    if head is not None:
-        weight, bias = head
+    if model_cfg.path is not None and not (meta or lazy):
+        # The same values the head and LoRA get on the lazy path ([Note: fresh parameters]).
+        weights.start_fresh(model, seed)
+    if head is not None and not lazy:
         with torch.no_grad():
-            model.value_head.weight.copy_(weight.reshape(1, -1))
-            model.value_head.bias.copy_(bias.reshape(1) if bias is not None else 0.0)
+            for name, value in _head_values(head).items():
+                model.get_parameter(name).copy_(value)
     return model
 
 
@@ -291,6 +330,13 @@ def saved_head(directory: str | Path) -> tuple[torch.Tensor, torch.Tensor | None
     if "weight" not in found:
         return None
     return found["weight"], found.get("bias")
+
+
+def _head_values(head: tuple[torch.Tensor, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    """A saved head as the value head's parameters; a classifier's score has no bias: 0."""
+    weight, bias = head
+    return {"value_head.weight": weight.reshape(1, -1),
+            "value_head.bias": bias.reshape(1) if bias is not None else torch.zeros(1)}
 
 
 def check_reward_directory(path: str, config: Any) -> None:
@@ -336,19 +382,53 @@ def save_sequence_classifier(model: ValueModel, directory: str | Path, tokenizer
 
 
 def build_model(role: str, model_cfg: ModelConfig, vocab_size: int, *, seed: int = 0,
-                meta: bool = False) -> nn.Module:
-    """The module of one PPO role; ref and reward come frozen (no parameter requires grad)."""
+                meta: bool = False, lazy: bool = False) -> nn.Module:
+    """The module of one PPO role; ref and reward come frozen (no parameter requires grad).
+    ``lazy`` (a ``path`` only): parameters on the meta device, buffers real, for
+    ``build_for_setup``."""
     if role in ("actor", "ref"):
-        model: nn.Module = build_causal_lm(model_cfg, vocab_size, role=role, seed=seed, meta=meta)
+        model: nn.Module = build_causal_lm(model_cfg, vocab_size, role=role, seed=seed,
+                                           meta=meta, lazy=lazy)
     elif role in ("critic", "reward"):
         model = build_value_model(model_cfg, vocab_size, role=role, per_token=role == "critic",
-                                  seed=seed, meta=meta)
+                                  seed=seed, meta=meta, lazy=lazy)
     else:
         raise ValueError(f"unknown model role {role!r}; allowed: {', '.join(ROLES)}")
     if role in FROZEN_ROLES:
         model.requires_grad_(False)
         model.eval()
     return model
+
+
+def build_for_setup(role: str, model_cfg: ModelConfig, vocab_size: int, *, seed: int = 0
+                    ) -> tuple[nn.Module, Callable[[str, int, int], torch.Tensor] | None]:
+    """The module of one PPO role and the ``source`` that ``shard`` fills its shards from.
+
+    A model read from a directory of safetensors files comes with its parameters on the meta
+    device and a reader of the files, the same weights ``build_model`` loads, bit for bit. A
+    model from an inline config (random init) is built whole (docs/design.md, "Setup"), and
+    so is one whose files name a parameter as only transformers' conversions on load would
+    find it (with a warning); their source is None: the parameters' own values.
+    """
+    files = None if model_cfg.path is None else weights.model_files(model_cfg.path)
+    if files is not None:
+        model = build_model(role, model_cfg, vocab_size, seed=seed, lazy=True)
+        inner = model.lm if isinstance(model, CausalLM) else model.backbone
+        base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+        head = saved_head(model_cfg.path) if isinstance(model, ValueModel) else None
+        wrapper = "lm." if isinstance(model, CausalLM) else "backbone."
+        try:
+            return model, weights.file_source(
+                model, TensorFiles(files), wrapper=wrapper, base_prefix=base.base_model_prefix,
+                seed=seed, given=_head_values(head) if head is not None else None)
+        except weights.MissingWeights as err:
+            warnings.warn(f"{role}.path: {err}; the model is built whole on every rank",
+                          stacklevel=2)
+        except ValueError as err:  # damaged files, or weights of other shapes
+            raise ConfigError(f"{role}.path", f"cannot load the weights in {model_cfg.path!r} "
+                              f"({err}); allowed: a directory saved by save_pretrained"
+                              ) from None
+    return build_model(role, model_cfg, vocab_size, seed=seed), None
 
 
 def count_parameters(role: str, model_cfg: ModelConfig, vocab_size: int) -> tuple[int, int]:

@@ -27,6 +27,13 @@ The planner searches every combination (14 x 14 x 3 x 3) for the least predicted
 fits; where ``<role>.max_micro_batch_size`` allows, each model takes the largest micro-batch
 the memory left by the four states holds (fewer micro-batches, fewer collectives). A strategy is
 marked as fitting when some combination that contains it fits.
+
+[Note: setup peak]
+The four models set up at the same time, each rank reading only its shards from the model's
+files one unit at a time; a model then holds at most its P + G + OS plus its largest unit
+gathered (``cost.setup_memory``, the engine's [Note: setup memory]). A fitting combination's
+four setup peaks must also fit in ``memory_gb`` (no activations exist yet, so the reserve is
+free then).
 """
 
 from __future__ import annotations
@@ -72,6 +79,7 @@ class Option:
     # Micro-batch size -> prediction, for every size the model may take (the configured one
     # first); see [Note: all four models share a device].
     by_micro: dict[int, Timed] = field(default_factory=dict)
+    setup_bytes: int = 0  # held at most while setting up: P + G + OS + one unit gathered
 
     @property
     def memory_bytes(self) -> int:  # P + G + OS
@@ -131,6 +139,7 @@ class Choice:
 class Plan:
     models: dict[str, ModelPlan]
     budget_bytes: float  # per device, for the four models' states and the running one's peak
+    device_bytes: float  # per device, for the four models' setup peaks ([Note: setup peak])
     best: dict[str, Choice] | None  # least predicted time that fits; None when nothing fits
     fits: dict[str, set[Strategy]]  # per model, the strategies of some fitting combination
 
@@ -231,7 +240,7 @@ def model_plan(cfg: Config, role: str, vocab_size: int) -> ModelPlan:
     import torch
 
     from rlhf_paro.models import build_model
-    from rlhf_paro.sharding.cost import memory, traffic
+    from rlhf_paro.sharding.cost import memory, setup_memory, traffic
     from rlhf_paro.sharding.layout import unit_sizes
 
     model_cfg = cfg.model(role)
@@ -263,19 +272,21 @@ def model_plan(cfg: Config, role: str, vocab_size: int) -> ModelPlan:
             intra += optimizer_steps * sum(p.intra for p in phases.values())
             inter += optimizer_steps * sum(p.inter for p in phases.values())
         by_micro = {b: _timed(cfg, role, strategy, w, b) for b in micro_batch_sizes(cfg, role)}
+        setup = setup_memory(strategy, units, n, m, precision)
         options.append(Option(strategy, held["params"], held["grads"], held["optim"], intra,
-                              inter, by_micro))
+                              inter, by_micro, setup))
     kv = _kv_cache_bytes(cfg, vocab_size) if role == "actor" else 0.0
     return ModelPlan(role, num_params, num_trainable, options, kv)
 
 
-def _budget(cfg: Config) -> float:
+def _budget(cfg: Config, reserve: float) -> float:
     if cfg.cluster.memory_gb is None:
         return math.inf
-    return cfg.cluster.memory_gb * GIB * (1.0 - cfg.cluster.activation_reserve)
+    return cfg.cluster.memory_gb * GIB * (1.0 - reserve)
 
 
-def _search(models: dict[str, ModelPlan], budget: float, fixed: dict[str, Strategy]
+def _search(models: dict[str, ModelPlan], budget: float, device: float,
+            fixed: dict[str, Strategy]
             ) -> tuple[dict[str, Choice] | None, dict[str, set[Strategy]]]:
     """Least-time fitting combination (ties: less memory), and each model's fitting options."""
     choices = [[models[r].option(fixed[r])] if r in fixed else models[r].options for r in ROLES]
@@ -284,7 +295,7 @@ def _search(models: dict[str, ModelPlan], budget: float, fixed: dict[str, Strate
     for combo in itertools.product(*choices):
         states = sum(o.memory_bytes for o in combo)
         picked = [o.best_within(budget - states) for o in combo]
-        if any(p is None for p in picked):
+        if any(p is None for p in picked) or sum(o.setup_bytes for o in combo) > device:
             continue
         for role, option in zip(ROLES, combo):
             fits[role].add(option.strategy)
@@ -304,9 +315,9 @@ def make_plan(cfg: Config, vocab_sizes: dict[str, int] | None = None,
 
         vocab_sizes = read_vocab_sizes(cfg)
     models = {role: model_plan(cfg, role, vocab_sizes[role]) for role in ROLES}
-    budget = _budget(cfg)
-    best, fits = _search(models, budget, fixed or {})
-    return Plan(models, budget, best, fits)
+    budget, device = _budget(cfg, cfg.cluster.activation_reserve), _budget(cfg, 0.0)
+    best, fits = _search(models, budget, device, fixed or {})
+    return Plan(models, budget, device, best, fits)
 
 
 def configured_strategies(cfg: Config) -> dict[str, Strategy]:
@@ -419,9 +430,10 @@ def format_plan(cfg: Config, plan: Plan) -> str:
                       f"{m_cfg.precision}{steps}, micro-batch {m_cfg.micro_batch_size}, conf "
                       f"strategy {m_cfg.strategy}; fastest first (rank: alone on the device)",
                   f"  rank strategy {'P':>7} {'G':>8} {'OS':>8} {'sum':>8} {'peak':>8} "
-                  f"{'intra':>9} {'inter':>9} {'s/step':>9} {'compute':>8} {'exposed':>8}  fits",
+                  f"{'setup':>8} {'intra':>9} {'inter':>9} {'s/step':>9} {'compute':>8} "
+                  f"{'exposed':>8}  fits",
                   f"                {mem_unit:>7} {mem_unit:>8} {mem_unit:>8} {mem_unit:>8} "
-                  f"{mem_unit:>8} {net_unit:>9} {net_unit:>9}"]
+                  f"{mem_unit:>8} {mem_unit:>8} {net_unit:>9} {net_unit:>9}"]
         for o in sorted(model.options, key=lambda o: _time_key(o.seconds, o.memory_bytes)):
             marks = "yes" if o.strategy in plan.fits[role] else "no"
             if plan.best is not None and plan.best[role].strategy == o.strategy:
@@ -429,7 +441,7 @@ def format_plan(cfg: Config, plan: Plan) -> str:
             if configured.get(role) == o.strategy:
                 marks += "  (conf)"
             held = [o.params_bytes, o.grads_bytes, o.optim_bytes, o.memory_bytes,
-                    o.memory_bytes + o.configured.peak_bytes]
+                    o.memory_bytes + o.configured.peak_bytes, o.setup_bytes]
             cells = " ".join(f"{b / mem_scale:8.2f}" for b in held)
             sent = " ".join(f"{b / net_scale:9.3f}" for b in (o.intra_bytes, o.inter_bytes))
             t = o.configured
@@ -454,14 +466,20 @@ def format_plan(cfg: Config, plan: Plan) -> str:
              f"GiB at the peak, of {plan.budget_bytes / GIB:.1f} GiB")
         lines.append(f"recommended ({total:.4g} s per PPO step predicted{room}):")
         lines += [f"  {role:<7}{_why(plan, role)}" for role in ROLES]
+        setup = sum(ch.option.setup_bytes for ch in plan.best.values())
+        lines.append(f"setup peak: {setup / mem_scale:.2f} {mem_unit} per device while the four "
+                     "models set up at once (each its P + G + OS and one unit gathered)")
         if len(configured) == len(ROLES):
             picked = [plan.models[r].option(configured[r]) for r in ROLES]
             states = sum(o.memory_bytes for o in picked)
             fits = all(o.best_within(plan.budget_bytes - states) for o in picked)
             seconds = sum(o.seconds for o in picked)
+            setup = sum(o.setup_bytes for o in picked)
+            during = "fits" if setup <= plan.device_bytes else "does NOT fit"
             lines.append(f"the conf's strategies: {seconds:.4g} s per PPO step predicted, "
                          f"{states / GIB:.1f} GiB of states per device: "
-                         f"{'fits' if fits else 'does NOT fit'}")
+                         f"{'fits' if fits else 'does NOT fit'}; setup peak "
+                         f"{setup / mem_scale:.2f} {mem_unit}: {during}")
     return "\n".join(lines)
 
 

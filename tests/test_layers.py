@@ -14,6 +14,8 @@ Every ``import`` and ``from`` statement counts, at the top of a module, inside a
                   - ``models``: the four ``nn.Module``s built from a config section. Nothing in
                     them is Ray or the PPO loop, so they are below ``actors``; ``ppo`` prepares
                     the reward model by building and training one, so they are not above ``ppo``.
+                  - ``weights``: where a model's weights come from when it is read from files
+                    (``models`` builds its reader); below ``actors`` with ``models``.
                   - ``metrics``: the per-rank report the workers fill and its fold into a row;
                     plain data that ``actors`` imports, so below it.
     3  actors     the Ray workers of the four models and their placement
@@ -38,6 +40,7 @@ LAYERS = {
     "rlhf_paro.sharding": 1,
     "rlhf_paro.config": 2,
     "rlhf_paro.models": 2,
+    "rlhf_paro.weights": 2,
     "rlhf_paro.metrics": 2,
     "rlhf_paro.ppo": 2,
     "rlhf_paro.actors": 3,

@@ -43,6 +43,18 @@ def test_llama7b_memory_equals_table_2(llama_plan, name):
     assert (option.params_bytes, option.grads_bytes, option.optim_bytes) == TABLE_2[name]
 
 
+def test_setup_peak_adds_the_largest_unit_gathered(llama_plan):
+    # Llama-2-7B in bf16, units padded to a multiple of N. A causal LM's largest unit is its
+    # root: embeddings and LM head (2 x 32000 x 4096) and the final norm; a value model has no
+    # LM head, so a block is larger: attention 4 x 4096^2, MLP 3 x 4096 x 11008, two norms.
+    root = 2 * 32000 * 4096 + 4096
+    block = 4 * 4096 ** 2 + 3 * 4096 * 11008 + 2 * 4096
+    for role, model in llama_plan.models.items():
+        largest = root if role in ("actor", "ref") else block
+        for option in model.options:
+            assert option.setup_bytes == option.memory_bytes + 2 * (-(-largest // N) * N)
+
+
 def test_frozen_models_hold_only_parameters_and_n_sends_nothing(llama_plan):
     ref = llama_plan.models["ref"]
     assert ref.num_params == PSI and ref.num_trainable == 0
@@ -187,8 +199,9 @@ def test_cli_prints_the_table_and_rejects_bad_input(capsys):
     main(["conf=ppo_llama7b", "cluster.nodes=4", "cluster.gpus_per_node=8"])
     out = capsys.readouterr().out
     assert "N=32 devices, M=8 per group, g=4 groups" in out
-    # The summary line now gives the predicted time and the peak, not only the states.
+    # The summary line gives the predicted time and the peak, not only the states.
     assert out.count("<- recommended") == 4 and "s per PPO step predicted; the four hold" in out
+    assert "setup peak: " in out and "; setup peak " in out
     with pytest.raises(SystemExit) as info:
         main(["cluster.group_size=3"])
     assert info.value.code == 2

@@ -2,9 +2,10 @@
 
 A worker is one Ray actor: rank r of one model. ``setup`` joins the model's own process group
 (gloo on CPU, NCCL on GPU), builds the model identically on every rank (same seed), and wraps it
-with ``shard(...)`` under the model's strategy. The driver calls the role's methods on all ranks
-at once; between steps it collects one ``RankReport`` per rank (``report``), which also resets
-the step's timers and the engine's comm meter.
+with ``shard(...)`` under the model's strategy: a model read from files is built on the meta
+device and each rank reads only its shards from them (docs/design.md, "Setup"). The driver
+calls the role's methods on all ranks at once; between steps it collects one ``RankReport`` per
+rank (``report``), which also resets the step's timers and the engine's comm meter.
 
 ``Worker`` is all a frozen model (ref, reward) is; ``TrainedWorker`` adds what the models PPO
 trains (actor, critic) need: an optimizer, the PPO epochs over the rollout, training statistics,
@@ -84,18 +85,18 @@ class Worker:
         # N ranks x 4 models loading weights would each draw a progress bar.
         transformers.utils.logging.disable_progress_bar()
         # Built from the same seed on every rank (and ref from the actor's): identical weights.
-        model = self.build_model().to(self.device)
+        # The engine fills the shards on this device unit by unit: no whole copy lands there.
+        vocab_size = data.vocab_sizes(self.cfg)[self.role]
+        model, source = models.build_for_setup(self.role, self.model_cfg, vocab_size,
+                                               seed=self.cfg.trainer.seed)
         strategy = Strategy.parse(self.model_cfg.strategy, frozen=not self.trained)
         self.engine = shard(model, strategy=strategy, topology=topology,
                             comm=self.cfg.comm.algorithm, model_name=self.role,
-                            precision=self.model_cfg.precision, **self.shard_options())
+                            precision=self.model_cfg.precision, source=source,
+                            device=self.device, **self.shard_options())
         # Each rank samples and shuffles differently from here on.
         torch.manual_seed(self.cfg.trainer.seed * 1000 + self.rank + 1)
         return os.getpid()
-
-    def build_model(self) -> torch.nn.Module:
-        vocab_size = data.vocab_sizes(self.cfg)[self.role]
-        return models.build_model(self.role, self.model_cfg, vocab_size, seed=self.cfg.trainer.seed)
 
     def shard_options(self) -> dict[str, Any]:
         """Extra ``shard`` arguments: none for a frozen model."""

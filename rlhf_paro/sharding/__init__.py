@@ -8,7 +8,7 @@ import importlib
 
 _EXPORTS = {
     "CheckpointError": "errors", "EngineError": "errors", "ShardedEngine": "engine",
-    "shard": "engine",
+    "shard": "engine", "TensorFiles": "source",
     "Level": "strategy", "Strategy": "strategy", "StrategyError": "strategy",
     "all_strategies": "strategy",
 }

@@ -62,17 +62,6 @@ class Slot:
     tensor: torch.Tensor
 
 
-def pieces(buf: FlatBuffer, span: slice) -> list[tuple[str, int, int, int]]:
-    """The parameters that the flat range ``span`` of ``buf`` crosses, as (name, start, stop,
-    at): elements start..stop of the flattened parameter lie at offset ``at`` of the range."""
-    out = []
-    for name, offset, numel in zip(buf.names, buf.offsets, buf.numels):
-        lo, hi = max(span.start, offset), min(span.stop, offset + numel)
-        if lo < hi:
-            out.append((name, lo - offset, hi - offset, lo - span.start))
-    return out
-
-
 def snapshot(slots: Sequence[Slot], meta: dict[str, Any]) -> dict[str, Any]:
     """This rank's state: copies of its G-chunk pieces of every slot, and the metadata."""
     tensors: dict[str, torch.Tensor] = {}
@@ -80,7 +69,7 @@ def snapshot(slots: Sequence[Slot], meta: dict[str, Any]) -> dict[str, Any]:
     for slot in slots:
         chunk = slot.buffer.level_slice(Level.G)
         held = slot.buffer.level_slice(slot.level)
-        for name, start, stop, at in pieces(slot.buffer, chunk):
+        for name, start, stop, at in slot.buffer.pieces(chunk):
             first = chunk.start - held.start + at
             tensors[f"{slot.kind}/{name}"] = slot.tensor[first:first + stop - start].clone()
             ranges[name] = [start, stop]  # the same G-chunk for every kind
@@ -236,7 +225,7 @@ def read(slots: Sequence[Slot], table: dict[str, dict], saved: Sequence[Saved]
     plan = []  # (target, offset, source, key, a, b): values a..b of key go to target[offset:]
     for slot in slots:
         held = slot.buffer.level_slice(slot.level)
-        for name, start, stop, at in pieces(slot.buffer, held):
+        for name, start, stop, at in slot.buffer.pieces(held):
             kind = _source_kind(slot.kind, name, slot.tensor.dtype, meta)
             pos = start
             for s_start, s_stop, s in sorted(index.get((kind, name), []), key=lambda p: p[0]):

@@ -4,9 +4,22 @@ The buffer holds S elements (the parameters' total padded to a multiple of N), c
 in the nested order of ``comm/topology.py``. ``shard`` is this rank's P-level slice, kept all the
 time; ``full`` is the gathered buffer, whose storage exists only while the unit is gathered
 (always for P = N, where ``full`` is the shard). The module's parameters are views into ``full``.
+
+[Note: filling a buffer]  (docs/design.md, "Setup")
+A buffer is filled from ``read(name, start, stop)``, elements start..stop of a flattened
+parameter: the parameters' own values, or files when the module was built on the meta device.
+Only what this rank keeps is read, straight into the P shard (and, for a bf16 model that trains
+it, into the fp32 master at the OS level), a piece of one parameter at a time, each piece at
+most S * (bytes of the precision) / 4 elements: a read of up to 4 bytes an element never holds
+more than the gathered buffer would. The gathered buffer is allocated only after the reads, and
+freed at once (P != N). So filling a buffer costs at most the buffer gathered on top of what the
+strategy keeps. ``copy_`` does the one rounding to the buffer's precision, the same as widening
+to fp32 first and then rounding.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import nn
@@ -22,12 +35,16 @@ from rlhf_paro.sharding.strategy import Level
 # Parameter and reduction precisions by name (config values, cost model, engine).
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
+# (parameter name, start, stop) -> elements start..stop of the flattened parameter, any dtype.
+Read = Callable[[str, int, int], torch.Tensor]
+
 
 class FlatBuffer:
     """The trainable or the frozen parameters of one unit as one padded flat buffer."""
 
     def __init__(self, params: list[nn.Parameter], names: list[str], topo: Topology,
-                 p_level: Level, dtype: torch.dtype, gather: Collective | None) -> None:
+                 p_level: Level, dtype: torch.dtype, gather: Collective | None, *,
+                 read: Read, device: torch.device, master_level: Level | None = None) -> None:
         self.params = params
         self.names = names  # the parameters' qualified names: what a checkpoint is keyed by
         self.topo = topo
@@ -38,21 +55,47 @@ class FlatBuffer:
         self.offsets = [sum(self.numels[:k]) for k in range(len(params))]
         self.numel = sum(self.numels)
         self.size = padded(self.numel, topo.num_ranks)  # S
-        self.device = params[0].device
-        # fp32 copy of the initial values, kept only until the optimizer took its master shard.
-        initial = torch.zeros(self.size, dtype=torch.float32, device=self.device)
-        for p, off, n in zip(params, self.offsets, self.numels):
-            initial[off:off + n].copy_(p.detach().reshape(-1))
-        self.initial: torch.Tensor | None = initial
-        self.full = initial.to(dtype)
+        self.device = device
+        # [Note: filling a buffer] The shard first, then the master, then the gathered buffer.
+        most = max(1, self.size * dtype.itemsize // 4)  # elements read at a time, at most
+        self.shard = self._filled(self.level_slice(p_level), dtype, read, most)
+        # fp32 OS shard of a bf16 model's trained values, until the optimizer takes it as master.
+        self.master: torch.Tensor | None = (
+            None if master_level is None
+            else self._filled(self.level_slice(master_level), torch.float32, read, most))
+        self.full = self.shard if p_level == Level.N else torch.empty(
+            self.size, dtype=dtype, device=device)
         for p, off, n, shape in zip(params, self.offsets, self.numels, self.shapes):
-            p.data = self.full[off:off + n].view(shape)
+            _point(p, self.full[off:off + n].view(shape))
         self.storage_bytes = self.size * self.full.element_size()
-        self.shard = self.full if p_level == Level.N else self.full[self.level_slice(p_level)].clone()
         self.gathered = p_level == Level.N
         self.pending: Pending | None = None  # a gather in flight into ``full``
         if p_level != Level.N:
             self.full.untyped_storage().resize_(0)
+
+    def _filled(self, span: slice, dtype: torch.dtype, read: Read, most: int) -> torch.Tensor:
+        """Elements ``span`` of the flat buffer, read ``most`` elements at most at a time; the
+        padding is zero."""
+        out = torch.zeros(span.stop - span.start, dtype=dtype, device=self.device)
+        for name, first, last, at in self.pieces(span):
+            for start in range(first, last, most):
+                stop = min(last, start + most)
+                values = read(name, start, stop)
+                if values.numel() != stop - start:
+                    raise EngineError(f"parameter {name!r}: elements {start}..{stop} came as "
+                                      f"{values.numel()} values")
+                out[at + start - first:at + stop - first].copy_(values.reshape(-1))
+        return out
+
+    def pieces(self, span: slice) -> list[tuple[str, int, int, int]]:
+        """The parameters that the flat range ``span`` crosses, as (name, start, stop, at):
+        elements start..stop of the flattened parameter lie at offset ``at`` of the range."""
+        out = []
+        for name, offset, numel in zip(self.names, self.offsets, self.numels):
+            lo, hi = max(span.start, offset), min(span.stop, offset + numel)
+            if lo < hi:
+                out.append((name, lo - offset, hi - offset, lo - span.start))
+        return out
 
     # -- the nested layout -------------------------------------------------------------------
     def level_slice(self, level: Level) -> slice:
@@ -126,3 +169,17 @@ class FlatBuffer:
                     f"unit {unit_name!r}: the chunk gathered from rank {owner} does not match "
                     f"its owner's checksum on rank {t.rank} ({got.item()} != {sums[k].item()})"
                 )
+
+
+def _point(param: nn.Parameter, view: torch.Tensor) -> None:
+    """Make ``param`` the view ``view`` of a flat buffer, keeping the Python object (modules,
+    tied weights and hooks hold it)."""
+    if param.is_meta:
+        # A meta tensor cannot take data of another device: swap in an empty tensor of the
+        # buffer's device first. Not the view itself: it would share the buffer's version
+        # counter, and every gather into the buffer would look to autograd like a write to a
+        # parameter that a backward still needs; ``.data`` keeps the parameter's own counter.
+        empty = nn.Parameter(view.new_empty(0), requires_grad=param.requires_grad)
+        empty.__dict__.update(param.__dict__)
+        torch.utils.swap_tensors(param, empty)
+    param.data = view

@@ -68,8 +68,8 @@ class BoundaryStep:
             if buf.full.dtype == torch.float32:
                 # The fp32 parameters are their own master: the OS shard is a view of P.
                 master = buf.shard[buf.within_shard(strategy.optim)]
-            else:
-                master = buf.initial[buf.level_slice(strategy.optim)].clone()
+            else:  # read when the buffer was filled (_flat.py, [Note: filling a buffer])
+                master, buf.master = buf.master, None
             self.masters.append(nn.Parameter(master))
         kwargs = {**OPTIM_DEFAULTS, **optim}
         kwargs["betas"] = tuple(kwargs["betas"])

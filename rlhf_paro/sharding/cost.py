@@ -28,7 +28,8 @@ from rlhf_paro.sharding.layout import UnitSizes, padded
 from rlhf_paro.sharding.schedule import TRAINING_PHASES, plan, run, select, ways
 from rlhf_paro.sharding.strategy import Strategy
 
-__all__ = ["UnitSizes", "bytes_per_element", "memory", "optimizer_bytes_per_element", "traffic"]
+__all__ = ["UnitSizes", "bytes_per_element", "memory", "optimizer_bytes_per_element",
+           "setup_memory", "traffic"]
 
 GRAD_BYTES = 4  # the fp32 gradient accumulator
 
@@ -60,6 +61,16 @@ def memory(strategy: Strategy, units: Sequence[UnitSizes], num_ranks: int, group
     optim = (trainable * optimizer_bytes_per_element(precision)
              // ways(strategy.optim, topo))
     return {"params": params, "grads": grads, "optim": optim}
+
+
+def setup_memory(strategy: Strategy, units: Sequence[UnitSizes], num_ranks: int,
+                 group_size: int, precision: str = "fp32") -> int:
+    """Bytes a rank holds at most while the engine sets the model up: what it keeps
+    (``memory``) plus the largest unit gathered (engine.py, [Note: setup memory])."""
+    held = sum(memory(strategy, units, num_ranks, group_size, precision).values())
+    gathered = max((padded(u.trainable, num_ranks) + padded(u.frozen, num_ranks)
+                    for u in units), default=0)
+    return held + gathered * bytes_per_element(precision)
 
 
 def _rank_traffic(strategy: Strategy, units: Sequence[UnitSizes], topo: Topology, s: int,

@@ -26,6 +26,16 @@ shards they read, and gradients are read only after autograd has finished writin
 no device-wide synchronisation: on GPU the collective library orders a collective after the copy
 that filled its input on the same stream.
 
+[Note: setup memory]  (docs/design.md, "Setup")
+The engine fills the units one after another, each from ``read`` (a ``source``, or the
+parameters' own values): a unit's P shard, and for a bf16 model the fp32 master of its trained
+values at the OS level, are read piece by piece (_flat.py, [Note: filling a buffer]), no piece
+larger in bytes than the unit's gathered buffer; then that buffer is allocated and, for P != N,
+freed. The gradient accumulators and the Adam moments come after the last unit. So while it
+sets up, a rank holds at most what its strategy keeps (``cost.memory``) plus one unit gathered
+(``cost.setup_memory``). A module built with its parameters on the meta device and a source
+that reads files is never whole on any rank; without a source the caller built it whole.
+
 [Note: gradient precision]
 Gradients are summed over micro-batches in fp32 whatever the parameter precision: a bf16
 accumulator rounds every addition to 8 bits, so the result would depend on the order in which
@@ -50,7 +60,7 @@ from rlhf_paro.comm.collectives import Communicator
 from rlhf_paro.comm.meter import CommMeter
 from rlhf_paro.comm.topology import Topology
 from rlhf_paro.sharding import _checkpoint
-from rlhf_paro.sharding._flat import DTYPES, FlatBuffer
+from rlhf_paro.sharding._flat import DTYPES, FlatBuffer, Read
 from rlhf_paro.sharding._step import BoundaryStep
 from rlhf_paro.sharding._unit import PostBackward, Unit, UnitState, tensors_requiring_grad
 from rlhf_paro.sharding.errors import EngineError
@@ -74,7 +84,8 @@ class ShardedEngine:
                  grad_accum_steps: int = 1, comm: str = "native", precision: str = "fp32",
                  reduce_dtype: str = "fp32", model_name: str = "model",
                  unit_classes: list[str] | None = None, prefetch: bool = True,
-                 verify_gathers: bool = False) -> None:
+                 verify_gathers: bool = False, source: Read | None = None,
+                 device: torch.device | str | None = None) -> None:
         for key, value in (("precision", precision), ("reduce_dtype", reduce_dtype)):
             if value not in DTYPES:
                 raise ValueError(f"{key}={value!r} is unknown; allowed: {', '.join(DTYPES)}")
@@ -104,26 +115,33 @@ class ShardedEngine:
         if strategy.frozen:
             for p in module.parameters():
                 p.requires_grad_(False)
-        self.units = self._build_units(unit_classes, DTYPES[precision])
+        read, device = _values(module, source, device)
+        self.units = self._build_units(unit_classes, DTYPES[precision], read, device)
         self.root = self.units[0]
+        # The parameters are views into the flat buffers on ``device`` now; the buffers follow.
+        module.to(device)
         self._boundary = None if strategy.frozen else BoundaryStep(
             self.units, strategy, self.comm, self.schedule, optim or {}, max_grad_norm,
             self.reduce_dtype)
-        for unit in self.units:
-            for buf in unit.buffers:
-                buf.initial = None  # only the optimizer's fp32 master needed it
         self._register_hooks()
 
     # -- construction ------------------------------------------------------------------------
-    def _build_units(self, unit_classes: list[str] | None, dtype: torch.dtype) -> list[Unit]:
+    def _build_units(self, unit_classes: list[str] | None, dtype: torch.dtype, read: Read,
+                     device: torch.device) -> list[Unit]:
+        """The units, filled one at a time from ``read`` ([Note: setup memory])."""
         gather = select(self.schedule, "forward", "params")
         names = {id(p): name for name, p in self.module.named_parameters()}
+        # A bf16 model's optimizer keeps fp32 masters of the trained values at the OS level.
+        master = (self.strategy.optim if not self.strategy.frozen and dtype != torch.float32
+                  else None)
         units = []
         for index, spec in enumerate(split_units(self.module, unit_classes)):
             trainable = [p for p in spec.params if p.requires_grad]
             frozen = [p for p in spec.params if not p.requires_grad]
             buffers = [FlatBuffer(group, [names[id(p)] for p in group], self.topo,
-                                  self.strategy.params, dtype, gather[0] if gather else None)
+                                  self.strategy.params, dtype, gather[0] if gather else None,
+                                  read=read, device=device,
+                                  master_level=master if group is trainable else None)
                        for group in (trainable, frozen) if group]
             units.append(Unit(spec.name, spec.module, buffers,
                               buffers[0] if trainable else None, is_root=index == 0))
@@ -415,12 +433,20 @@ def shard(model: nn.Module, strategy: Strategy | str, topology: Topology, *,
           grad_accum_steps: int = 1, comm: str = "native", precision: str = "fp32",
           reduce_dtype: str = "fp32", model_name: str = "model",
           unit_classes: list[str] | None = None, prefetch: bool = True,
-          verify_gathers: bool = False) -> ShardedEngine:
+          verify_gathers: bool = False, source: Read | None = None,
+          device: torch.device | str | None = None) -> ShardedEngine:
     """Shard ``model`` in place by ``strategy`` over ``topology`` (docs/design.md, "Engine").
 
     A frozen strategy (one P level, e.g. ``Strategy.parse("G", frozen=True)``) gives an
     inference-only engine. ``comm`` picks the algorithm of world-scope collectives;
     ``reduce_dtype`` the precision of gradient reductions (fp32 accumulation is fixed).
+
+    ``source(name, start, stop)`` gives elements start..stop of the flattened parameter
+    ``name`` (as ``model.named_parameters()`` names it), e.g. from files (``TensorFiles``);
+    with it the parameters may be on the meta device, and each rank reads only what it keeps,
+    one unit at a time (docs/design.md, "Setup"). Without it the parameters' own values are
+    used. The shards are made on ``device`` (default: where the parameters are), and the
+    module's buffers are moved there.
     """
     if isinstance(strategy, str):
         strategy = Strategy.parse(strategy, frozen=len(strategy.strip()) == 1)
@@ -428,4 +454,28 @@ def shard(model: nn.Module, strategy: Strategy | str, topology: Topology, *,
                          grad_accum_steps=grad_accum_steps, comm=comm, precision=precision,
                          reduce_dtype=reduce_dtype, model_name=model_name,
                          unit_classes=unit_classes, prefetch=prefetch,
-                         verify_gathers=verify_gathers)
+                         verify_gathers=verify_gathers, source=source, device=device)
+
+
+def _values(module: nn.Module, source: Read | None, device: torch.device | str | None
+            ) -> tuple[Read, torch.device]:
+    """Where the engine reads parameter values (``source``, or the parameters themselves) and
+    the device its shards live on."""
+    params = dict(module.named_parameters())
+    on_meta = sorted(name for name, p in params.items() if p.is_meta)
+    if source is None and on_meta:
+        raise ValueError(f"parameter {on_meta[0]!r} is on the meta device and no source was "
+                         "given; allowed: source=, a reader of the parameters' values")
+    if device is None:
+        devices = {p.device for p in params.values() if not p.is_meta}
+        if len(devices) != 1:
+            raise ValueError(f"the parameters are on {sorted(map(str, devices)) or 'meta'}; "
+                             "allowed: device=, the device of the shards")
+        device = devices.pop()
+    if source is not None:
+        return source, torch.device(device)
+
+    def own(name: str, start: int, stop: int) -> torch.Tensor:
+        return params[name].detach().reshape(-1)[start:stop]
+
+    return own, torch.device(device)

@@ -3,7 +3,7 @@ docs/paper-errata.md) and equation (1)."""
 
 import pytest
 
-from rlhf_paro.sharding.cost import UnitSizes, memory, traffic
+from rlhf_paro.sharding.cost import UnitSizes, memory, setup_memory, traffic
 from rlhf_paro.sharding.strategy import Strategy, all_strategies
 
 N, M = 64, 8  # the paper's Figure 5 cluster
@@ -40,6 +40,17 @@ def test_frozen_parameters_have_no_gradient_or_optimizer_state() -> None:
 def test_padding_is_counted() -> None:
     mem = memory(Strategy.parse("GGG"), [UnitSizes(10, 3)], 4, 2, "fp32")
     assert mem["params"] == 4 * (12 + 4) // 4
+
+
+def test_setup_peak_is_what_a_rank_keeps_plus_its_largest_unit_gathered() -> None:
+    # Units of 10+3 and 6+0 elements on N = 4: padded 12+4 and 8; the larger gathers 16.
+    units = [UnitSizes(10, 3), UnitSizes(6, 0)]
+    for name, frozen in (("GGG", False), ("IGG", False), ("NNN", False), ("G", True)):
+        strategy = Strategy.parse(name, frozen=frozen)
+        for precision, b in (("fp32", 4), ("bf16", 2)):
+            kept = sum(memory(strategy, units, 4, 2, precision).values())
+            assert setup_memory(strategy, units, 4, 2, precision) == kept + 16 * b
+    assert setup_memory(Strategy.parse("GGG"), [], 4, 2) == 0
 
 
 def _total(name: str, s: int, phase: str) -> tuple[float, float]:
