@@ -102,7 +102,7 @@ def test_recommendation_is_explained_in_predicted_times(llama, llama_plan):
     assert "exposed communication" in out and "key/value cache" in out
     # Each model's table is ranked by predicted time, fastest first.
     table = out[out.index("actor: Psi"):out.index("critic: Psi")].splitlines()[3:17]
-    times = [float(line.split()[9]) for line in table]
+    times = [float(line.split()[10]) for line in table]  # the s/step column
     assert len(times) == 14 and times == sorted(times)
 
 

@@ -1,8 +1,9 @@
 """A new user's run on real Ray: their Hugging Face models, tokenizers, prompt files and reward.
 
-One Ray session for two PPO runs of 2 steps on 2 CPU devices, each model with its own strategy:
-a Llama with chat-message prompts, a reward function and evaluation; a GPT-2 (byte-level BPE,
-no pad token) scored by a Llama sequence classifier of another tokenizer, exported every step.
+One Ray session for PPO runs of 2 steps on 2 CPU devices, each model with its own strategy: a
+Llama with chat-message prompts, a reward function and evaluation; a GPT-2 (byte-level BPE, no
+pad token) scored by a Llama sequence classifier of another tokenizer, exported every step; and
+a reward function that raises, which stops the run in one line.
 """
 
 from __future__ import annotations
@@ -38,6 +39,20 @@ def run(argv):
     return cfg, read_jsonl(f"{cfg.trainer.output_dir}/metrics.jsonl")
 
 
+def stopped(argv):
+    """The one line a run that stops early ends with."""
+    from rlhf_paro.trainer import PPOTrainer, RunError
+
+    trainer = PPOTrainer(load_config(argv))
+    try:
+        trainer.fit()
+    except RunError as err:
+        return str(err)
+    finally:
+        trainer.shutdown()
+    return None
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("own")
@@ -61,6 +76,9 @@ def runs(tmp_path_factory):
         f"data.train_files={plain}", "trainer.export_every=1", "actor.strategy=GGG",
         "critic.strategy=NNG", "ref.strategy=I", "reward.strategy=G",
         f"trainer.output_dir={root / 'run_gpt2'}"])
+    out["broken"] = stopped([
+        *COMMON, f"actor.path={llama}", f"reward.function={fns}:broken",
+        f"data.train_files={plain}", f"trainer.output_dir={root / 'run_broken'}"])
     yield out
     ray.shutdown()
 
@@ -97,3 +115,9 @@ def test_gpt2_scored_by_a_classifier_of_another_tokenizer_and_exported_every_ste
     for a, b in zip(final.state_dict().values(), last.state_dict().values()):
         torch.testing.assert_close(a, b)
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no partial export
+
+
+def test_a_reward_function_that_raises_stops_the_run_in_one_line_naming_it_and_the_step(runs):
+    message = runs["broken"]
+    assert message is not None and "\n" not in message
+    assert "reward function " in message and "fns.py:broken at step 0 raised ValueError" in message
