@@ -31,7 +31,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -168,6 +168,21 @@ def make_tokenizer(counting: CountingTask) -> Any:
                                    pad_token=SymbolTokenizer.pad_token, unk_token="<unk>")
 
 
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int,
+           loss_fn: Callable[[], torch.Tensor], what: str) -> None:
+    """``steps`` optimizer steps on ``loss_fn()``, a progress line every quarter; leaves the
+    model in eval mode."""
+    model.train()
+    for step in range(steps):
+        loss = loss_fn()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if (step + 1) % max(steps // 4, 1) == 0:
+            _say(f"{what}: step {step + 1}/{steps}, loss {loss.item():.3f}")
+    model.eval()
+
+
 # -- the SFT'd actor ---------------------------------------------------------------------------
 
 def _sft_actor(task: TaskConfig, counting: CountingTask, model_cfg: ModelConfig,
@@ -176,20 +191,16 @@ def _sft_actor(task: TaskConfig, counting: CountingTask, model_cfg: ModelConfig,
     model = build_causal_lm(model_cfg, vocab_size, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=task.sft_lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(21)
-    model.train()
-    for step in range(task.sft_steps):
+
+    def loss() -> torch.Tensor:
         prompts = counting.sample_prompts(task.sft_batch_size, generator)
         responses = counting.sample_responses(prompts, generator)
         ids, mask = join(prompts, responses)
         response_mask = mask[:, -responses.shape[1]:].float()
         logp = model(ids, mask, response_len=responses.shape[1])
-        loss = -(logp * response_mask).sum() / response_mask.sum()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if (step + 1) % max(task.sft_steps // 4, 1) == 0:
-            _say(f"SFT of the actor: step {step + 1}/{task.sft_steps}, loss {loss.item():.3f}")
-    model.eval()
+        return -(logp * response_mask).sum() / response_mask.sum()
+
+    _train(model, optimizer, task.sft_steps, loss, "SFT of the actor")
     score = _sampled_score(model, counting, generator)
     model.lm.generation_config.pad_token_id = SymbolTokenizer.pad_token_id
     model.lm.save_pretrained(directory, safe_serialization=True)
@@ -202,10 +213,12 @@ def _sampled_score(model: torch.nn.Module, counting: CountingTask,
                   generator: torch.Generator) -> float:
     """Mean task score of sampled responses to 256 prompts: how well the SFT policy counts."""
     prompts = counting.sample_prompts(256, generator)
-    out = model.generate(prompts, torch.ones_like(prompts), do_sample=True, top_k=0,
-                         max_new_tokens=counting.response_len,
-                         eos_token_id=SymbolTokenizer.eos_token_id,
-                         pad_token_id=SymbolTokenizer.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(22)  # generate samples from the global generator
+        out = model.generate(prompts, torch.ones_like(prompts), do_sample=True, top_k=0,
+                             max_new_tokens=counting.response_len,
+                             eos_token_id=SymbolTokenizer.eos_token_id,
+                             pad_token_id=SymbolTokenizer.pad_token_id)
     responses = out[:, prompts.shape[1]:]
     return float(counting.score(prompts, responses).mean())
 
@@ -248,19 +261,15 @@ def _reward_model(task: TaskConfig, counting: CountingTask, model_cfg: ModelConf
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                   lr=task.reward_lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(3)
-    model.train()
-    for step in range(task.reward_steps):
+
+    def loss() -> torch.Tensor:
         index = torch.randint(0, task.reward_pairs, (task.reward_batch_size,),
                               generator=generator)
         chosen, rejected = _score_pairs(model, PreferencePairs(
             train.prompts[index], train.chosen[index], train.rejected[index]))
-        loss = -F.logsigmoid(chosen - rejected).mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if (step + 1) % max(task.reward_steps // 4, 1) == 0:
-            _say(f"reward model: step {step + 1}/{task.reward_steps}, loss {loss.item():.3f}")
-    model.eval()
+        return -F.logsigmoid(chosen - rejected).mean()
+
+    _train(model, optimizer, task.reward_steps, loss, "reward model")
     accuracy = pairwise_accuracy(model, held_out_pairs(task, counting))
     save_sequence_classifier(model, directory, tokenizer)
     return {"reward_steps": task.reward_steps, "reward_accuracy": accuracy}
