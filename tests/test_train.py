@@ -11,6 +11,7 @@ import time
 import pytest
 
 from rlhf_paro.config import CONF_DIR
+from tests.confs import INLINE
 
 
 # Every test here runs the command line in a fresh interpreter (seconds each).
@@ -30,9 +31,11 @@ def _train(*args: str, cwd) -> subprocess.CompletedProcess:
     (["ppo.rollout_batch_size=-8"], "rollout_batch_size"),
     (["conf=no_such_conf"], "conf"),
     (["actor.config=null", "actor.path=/no/such/model"], "actor.path"),
-    (["actor.config.num_hidden_layerz=2"], "actor.config.num_hidden_layerz"),  # checked by HF
-    (["actor.config.hidden_size={a: 1}"], "actor.config.hidden_size"),  # HF's type, checked by us
-    (["actor.config.num_attention_heads=-0.5"], "actor.config.num_attention_heads"),
+    ([*INLINE, "actor.config.num_hidden_layerz=2"], "actor.config.num_hidden_layerz"),  # by HF
+    ([*INLINE, "actor.config.hidden_size={a: 1}"], "actor.config.hidden_size"),  # HF's type
+    ([*INLINE, "actor.config.num_attention_heads=-0.5"], "actor.config.num_attention_heads"),
+    (["task.model.num_hidden_layerz=2"], "task.model.num_hidden_layerz"),  # the demo's model
+    (["actor.config.hidden_size=32"], "data.train_files"),  # the demo's files need a tokenizer
 ])
 def test_bad_input_exits_with_one_line_and_writes_nothing(tmp_path, args, names):
     out = tmp_path / "out"
