@@ -57,7 +57,7 @@ def test_ppo_tiny_gives_the_values_of_the_default_run():
                                 "num_attention_heads": 4, "num_key_value_heads": 4,
                                 "max_position_embeddings": 64}
     assert (cfg.actor.optim.lr, cfg.actor.optim.betas, cfg.critic.optim.lr) == \
-        (3e-3, (0.9, 0.95), 3e-3)
+        (1e-3, (0.9, 0.95), 3e-3)
     assert (cfg.actor.micro_batch_size, cfg.reward.micro_batch_size, cfg.actor.lora.r) == (4, 8, 8)
     assert (cfg.ppo.rollout_batch_size, cfg.ppo.mini_batch_size, cfg.ppo.ppo_epochs) == (64, 32, 2)
     assert (cfg.ppo.kl_coef, cfg.ppo.adaptive_kl, cfg.ppo.max_prompt_len) == (0.01, False, 8)
