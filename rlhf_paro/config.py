@@ -30,6 +30,7 @@ import contextvars
 import copy
 import dataclasses
 import difflib
+import inspect
 import math
 import re
 import sys
@@ -894,7 +895,12 @@ def _demo(name: str, *, _root_: DictConfig) -> str:
 
 
 if not OmegaConf.has_resolver("demo"):
-    OmegaConf.register_new_resolver("demo", _demo)
+    # OmegaConf 2.4 moved this to register_resolver (2.3 has an older call of that name) and
+    # warns on the old one; a warning would break our one-line errors on stderr.
+    if "annotation_validation" in inspect.signature(OmegaConf.register_resolver).parameters:
+        OmegaConf.register_resolver("demo", _demo, annotation_validation="off")
+    else:
+        OmegaConf.register_new_resolver("demo", _demo)
 
 
 def compose(conf: str, overrides: list[Override]) -> dict[str, Any]:
