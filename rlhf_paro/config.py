@@ -847,23 +847,19 @@ def _drop_competing(cfg: DictConfig, given: set[str]) -> None:
     competing["reward.path"] += ["reward.function"]
     competing["reward.function"] = ["reward.path", "reward.config"]
     competing["data.train_files"] = ["data.val_files", "reward.score_function"]
+    # What goes with a key when it is dropped: no validation files, nothing to evaluate on.
+    following = {"data.val_files": ["trainer.eval_every"]}
     # A key inside a model's inline config (actor.config.hidden_size) gives that config too.
     given = given | {".".join(key.split(".")[:2]) for key in given
                      if key.split(".")[1:2] == ["config"]}
-    dropped_keys = set()
-    for key, dropped in competing.items():
-        if key not in given:
-            continue
-        for other in dropped:
-            section, _, name = other.partition(".")
-            node = cfg.get(section)
-            if other not in given and isinstance(node, DictConfig) and name in node:
-                del node[name]
-                dropped_keys.add(other)
-    trainer = cfg.get("trainer")
-    if "data.val_files" in dropped_keys and "trainer.eval_every" not in given and \
-            isinstance(trainer, DictConfig) and "eval_every" in trainer:
-        del trainer["eval_every"]  # nothing left to evaluate on
+    pending = [other for key, others in competing.items() if key in given for other in others]
+    while pending:
+        other = pending.pop()
+        section, _, name = other.partition(".")
+        node = cfg.get(section)
+        if other not in given and isinstance(node, DictConfig) and name in node:
+            del node[name]
+            pending += following.get(other, [])
 
 
 # Set while ``compose`` resolves the finished conf: only then may ``${demo:NAME}`` make assets.

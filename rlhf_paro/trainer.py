@@ -79,8 +79,8 @@ class PPOTrainer:
                        for role in ROLES}
         # The four models join their process groups and build their engines at once.
         self.pids = self.wait(**{role: group.rendezvous() for role, group in self.models.items()})
-        self.task = task_from_config(cfg)
-        self.prompts = runs.Prompts(cfg, self.task)  # from data.train_files, or the task's
+        # From data.train_files, or made by the task.
+        self.prompts = runs.Prompts(cfg, task_from_config(cfg))
         ppo = cfg.ppo
         self.kl_ctl = core.kl_controller(ppo.kl_coef, ppo.adaptive_kl, ppo.kl_target,
                                          ppo.kl_horizon)

@@ -19,7 +19,8 @@ from rlhf_paro.ppo import data, rewards
 
 
 class RewardWorker(Worker):
-    """``reward`` comes to the workers already pointing at the trained model (``train.py``)."""
+    """Scores rollouts with the reward model of ``reward.path`` or the function of
+    ``reward.function``."""
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -31,7 +32,7 @@ class RewardWorker(Worker):
         self.score_function = (rewards.load_function(score_spec, "reward.score_function")
                                if score_spec else None)
         # The reward model's own tokenizer, when it differs from the actor's.
-        self.reward_tokenizer = data.reward_tokenizer(self.cfg) if files else None
+        self.reward_tokenizer = data.reward_tokenizer(self.cfg, self.tokenizer) if files else None
         if self.reward_tokenizer is not None:
             self.reward_tokenizer.padding_side = "right"
         self._score_sums = {"count": 0.0, "task_score": 0.0}

@@ -65,16 +65,18 @@ def actor_tokenizer(cfg: Config) -> Any:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def reward_tokenizer(cfg: Config) -> Any | None:
+def reward_tokenizer(cfg: Config, actor: Any = None) -> Any | None:
     """The reward model's own tokenizer when it differs from the actor's (rollouts are then
-    decoded and encoded again), else None: the reward reads the actor's token ids."""
+    decoded and encoded again), else None: the reward reads the actor's token ids. ``actor``:
+    the actor's tokenizer where the caller has it loaded already."""
     reward = cfg.reward
     if reward.path is None or reward.function is not None or tokenizer_dir(cfg) is None:
         return None
     if not any((Path(reward.path).expanduser() / f).is_file() for f in TOKENIZER_FILES):
         return None  # a directory without a tokenizer is read with the actor's
     own = load_tokenizer(reward.path, reward.trust_remote_code, "reward.path")
-    return None if own.get_vocab() == actor_tokenizer(cfg).get_vocab() else own
+    actor = actor if actor is not None else actor_tokenizer(cfg)
+    return None if own.get_vocab() == actor.get_vocab() else own
 
 
 def with_critic_default(cfg: Config) -> Config:
@@ -97,11 +99,12 @@ def vocab_sizes(cfg: Config) -> dict[str, int]:
     if tokenizer_dir(cfg) is None:
         from rlhf_paro.ppo.task import task_from_config
 
-        size = task_from_config(cfg).tokenizer.vocab_size
+        actor, size = None, task_from_config(cfg).tokenizer.vocab_size
     else:
-        size = len(actor_tokenizer(cfg))
+        actor = actor_tokenizer(cfg)
+        size = len(actor)
     sizes = dict.fromkeys(ROLES, size)
-    own = reward_tokenizer(cfg)
+    own = reward_tokenizer(cfg, actor)
     if own is not None:
         sizes["reward"] = len(own)
     return sizes

@@ -44,7 +44,7 @@ from rlhf_paro.ppo.task import CountingTask, PreferencePairs, SymbolTokenizer, j
 # Bumped when the task, the data or a training recipe change, so stale caches are not reused.
 _RECIPE_VERSION = 2
 
-ASSETS = ("actor", "reward", "train", "val", "score")
+ASSETS = ("actor", "reward", "train", "val", "score")  # the names ${demo:NAME} takes
 
 # The counting score as ``reward.score_function`` names it.
 SCORE_FUNCTION = f"{Path(task_module.__file__).resolve()}:counting_score"
@@ -53,15 +53,9 @@ SCORE_FUNCTION = f"{Path(task_module.__file__).resolve()}:counting_score"
 MAX_DEMO_PARAMS = 50_000_000
 
 
-@dataclasses.dataclass(frozen=True)
-class Demo:
-    root: Path  # the cache entry: actor/, reward/, train.jsonl, val.jsonl, meta.json
-    meta: dict[str, Any]  # what was measured when it was made: accuracies and scores
-
-    def path(self, name: str) -> str:
-        if name == "score":
-            return SCORE_FUNCTION
-        return str(self.root / {"train": "train.jsonl", "val": "val.jsonl"}.get(name, name))
+# Where each asset lies in a cache entry (which also holds meta.json: what was measured when
+# it was made).
+_FILES = {"actor": "actor", "reward": "reward", "train": "train.jsonl", "val": "val.jsonl"}
 
 
 def cache_root(task: TaskConfig) -> Path:
@@ -82,15 +76,15 @@ def asset(name: str, task: TaskConfig, response_len: int) -> str:
         raise ConfigError("demo", f"no asset {name!r}; allowed: {', '.join(ASSETS)}")
     if name == "score":
         return SCORE_FUNCTION
-    return make(task, response_len).path(name)
+    return str(make(task, response_len) / _FILES[name])
 
 
-def make(task: TaskConfig, response_len: int) -> Demo:
+def make(task: TaskConfig, response_len: int) -> Path:
     """The demo's cache entry, made now if missing (a minute or less with the defaults)."""
     target = cache_root(task) / f"demo-{cache_key(task, response_len)}"
     meta_file = target / "meta.json"
     if meta_file.is_file():
-        return Demo(target, json.loads(meta_file.read_text()))
+        return target
     counting = CountingTask(task.num_symbols, task.prompt_len, response_len)
     model_cfg = ModelConfig(config=dict(task.model))
     vocab_size = len(_tokenizer_vocab(counting))
@@ -129,7 +123,7 @@ def make(task: TaskConfig, response_len: int) -> Demo:
         raise
     finally:
         torch.set_num_threads(threads)
-    return Demo(target, json.loads(meta_file.read_text()))
+    return target
 
 
 def _transformers_quiet() -> None:
@@ -243,10 +237,6 @@ def pairwise_accuracy(model: torch.nn.Module, pairs: PreferencePairs, batch: int
     return wins / pairs.prompts.shape[0]
 
 
-def held_out_pairs(task: TaskConfig, counting: CountingTask) -> PreferencePairs:
-    return counting.preference_pairs(task.reward_eval_pairs, seed=2)
-
-
 def _reward_model(task: TaskConfig, counting: CountingTask, model_cfg: ModelConfig,
                   vocab_size: int, tokenizer: Any, directory: Path) -> dict[str, float]:
     """Bradley-Terry on preference pairs labelled by the task's score, saved as a Hugging Face
@@ -270,7 +260,8 @@ def _reward_model(task: TaskConfig, counting: CountingTask, model_cfg: ModelConf
         return -F.logsigmoid(chosen - rejected).mean()
 
     _train(model, optimizer, task.reward_steps, loss, "reward model")
-    accuracy = pairwise_accuracy(model, held_out_pairs(task, counting))
+    # Seed 2: pairs apart from the training pairs (seed 1).
+    accuracy = pairwise_accuracy(model, counting.preference_pairs(task.reward_eval_pairs, seed=2))
     save_sequence_classifier(model, directory, tokenizer)
     return {"reward_steps": task.reward_steps, "reward_accuracy": accuracy}
 

@@ -70,7 +70,7 @@ def test_counting_score_on_text_equals_the_tasks_score_on_ids():
     fn = rewards.load_function(demo.SCORE_FUNCTION)
     got = fn(texts, decoded, num_symbols=[16] * 64, response_len=[8] * 64)
     assert got == task.score(prompts, responses).tolist()
-    assert 0 < min(got) or max(got) > 0  # the sample is not degenerate
+    assert max(got) > 0  # the sample is not degenerate
 
 
 def test_the_reward_model_is_a_sequence_classifier_that_ranks_held_out_pairs(made):
