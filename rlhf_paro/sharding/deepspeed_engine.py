@@ -1,0 +1,387 @@
+"""A model on DeepSpeed ZeRO behind the PaRO engine's surface (docs/design.md, "DeepSpeed backend").
+
+``deepspeed_engine(...)`` wraps ``deepspeed.initialize`` so that a worker drives it exactly as it
+drives ``shard(...)``: ``engine(**inputs)``, ``backward(loss)`` once per micro-batch,
+``step()`` at the accumulation boundary (returning the gradient norm), ``gathered(phase)`` for
+generation, ``memory()``, ``meter`` and checkpoints. What runs underneath is DeepSpeed's own
+ZeRO stage 0-3 (ZeRO++ hpZ and optimizer offload included); nothing of PaRO's schedule.
+
+[Note: metering DeepSpeed]
+DeepSpeed's comms logger records each collective's name and message size but not the process
+group it ran on, and it synchronises the device around every call. Every DeepSpeed collective
+passes through one object, ``deepspeed.comm.comm.cdb``; wrapping its methods gives each call
+with its group, so the bytes a rank sends are attributed by the same ring model as the PaRO
+engine's native collectives (``comm/meter.py``), on intra or inter links by where this rank's
+successor on the group's ring sits. tests/sharding/test_deepspeed.py holds the calls recorded
+here to the ones DeepSpeed's comms logger counts, op by op.
+
+[Note: DeepSpeed's phases]
+Collectives are labelled with the PaRO phase they serve: ``forward`` and ``backward`` inside
+those calls; inside ``step()`` an all-gather brings updated parameters back (``update``) and
+anything else reduces gradients or the norm (``boundary``); ``gathered(phase)`` uses its phase.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from rlhf_paro.comm.meter import CommMeter, LinkBytes, ring_bytes
+from rlhf_paro.comm.topology import Topology
+from rlhf_paro.sharding.errors import EngineError
+
+ZERO_STAGES = (0, 1, 2, 3)
+_TAG = "deepspeed"  # the one checkpoint tag this adapter writes under its directory
+
+# cdb method -> the PaRO op whose ring model counts it, the buffer that op counts (the whole
+# gathered or reduced buffer), and the method's leading parameters. DeepSpeed's wrappers hide
+# the signatures (``(self, *args, **kwargs)``), so DeepSpeed's TorchBackend order is written out.
+_METERED: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "all_reduce": ("all_reduce", "tensor", ("tensor", "op", "group")),
+    "inference_all_reduce": ("all_reduce", "tensor", ("tensor", "op", "group")),
+    "all_reduce_coalesced": ("all_reduce", "tensors", ("tensors", "op", "group")),
+    # A ring reduce sends what a reduce-scatter does.
+    "reduce": ("reduce_scatter", "tensor", ("tensor", "dst", "op", "group")),
+    "all_gather_into_tensor": ("all_gather", "output_tensor",
+                               ("output_tensor", "input_tensor", "group")),
+    "all_gather_base": ("all_gather", "output_tensor", ("output_tensor", "input_tensor", "group")),
+    "all_gather": ("all_gather", "tensor_list", ("tensor_list", "tensor", "group")),
+    "all_gather_coalesced": ("all_gather", "output_tensors",
+                             ("output_tensors", "input_tensors", "group")),
+    "reduce_scatter_tensor": ("reduce_scatter", "input_tensor",
+                              ("output_tensor", "input_tensor", "op", "group")),
+    "reduce_scatter": ("reduce_scatter", "input_list", ("output", "input_list", "op", "group")),
+    # A pipelined ring broadcast: (n-1)/n of the buffer per rank.
+    "broadcast": ("all_gather", "tensor", ("tensor", "src", "group")),
+    "all_to_all_single": ("all_gather", "input", ("output", "input", "output_split_sizes",
+                                                  "input_split_sizes", "group")),
+}
+
+
+def _import_deepspeed() -> Any:
+    """deepspeed, told to use the CPU when there is no GPU (it picks its accelerator at
+    import)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    return deepspeed
+
+
+def ds_config(*, zero_stage: int, hpz_partition_size: int = 1, offload_optimizer: bool = False,
+              optim: dict | None = None, max_grad_norm: float | None = None,
+              grad_accum_steps: int = 1, precision: str = "fp32", reduce_dtype: str = "fp32",
+              num_ranks: int = 1, frozen: bool = False, cpu: bool = True,
+              extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """DeepSpeed's JSON config for one model: its ZeRO stage, precision, AdamW and clipping
+    (the same hyperparameters as the PaRO engine), gradients accumulated in fp32; ``extra`` is
+    merged over it, key by key (any other DeepSpeed setting)."""
+    if zero_stage not in ZERO_STAGES:
+        raise ValueError(f"zero_stage={zero_stage} is unknown; allowed: 0, 1, 2, 3")
+    if hpz_partition_size > 1 and zero_stage != 3:
+        raise ValueError(f"hpz_partition_size={hpz_partition_size} needs zero_stage=3 "
+                         "(ZeRO++ hpZ partitions parameters)")
+    if offload_optimizer and (frozen or zero_stage == 0):
+        raise ValueError("offload_optimizer needs a trained model on zero_stage 1, 2 or 3")
+    zero: dict[str, Any] = {"stage": zero_stage if not frozen or zero_stage == 3 else 0}
+    if hpz_partition_size > 1:
+        zero["zero_hpz_partition_size"] = hpz_partition_size
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": not cpu}
+    config: dict[str, Any] = {
+        # DeepSpeed checks micro x accumulation x ranks = batch; the worker feeds the batches.
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": grad_accum_steps,
+        "train_batch_size": grad_accum_steps * num_ranks,
+        "zero_optimization": zero,
+        "bf16": {"enabled": precision == "bf16"},
+        # As the PaRO engine: micro-batch gradients add up in fp32 ([Note: gradient precision]).
+        "data_types": {"grad_accum_dtype": "fp32"},
+        "communication_data_type": reduce_dtype,
+        "steps_per_print": 2 ** 31 - 1,
+        "zero_allow_untested_optimizer": True,
+    }
+    if not frozen:
+        params = dict(optim or {})
+        params["betas"] = list(params.get("betas", (0.9, 0.999)))
+        # torch's AdamW on the CPU (DeepSpeed's fused kernel needs CUDA); DeepSpeedCPUAdam
+        # when the optimizer is offloaded.
+        if not offload_optimizer:
+            params["torch_adam"] = cpu
+        config["optimizer"] = {"type": "AdamW", "params": params}
+        config["gradient_clipping"] = float(max_grad_norm or 0.0)
+    return _merged(config, extra or {})
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+class DeepSpeedEngine:
+    """One model on DeepSpeed ZeRO; the surface of ``ShardedEngine`` that workers use."""
+
+    def __init__(self, module: nn.Module, topology: Topology, config: dict[str, Any], *,
+                 model_name: str = "model", frozen: bool = False,
+                 device: torch.device | str = "cpu") -> None:
+        deepspeed = _import_deepspeed()
+        if not deepspeed.comm.is_initialized():
+            # Joins the process group the worker already made (no discovery from MPI).
+            deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(),
+                                       auto_mpi_discovery=False)
+        # DeepSpeed picks its device by LOCAL_RANK; a worker sees one device, its own.
+        os.environ.setdefault("LOCAL_RANK", str(torch.device(device).index or 0))
+        self.topo = topology
+        self.meter = CommMeter(model_name)
+        self.zero_stage = config["zero_optimization"]["stage"]
+        self.grad_accum_steps = config["gradient_accumulation_steps"]
+        self.frozen = frozen
+        self._phase: str | None = None
+        self._micro_batches = 0
+        self._own_skips = 0  # stage 0 skips done here (DeepSpeed skips only under ZeRO)
+        self._last_skipped = False
+        _install_recorder(deepspeed)
+        if frozen:
+            for p in module.parameters():
+                p.requires_grad_(False)
+        module.to(device)
+        trained = [p for p in module.parameters() if p.requires_grad]
+        with self._metering("setup"):
+            self.ds, *_ = deepspeed.initialize(
+                model=module, config=config,
+                model_parameters=None if frozen else trained)
+        self.module = self.ds.module
+        if frozen:
+            self.module.eval()
+
+    # -- metering ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _metering(self, phase: str) -> Iterator[None]:
+        outer = _Recorder.engine
+        _Recorder.engine, previous, self._phase = self, self._phase, phase
+        try:
+            yield
+        finally:
+            _Recorder.engine, self._phase = outer, previous
+
+    def _record(self, method: str, numel: int, elem_size: int, group_ranks: list[int],
+                seconds: float) -> None:
+        op = _METERED[method][0]
+        phase = self._phase or "other"
+        if phase == "step":  # [Note: DeepSpeed's phases]
+            phase = "update" if op == "all_gather" else "boundary"
+        sent = ring_bytes(op, numel, elem_size, len(group_ranks))
+        me = group_ranks.index(self.topo.rank)
+        successor = group_ranks[(me + 1) % len(group_ranks)]
+        node = self.topo.group_size
+        crosses = successor // node != self.topo.rank // node
+        scope = "world" if len(group_ranks) == self.topo.num_ranks else (
+            "inter" if crosses else "intra")
+        self.meter.record(phase, op, scope, "deepspeed",
+                          LinkBytes(0, sent) if crosses else LinkBytes(sent, 0), seconds)
+
+    # -- the engine surface ------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self._metering("forward"):
+            return self.ds(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch; DeepSpeed scales the loss by 1/grad_accum_steps."""
+        if self.frozen:
+            raise EngineError(f"model {self.meter.model!r} is frozen; it has no backward")
+        if self._micro_batches >= self.grad_accum_steps:
+            raise EngineError(f"backward() called {self._micro_batches + 1} times without "
+                              f"step(); grad_accum_steps={self.grad_accum_steps}")
+        with self._metering("backward"):
+            self.ds.backward(loss)
+            self._micro_batches += 1
+            if self._micro_batches < self.grad_accum_steps:
+                self.ds.step()  # DeepSpeed counts micro-steps; off the boundary it only counts
+
+    @torch.no_grad()
+    def step(self) -> float:
+        """DeepSpeed's boundary step; returns the global gradient norm before clipping. A
+        non-finite norm skips the update on every rank (DeepSpeed's ZeRO stages do so
+        themselves; on stage 0 this adapter drops the gradients, as the PaRO engine does)."""
+        if self.frozen:
+            raise EngineError(f"model {self.meter.model!r} has no optimizer; step() is for "
+                              "trained models")
+        if self._micro_batches != self.grad_accum_steps:
+            raise EngineError(f"step() called after {self._micro_batches} of "
+                              f"grad_accum_steps={self.grad_accum_steps} backward() calls; "
+                              "call it once at the accumulation boundary")
+        skipped_before = self.ds.skipped_steps
+        norm = None
+        with self._metering("step"):
+            if self.zero_stage == 0:
+                # Gradients are all-reduced by now; torch's AdamW skips parameters without one.
+                params = [p for p in self.module.parameters() if p.grad is not None]
+                norm = float(torch.linalg.vector_norm(
+                    torch.stack([p.grad.float().norm() for p in params])))
+                if not torch.isfinite(torch.tensor(norm)):
+                    for p in params:
+                        p.grad = None
+                    self._own_skips += 1
+            self.ds.step()
+        self._micro_batches = 0
+        self._last_skipped = (self.ds.skipped_steps > skipped_before
+                              or (self.zero_stage == 0 and not torch.isfinite(torch.tensor(norm))))
+        if norm is None:
+            norm = self.ds.get_global_grad_norm()
+            norm = float("nan") if norm is None else float(norm)
+        return norm
+
+    @contextlib.contextmanager
+    def gathered(self, phase: str = "gather") -> Iterator[nn.Module]:
+        """Full parameters (ZeRO-3 gathers them; the other stages hold them whole)."""
+        with self._metering(phase):
+            if self.zero_stage != 3:
+                yield self.module
+                return
+            deepspeed = _import_deepspeed()
+            with deepspeed.zero.GatheredParameters(list(self.module.parameters())):
+                yield self.module
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded copies of every entry of ``module.state_dict()``, same keys."""
+        with self.gathered("gather"):
+            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds in P, G and OS, read off DeepSpeed's partitions: P the
+        parameters (ZeRO-3: the partition each keeps, plus hpZ's secondary one), G the fp32 gradient partition the
+        optimizer accumulates into (the whole gradient below stage 2), OS the optimizer's fp32
+        master partition and moments (on the host when offloaded)."""
+        params = [p for p in self.module.parameters()]
+        if self.zero_stage == 3:
+            kept = [t for p in params
+                    for t in (p.ds_tensor, getattr(p, "ds_secondary_tensor", None))
+                    if t is not None]
+            p_bytes = sum(t.numel() * t.element_size() for t in kept)
+        else:
+            p_bytes = sum(p.numel() * p.element_size() for p in params)
+        if self.frozen:
+            return {"params": p_bytes, "grads": 0, "optim": 0}
+        masters = self._master_partitions()
+        trained = sum(p.numel() for p in params if p.requires_grad)
+        g_elems = sum(m.numel() for m in masters) if self.zero_stage >= 2 else trained
+        optim = _optimizer_state(self.ds.optimizer)
+        o_bytes = sum(t.numel() * t.element_size() for t in optim)
+        if self.zero_stage >= 1:
+            o_bytes += sum(m.numel() * m.element_size() for m in masters)
+        return {"params": p_bytes, "grads": 4 * g_elems, "optim": o_bytes}
+
+    def _master_partitions(self) -> list[torch.Tensor]:
+        opt = self.ds.optimizer
+        for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+            if hasattr(opt, name):
+                return list(getattr(opt, name))
+        return []
+
+    # -- checkpoints: DeepSpeed's own format -------------------------------------------------
+    def save_checkpoint(self, directory: str | os.PathLike) -> Path:
+        """DeepSpeed's checkpoint of this model (every rank calls it) under ``directory``."""
+        with self._metering("checkpoint"):
+            self.ds.save_checkpoint(str(directory), tag=_TAG)
+        return Path(directory)
+
+    def load_checkpoint(self, directory: str | os.PathLike) -> None:
+        """Load what ``save_checkpoint`` wrote; DeepSpeed needs the same ZeRO stage and
+        number of ranks."""
+        with self._metering("checkpoint"):
+            path, _ = self.ds.load_checkpoint(str(directory), tag=_TAG,
+                                              load_optimizer_states=not self.frozen,
+                                              load_lr_scheduler_states=False)
+        if path is None:
+            raise EngineError(f"no DeepSpeed checkpoint under {directory}")
+
+    @property
+    def lr(self) -> float:
+        return 0.0 if self.frozen else float(self.ds.get_lr()[0])
+
+    @property
+    def skipped_steps(self) -> int:
+        return 0 if self.frozen else int(self.ds.skipped_steps) + self._own_skips
+
+    @property
+    def last_step_skipped(self) -> bool:
+        return self._last_skipped
+
+
+def _optimizer_state(optimizer: Any) -> list[torch.Tensor]:
+    """The tensors of the torch optimizer inside DeepSpeed's wrappers (Adam moments)."""
+    inner = optimizer
+    while hasattr(inner, "optimizer") and not isinstance(inner, torch.optim.Optimizer):
+        inner = inner.optimizer
+    return [t for state in inner.state.values() for t in state.values()
+            if isinstance(t, torch.Tensor) and t.dim() > 0]
+
+
+class _Recorder:
+    """The wrapper around DeepSpeed's communication backend ([Note: metering DeepSpeed])."""
+
+    engine: DeepSpeedEngine | None = None  # the engine whose call is running
+    installed_on: Any = None  # the backend object already wrapped
+
+
+def _install_recorder(deepspeed: Any) -> None:
+    backend = deepspeed.comm.comm.cdb
+    if _Recorder.installed_on is backend:
+        return
+    for method in _METERED:
+        original = getattr(backend, method, None)
+        if original is not None:
+            setattr(backend, method, _recording(method, original))
+    _Recorder.installed_on = backend
+
+
+def _recording(method: str, original: Any) -> Any:
+    _, counted, names = _METERED[method]
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        engine = _Recorder.engine
+        if engine is None:
+            return original(*args, **kwargs)
+        bound = {**dict(zip(names, args)), **kwargs}
+        start = time.perf_counter()
+        out = original(*args, **kwargs)
+        value = bound.get(counted)
+        tensors = [t for t in (value if isinstance(value, (list, tuple)) else [value])
+                   if isinstance(t, torch.Tensor)]
+        if tensors:
+            group = bound.get("group")
+            ranks = torch.distributed.get_process_group_ranks(
+                group if group is not None else torch.distributed.group.WORLD)
+            engine._record(method, sum(t.numel() for t in tensors), tensors[0].element_size(),
+                           sorted(ranks), time.perf_counter() - start)
+        return out
+
+    return call
+
+
+def deepspeed_engine(module: nn.Module, topology: Topology, *, zero_stage: int = 3,
+                     hpz_partition_size: int = 1, offload_optimizer: bool = False,
+                     optim: dict | None = None, max_grad_norm: float | None = None,
+                     grad_accum_steps: int = 1, precision: str = "fp32",
+                     reduce_dtype: str = "fp32", model_name: str = "model",
+                     frozen: bool = False, device: torch.device | str | None = None,
+                     extra: dict[str, Any] | None = None) -> DeepSpeedEngine:
+    """``module`` on DeepSpeed ZeRO ``zero_stage`` over ``topology``'s process group; the
+    counterpart of ``shard(...)`` (same optimizer, clipping and accumulation arguments)."""
+    device = torch.device(device) if device is not None else next(module.parameters()).device
+    config = ds_config(zero_stage=zero_stage, hpz_partition_size=hpz_partition_size,
+                       offload_optimizer=offload_optimizer, optim=optim,
+                       max_grad_norm=max_grad_norm, grad_accum_steps=grad_accum_steps,
+                       precision=precision, reduce_dtype=reduce_dtype,
+                       num_ranks=topology.num_ranks, frozen=frozen, cpu=device.type == "cpu",
+                       extra=extra)
+    return DeepSpeedEngine(module, topology, config, model_name=model_name, frozen=frozen,
+                           device=device)
