@@ -139,6 +139,41 @@ class LoraConfig:
 
 
 @dataclass
+class DeepSpeedOptions:
+    """A model on DeepSpeed ZeRO (``backend=deepspeed``) instead of a PaRO strategy."""
+
+    zero_stage: int = 3  # 0 (data parallel), 1, 2 or 3: what DeepSpeed partitions
+    # ZeRO++ hpZ: a secondary copy of the parameters partitioned over this many ranks (a
+    # node's devices, cluster.group_size), so backward gathers stay inside it; 1 is off.
+    hpz_partition_size: int = 1
+    # Adam's state and the fp32 master in host memory, stepped by DeepSpeedCPUAdam.
+    offload_optimizer: bool = False
+    # Any other DeepSpeed setting, merged over the generated config key by key, e.g.
+    # {zero_optimization: {stage3_param_persistence_threshold: 0}}.
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError("zero_stage", f"got {self.zero_stage}; allowed: 0, 1, 2, 3")
+        _positive("hpz_partition_size", self.hpz_partition_size)
+        if self.hpz_partition_size > 1 and self.zero_stage != 3:
+            raise ConfigError("hpz_partition_size", f"{self.hpz_partition_size} needs "
+                              f"zero_stage=3 (got {self.zero_stage}); allowed: 1 below stage 3")
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ConfigError("offload_optimizer", "needs zero_stage 1, 2 or 3 (DeepSpeed "
+                                                   "offloads the partitioned optimizer)")
+
+    def strategy(self, frozen: bool, group_size: int) -> str:
+        """The PaRO strategy that keeps what this stage keeps (for the planner and the report):
+        ZeRO-1 = NNG, ZeRO-2 = NGG, ZeRO-3 = GGG, ZeRO-3 with hpZ over a node = IGG."""
+        params = ("I" if self.hpz_partition_size == group_size > 1 else "G") \
+            if self.zero_stage == 3 else "N"
+        if frozen:
+            return params
+        return params + {0: "NN", 1: "NG", 2: "GG", 3: "GG"}[self.zero_stage]
+
+
+@dataclass
 class ModelConfig:
     """One of the four PPO models. The same schema serves actor, critic, reward and ref.
 
@@ -153,6 +188,10 @@ class ModelConfig:
     config: dict[str, Any] | None = None
     # A triple or preset for trained models, one P level for frozen ones, or ``auto`` (the planner).
     strategy: str = "auto"
+    # paro: the PaRO engine under ``strategy``; deepspeed: DeepSpeed ZeRO under ``deepspeed``
+    # (the strategy is then the stage's equivalent, DeepSpeedOptions.strategy).
+    backend: Literal["paro", "deepspeed"] = "paro"
+    deepspeed: DeepSpeedOptions = field(default_factory=DeepSpeedOptions)
     # bf16 keeps an fp32 master copy in the optimizer state (K = 12 bytes per parameter).
     precision: Literal["fp32", "bf16"] = "fp32"
     # Precision of gradient reductions between ranks (trained models; gradients always add up
@@ -502,6 +541,8 @@ class Config:
                 model.path = self.reward.path
             if model.path is None and model.config is None and model.function is None:
                 model.path, model.config = self.actor.path, copy.deepcopy(self.actor.config)
+            if model.backend == "deepspeed":
+                self._check_deepspeed(role, model)
             model.strategy = _normalise_strategy(role, model.strategy)
             if model.lora.enabled and role in FROZEN_ROLES:
                 raise ConfigError(f"{role}.lora.enabled", "LoRA trains adapters; allowed only "
@@ -519,6 +560,23 @@ class Config:
         if self.task.prompt_len > self.ppo.max_prompt_len:
             raise ConfigError("task.prompt_len", f"{self.task.prompt_len} exceeds "
                               f"ppo.max_prompt_len={self.ppo.max_prompt_len}")
+
+    def _check_deepspeed(self, role: str, model: ModelConfig) -> None:
+        ds, n = model.deepspeed, self.cluster.num_devices
+        if n % ds.hpz_partition_size:
+            raise ConfigError(f"{role}.deepspeed.hpz_partition_size", f"{ds.hpz_partition_size} "
+                              f"must divide cluster.num_devices={n}")
+        if ds.hpz_partition_size > 1 and role in FROZEN_ROLES:
+            # DeepSpeed's inference-only ZeRO-3 fails to set up hpZ's groups.
+            raise ConfigError(f"{role}.deepspeed.hpz_partition_size", "DeepSpeed runs hpZ only "
+                                                                      "for trained models; "
+                                                                      "allowed: 1")
+        if ds.offload_optimizer and role in FROZEN_ROLES:
+            raise ConfigError(f"{role}.deepspeed.offload_optimizer", "a frozen model has no "
+                                                                     "optimizer; allowed: false")
+        if model.function is not None:
+            raise ConfigError(f"{role}.backend", "a reward function runs no model; allowed: paro")
+        model.strategy = ds.strategy(role in FROZEN_ROLES, self.cluster.group_size)
 
     def model(self, role: str) -> ModelConfig:
         if role not in ROLES:

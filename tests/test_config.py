@@ -165,11 +165,33 @@ def test_nodes_and_gpus_per_node_define_the_cluster():
     (["trainer.output_dir=${oops"], "trainer.output_dir", "allowed: ${key}"),
     (["actor.optim.lr=.nan"], "actor.optim.lr", "expected a number"),
     (["actor.config.a\nb=1", "actor.strategy=Q"], "actor.strategy", "unknown strategy"),
+    (["actor.backend=ds"], "actor.backend", "allowed: paro, deepspeed"),
+    (["actor.deepspeed.zero_stage=4"], "actor.deepspeed.zero_stage", "allowed: 0, 1, 2, 3"),
+    (["actor.deepspeed.zero_stage=2", "actor.deepspeed.hpz_partition_size=2"],
+     "actor.deepspeed.hpz_partition_size", "needs zero_stage=3"),
+    (["actor.deepspeed.zero_stage=0", "actor.deepspeed.offload_optimizer=true"],
+     "actor.deepspeed.offload_optimizer", "zero_stage 1, 2 or 3"),
+    (["actor.backend=deepspeed", "actor.deepspeed.hpz_partition_size=3"],
+     "actor.deepspeed.hpz_partition_size", "must divide cluster.num_devices=4"),
+    (["ref.backend=deepspeed", "ref.deepspeed.hpz_partition_size=2"],
+     "ref.deepspeed.hpz_partition_size", "only for trained models"),
+    (["reward.backend=deepspeed", "reward.deepspeed.offload_optimizer=true"],
+     "reward.deepspeed.offload_optimizer", "no optimizer"),
 ])
 def test_every_mistake_is_one_line_naming_the_key(argv, key, allowed):
     message = error_of(argv)
     assert message.startswith(f"{key}: ") or message.startswith(f"{key} "), message
     assert allowed in message
+
+
+def test_a_deepspeed_model_takes_its_stage_equivalent_strategy():
+    cfg = load_config(["actor.backend=deepspeed", "actor.deepspeed.zero_stage=3",
+                       "actor.deepspeed.hpz_partition_size=2", "critic.backend=deepspeed",
+                       "critic.deepspeed.zero_stage=1", "ref.backend=deepspeed",
+                       "reward.backend=deepspeed", "reward.deepspeed.zero_stage=2"])
+    assert (cfg.actor.strategy, cfg.critic.strategy, cfg.ref.strategy, cfg.reward.strategy) == (
+        "IGG", "NNG", "G", "N")
+    assert load_config(["actor.deepspeed.zero_stage=1"]).actor.strategy != "NNG"  # paro: as set
 
 
 def test_cli_errors_exit_2_with_only_the_message(capsys):

@@ -87,13 +87,16 @@ class Worker:
         # Built from the same seed on every rank (and ref from the actor's): identical weights.
         # The engine fills the shards on this device unit by unit: no whole copy lands there.
         vocab_size = data.vocab_sizes(self.cfg)[self.role]
-        model, source = models.build_for_setup(self.role, self.model_cfg, vocab_size,
-                                               seed=self.cfg.trainer.seed)
-        strategy = Strategy.parse(self.model_cfg.strategy, frozen=not self.trained)
-        self.engine = shard(model, strategy=strategy, topology=topology,
-                            comm=self.cfg.comm.algorithm, model_name=self.role,
-                            precision=self.model_cfg.precision, source=source,
-                            device=self.device, **self.shard_options())
+        if self.model_cfg.backend == "deepspeed":
+            self.engine = self._deepspeed_engine(topology, vocab_size)
+        else:
+            model, source = models.build_for_setup(self.role, self.model_cfg, vocab_size,
+                                                   seed=self.cfg.trainer.seed)
+            strategy = Strategy.parse(self.model_cfg.strategy, frozen=not self.trained)
+            self.engine = shard(model, strategy=strategy, topology=topology,
+                                comm=self.cfg.comm.algorithm, model_name=self.role,
+                                precision=self.model_cfg.precision, source=source,
+                                device=self.device, **self.shard_options())
         # Each rank samples and shuffles differently from here on.
         torch.manual_seed(self.cfg.trainer.seed * 1000 + self.rank + 1)
         return os.getpid()
@@ -101,6 +104,21 @@ class Worker:
     def shard_options(self) -> dict[str, Any]:
         """Extra ``shard`` arguments: none for a frozen model."""
         return {}
+
+    def _deepspeed_engine(self, topology: Topology, vocab_size: int) -> Any:
+        """The model on DeepSpeed ZeRO (``backend=deepspeed``), built whole on every rank and
+        partitioned by DeepSpeed (docs/design.md, "DeepSpeed backend")."""
+        from rlhf_paro.sharding.deepspeed_engine import deepspeed_engine
+
+        ds = self.model_cfg.deepspeed
+        model = models.build_model(self.role, self.model_cfg, vocab_size,
+                                   seed=self.cfg.trainer.seed)
+        options = self.shard_options()
+        return deepspeed_engine(model, topology, zero_stage=ds.zero_stage,
+                                hpz_partition_size=ds.hpz_partition_size,
+                                offload_optimizer=ds.offload_optimizer, model_name=self.role,
+                                precision=self.model_cfg.precision, frozen=not self.trained,
+                                device=self.device, extra=ds.config, **options)
 
     # -- per-step accounting -----------------------------------------------------------------
     @contextlib.contextmanager

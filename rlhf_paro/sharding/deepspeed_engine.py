@@ -38,6 +38,7 @@ from rlhf_paro.sharding.errors import EngineError
 
 ZERO_STAGES = (0, 1, 2, 3)
 _TAG = "deepspeed"  # the one checkpoint tag this adapter writes under its directory
+_FROZEN_MARKER = "deepspeed_frozen"  # what a frozen model's checkpoint holds
 
 # cdb method -> the PaRO op whose ring model counts it, the buffer that op counts (the whole
 # gathered or reduced buffer), and the method's leading parameters. DeepSpeed's wrappers hide
@@ -87,6 +88,9 @@ def ds_config(*, zero_stage: int, hpz_partition_size: int = 1, offload_optimizer
     if hpz_partition_size > 1 and zero_stage != 3:
         raise ValueError(f"hpz_partition_size={hpz_partition_size} needs zero_stage=3 "
                          "(ZeRO++ hpZ partitions parameters)")
+    if hpz_partition_size > 1 and frozen:
+        # DeepSpeed's inference-only ZeRO-3 fails to set up hpZ's groups.
+        raise ValueError("hpz_partition_size > 1 needs a trained model on DeepSpeed")
     if offload_optimizer and (frozen or zero_stage == 0):
         raise ValueError("offload_optimizer needs a trained model on zero_stage 1, 2 or 3")
     zero: dict[str, Any] = {"stage": zero_stage if not frozen or zero_stage == 3 else 0}
@@ -154,10 +158,9 @@ class DeepSpeedEngine:
                 p.requires_grad_(False)
         module.to(device)
         trained = [p for p in module.parameters() if p.requires_grad]
-        with self._metering("setup"):
-            self.ds, *_ = deepspeed.initialize(
-                model=module, config=config,
-                model_parameters=None if frozen else trained)
+        # Not metered: setup's broadcasts are no step's traffic (as for the PaRO engine).
+        self.ds, *_ = deepspeed.initialize(model=module, config=config,
+                                           model_parameters=None if frozen else trained)
         self.module = self.ds.module
         if frozen:
             self.module.eval()
@@ -288,17 +291,28 @@ class DeepSpeedEngine:
 
     # -- checkpoints: DeepSpeed's own format -------------------------------------------------
     def save_checkpoint(self, directory: str | os.PathLike) -> Path:
-        """DeepSpeed's checkpoint of this model (every rank calls it) under ``directory``."""
+        """DeepSpeed's checkpoint of this model (every rank calls it) under ``directory``. A
+        frozen model's weights are its source's, unchanged: it writes only a marker, and is
+        built from its source again on resume."""
+        directory = Path(directory)
+        if self.frozen:
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / _FROZEN_MARKER).write_text(f"{self.zero_stage}\n")
+            return directory
         with self._metering("checkpoint"):
             self.ds.save_checkpoint(str(directory), tag=_TAG)
-        return Path(directory)
+        return directory
 
     def load_checkpoint(self, directory: str | os.PathLike) -> None:
         """Load what ``save_checkpoint`` wrote; DeepSpeed needs the same ZeRO stage and
         number of ranks."""
+        if self.frozen:
+            if not (Path(directory) / _FROZEN_MARKER).is_file():
+                raise EngineError(f"{directory} holds no checkpoint of a frozen DeepSpeed model")
+            return
         with self._metering("checkpoint"):
             path, _ = self.ds.load_checkpoint(str(directory), tag=_TAG,
-                                              load_optimizer_states=not self.frozen,
+                                              load_optimizer_states=True,
                                               load_lr_scheduler_states=False)
         if path is None:
             raise EngineError(f"no DeepSpeed checkpoint under {directory}")

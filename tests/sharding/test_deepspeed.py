@@ -70,16 +70,49 @@ def deepspeed_run(rank: int, topo, case: tuple[int, int, bool]) -> dict:
             "state": engine.full_state_dict()}
 
 
-def worker(rank: int, world_size: int, group_size: int) -> dict:
+def resumed_run(rank: int, topo, stage: int, directory: str) -> dict:
+    """Train a step, save, train the last steps; then a fresh engine loads the save and trains
+    the same steps: the losses of both, step by step."""
+    from rlhf_paro.sharding.deepspeed_engine import deepspeed_engine
+
+    def engine():
+        return deepspeed_engine(build_model("base", seed=7), topo, zero_stage=stage,
+                                optim=OPTIM, max_grad_norm=MAX_NORM, grad_accum_steps=MICRO,
+                                extra=EXTRA)
+
+    batches = make_batches("base", topo.num_ranks)[:, rank]
+
+    def train(e, steps):
+        out = []
+        for step in steps:
+            for k in range(MICRO):
+                loss = micro_loss(e, batches[step, k])
+                out.append(loss.item())
+                e.backward(loss)
+            e.step()
+        return out
+
+    first = engine()
+    train(first, [0])
+    first.save_checkpoint(f"{directory}/zero{stage}")
+    straight = train(first, range(1, STEPS))
+    second = engine()
+    second.load_checkpoint(f"{directory}/zero{stage}")
+    return {"straight": straight, "resumed": train(second, range(1, STEPS))}
+
+
+def worker(rank: int, world_size: int, group_size: int, directory: str) -> dict:
     from rlhf_paro.sharding import Topology
 
     topo = Topology.from_process_group(group_size=group_size)
-    return {key(case): deepspeed_run(rank, topo, case) for case in CASES}
+    out = {key(case): deepspeed_run(rank, topo, case) for case in CASES}
+    out["resumed"] = {stage: resumed_run(rank, topo, stage, directory) for stage in (1, 3)}
+    return out
 
 
 @pytest.fixture(scope="module")
-def grid() -> list[dict]:
-    return run_distributed(worker, WORLD, GROUP)
+def grid(tmp_path_factory) -> list[dict]:
+    return run_distributed(worker, WORLD, GROUP, str(tmp_path_factory.mktemp("ds_ckpt")))
 
 
 @functools.cache
@@ -149,3 +182,12 @@ def test_memory_read_off_deepspeed_partitions(grid: list[dict]) -> None:
     # ZeRO-1 and up keep 1/N of the fp32 master and both moments: 12 bytes an element.
     assert memory[(1, 1, False)]["optim"] <= 12 * total / WORLD + 12 * 64
     assert memory[(0, 1, False)]["optim"] == 8 * total
+
+
+@pytest.mark.parametrize("stage", (1, 3))
+def test_a_loaded_checkpoint_trains_on_exactly_as_the_saved_run(grid: list[dict],
+                                                                 stage: int) -> None:
+    # Seed 7, not the parity model: a load that did nothing would train another model.
+    for rank in range(WORLD):
+        got = grid[rank]["resumed"][stage]
+        assert got["resumed"] == got["straight"], f"rank {rank}"

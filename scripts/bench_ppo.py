@@ -1,0 +1,121 @@
+"""The same PPO run under several strategy assignments, interleaved round by round.
+
+    python scripts/bench_ppo.py                                   # ppo_tiny on this machine
+    python scripts/bench_ppo.py --rounds 3 --steps 6 -- cluster.num_devices=4 cluster.group_size=2
+    python scripts/bench_ppo.py --contenders zero3,deepspeed --mix actor=IIG,critic=NIG,ref=I,reward=I
+
+Contenders (each a set of overrides on top of the given ones):
+  zero3      uniform ZeRO-3 on PaRO: GGG for the trained models, G for the frozen ones, as an
+             OpenRLHF user would run it
+  ddp        uniform data parallel: NNN and N
+  auto       the planner's choice per model (strategy=auto)
+  deepspeed  every model on DeepSpeed ZeRO-3 (backend=deepspeed), the way OpenRLHF runs today
+  mix        the hand mix of --mix
+Every round runs each contender once, in turn, as its own `python -m rlhf_paro.train` job, so
+slow drifts of the machine fall on all alike. A job's first step (warm-up) is left out; per
+contender the table gives the median of the other steps over all rounds: `perf/samples_per_s`,
+each model's wall time per phase and the bytes it sent per step on intra and inter links (all
+ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROLES = ("actor", "critic", "reward", "ref")
+FROZEN = ("reward", "ref")
+
+
+def contender_overrides(name: str, mix: dict[str, str]) -> list[str]:
+    if name == "zero3":
+        return [f"{r}.strategy={'G' if r in FROZEN else 'GGG'}" for r in ROLES]
+    if name == "ddp":
+        return [f"{r}.strategy={'N' if r in FROZEN else 'NNN'}" for r in ROLES]
+    if name == "auto":
+        return [f"{r}.strategy=auto" for r in ROLES]
+    if name == "deepspeed":
+        return [o for r in ROLES for o in (f"{r}.backend=deepspeed", f"{r}.deepspeed.zero_stage=3")]
+    if name == "mix":
+        if not mix:
+            raise SystemExit("error: --contenders mix needs --mix actor=...,critic=...")
+        return [f"{r}.strategy={s}" for r, s in mix.items()]
+    raise SystemExit(f"error: unknown contender {name!r}; allowed: zero3, ddp, auto, deepspeed, mix")
+
+
+def run_job(overrides: list[str], output_dir: Path) -> list[dict]:
+    """One training job; its metrics rows (the job's own errors go to the console)."""
+    command = [sys.executable, "-m", "rlhf_paro.train", *overrides,
+               f"trainer.output_dir={output_dir}", "logger.wandb.mode=disabled",
+               "logger.progress=false", "trainer.save_every=0", "trainer.export_every=0",
+               "trainer.eval_every=0"]
+    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        raise SystemExit(f"error: {' '.join(overrides)} failed:\n{done.stderr[-2000:]}")
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return rows[1:]  # the first step warms up
+
+
+def summary(rows: list[dict]) -> dict[str, float]:
+    """Median over steps of every numeric metric the table shows."""
+    keys = [k for k in rows[0] if k == "perf/samples_per_s" or "/time_s/" in k
+            or k.endswith("/comm/intra_bytes") or k.endswith("/comm/inter_bytes")
+            or k.endswith("/strategy")]
+    return {k: statistics.median(r[k] for r in rows) for k in keys
+            if all(isinstance(r.get(k), (int, float)) for r in rows)}
+
+
+def table(results: dict[str, list[dict]]) -> str:
+    lines = ["| contender | samples/s | " + " | ".join(
+        f"{r} s/step (gen, infer, train) | {r} MB/step intra, inter" for r in ROLES) + " |",
+        "|---" * (2 + 2 * len(ROLES)) + "|"]
+    base = None
+    for name, rows in results.items():
+        s = summary(rows)
+        rate = s["perf/samples_per_s"]
+        base = base or rate
+        cells = [name, f"{rate:.2f} ({rate / base:.2f}x)"]
+        for r in ROLES:
+            phases = [s.get(f"{r}/time_s/{p}", 0.0) for p in ("generate", "inference", "train")]
+            cells.append(", ".join(f"{t:.2f}" for t in phases))
+            cells.append(f"{s.get(f'{r}/comm/intra_bytes', 0) / 1e6:.1f}, "
+                         f"{s.get(f'{r}/comm/inter_bytes', 0) / 1e6:.1f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--contenders", default="zero3,ddp,auto,deepspeed",
+                        help="comma-separated: zero3, ddp, auto, deepspeed, mix")
+    parser.add_argument("--mix", default="", help="the hand mix, e.g. actor=IIG,critic=NIG,"
+                                                  "ref=I,reward=I")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4, help="PPO steps per job (first: warm-up)")
+    parser.add_argument("overrides", nargs="*", help="key=value for every job (after --)")
+    args = parser.parse_args()
+    if args.steps < 2:
+        raise SystemExit("error: --steps must be at least 2 (the first step is warm-up)")
+    mix = dict(item.split("=", 1) for item in args.mix.split(",") if item)
+    names = [n for n in args.contenders.split(",") if n]
+    plans = {n: contender_overrides(n, mix) for n in names}
+    results: dict[str, list[dict]] = {n: [] for n in names}
+    with tempfile.TemporaryDirectory(prefix="bench_ppo_") as tmp:
+        for round_ in range(args.rounds):
+            for name in names:
+                out = Path(tmp) / f"{name}_{round_}"
+                print(f"round {round_ + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
+                results[name] += run_job([*args.overrides, *plans[name],
+                                          f"trainer.steps={args.steps}"], out)
+    print(f"overrides: {' '.join(args.overrides) or '(none)'}; {args.rounds} rounds of "
+          f"{args.steps} steps, first step of each job left out; ratios against {names[0]}")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
