@@ -24,6 +24,7 @@ anything else reduces gradients or the norm (``boundary``); ``gathered(phase)`` 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from pathlib import Path
@@ -213,7 +214,8 @@ class DeepSpeedEngine:
     def step(self) -> float:
         """DeepSpeed's boundary step; returns the global gradient norm before clipping. A
         non-finite norm skips the update on every rank (DeepSpeed's ZeRO stages do so
-        themselves; on stage 0 this adapter drops the gradients, as the PaRO engine does)."""
+        themselves; on stage 0 this adapter holds the optimizer back, as the PaRO engine
+        does)."""
         if self.frozen:
             raise EngineError(f"model {self.meter.model!r} has no optimizer; step() is for "
                               "trained models")
@@ -222,22 +224,20 @@ class DeepSpeedEngine:
                               f"grad_accum_steps={self.grad_accum_steps} backward() calls; "
                               "call it once at the accumulation boundary")
         skipped_before = self.ds.skipped_steps
-        norm = None
+        own_skip = False
         with self._metering("step"):
             if self.zero_stage == 0:
-                # Gradients are all-reduced by now; torch's AdamW skips parameters without one.
-                params = [p for p in self.module.parameters() if p.grad is not None]
-                norm = float(torch.linalg.vector_norm(
-                    torch.stack([p.grad.float().norm() for p in params])))
-                if not torch.isfinite(torch.tensor(norm)):
-                    for p in params:
-                        p.grad = None
-                    self._own_skips += 1
-            self.ds.step()
+                # The gradients are all-reduced by now, the same on every rank.
+                norm = float(torch.linalg.vector_norm(torch.stack(
+                    [p.grad.float().norm() for p in self.module.parameters()
+                     if p.grad is not None])))
+                own_skip = not math.isfinite(norm)
+            with _no_update(self.ds.optimizer) if own_skip else contextlib.nullcontext():
+                self.ds.step()  # its counters advance and the gradients are zeroed
         self._micro_batches = 0
-        self._last_skipped = (self.ds.skipped_steps > skipped_before
-                              or (self.zero_stage == 0 and not torch.isfinite(torch.tensor(norm))))
-        if norm is None:
+        self._own_skips += own_skip
+        self._last_skipped = own_skip or self.ds.skipped_steps > skipped_before
+        if self.zero_stage != 0:
             norm = self.ds.get_global_grad_norm()
             norm = float("nan") if norm is None else float(norm)
         return norm
@@ -263,7 +263,7 @@ class DeepSpeedEngine:
         parameters (ZeRO-3: the partition each keeps, plus hpZ's secondary one), G the fp32 gradient partition the
         optimizer accumulates into (the whole gradient below stage 2), OS the optimizer's fp32
         master partition and moments (on the host when offloaded)."""
-        params = [p for p in self.module.parameters()]
+        params = list(self.module.parameters())
         if self.zero_stage == 3:
             kept = [t for p in params
                     for t in (p.ds_tensor, getattr(p, "ds_secondary_tensor", None))
@@ -328,6 +328,17 @@ class DeepSpeedEngine:
     @property
     def last_step_skipped(self) -> bool:
         return self._last_skipped
+
+
+@contextlib.contextmanager
+def _no_update(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """The optimizer's ``step`` does nothing meanwhile: DeepSpeed's boundary step on stage 0
+    then only clips and zeroes the gradients, a skipped step."""
+    optimizer.step = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        del optimizer.step  # the class's step again
 
 
 def _optimizer_state(optimizer: Any) -> list[torch.Tensor]:

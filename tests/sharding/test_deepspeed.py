@@ -101,12 +101,32 @@ def resumed_run(rank: int, topo, stage: int, directory: str) -> dict:
     return {"straight": straight, "resumed": train(second, range(1, STEPS))}
 
 
+def skipped_run(rank: int, topo, stage: int) -> dict:
+    """A step whose loss is NaN on rank 1 only, then a clean step."""
+    from rlhf_paro.sharding.deepspeed_engine import deepspeed_engine
+
+    engine = deepspeed_engine(build_model("base"), topo, zero_stage=stage, optim=OPTIM,
+                              max_grad_norm=MAX_NORM, grad_accum_steps=MICRO, extra=EXTRA)
+    batches = make_batches("base", topo.num_ranks)[:, rank]
+    states, out = [engine.full_state_dict()], []
+    for step, poisoned in enumerate((rank == 1, False)):
+        for k in range(MICRO):
+            loss = micro_loss(engine, batches[step, k])
+            engine.backward(loss * float("nan") if poisoned else loss)
+        engine.step()
+        out.append((engine.last_step_skipped, engine.skipped_steps))
+        states.append(engine.full_state_dict())
+    same = [all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(states, states[1:])]
+    return {"steps": out, "unchanged": same}
+
+
 def worker(rank: int, world_size: int, group_size: int, directory: str) -> dict:
     from rlhf_paro.sharding import Topology
 
     topo = Topology.from_process_group(group_size=group_size)
     out = {key(case): deepspeed_run(rank, topo, case) for case in CASES}
     out["resumed"] = {stage: resumed_run(rank, topo, stage, directory) for stage in (1, 3)}
+    out["skipped"] = {stage: skipped_run(rank, topo, stage) for stage in (0, 2, 3)}
     return out
 
 
@@ -191,3 +211,12 @@ def test_a_loaded_checkpoint_trains_on_exactly_as_the_saved_run(grid: list[dict]
     for rank in range(WORLD):
         got = grid[rank]["resumed"][stage]
         assert got["resumed"] == got["straight"], f"rank {rank}"
+
+
+@pytest.mark.parametrize("stage", (0, 2, 3))
+def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank(grid: list[dict],
+                                                             stage: int) -> None:
+    for rank in range(WORLD):
+        got = grid[rank]["skipped"][stage]
+        assert got["steps"] == [(True, 1), (False, 1)], f"rank {rank}"
+        assert got["unchanged"] == [True, False], "skipped: no update; the clean step updates"
