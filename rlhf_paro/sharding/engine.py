@@ -286,7 +286,6 @@ class ShardedEngine:
                               "call it once at the accumulation boundary")
         if self._hold:
             raise EngineError("step() inside gathered(): the gathered copies would go stale")
-        self._check_on_device("step()")
         # [Note: waits] The optimizer writes the shards that gathers read: finish every gather
         # still in flight (a prefetch nobody consumed) and free it, before any shard changes.
         for unit in self.units:
@@ -323,8 +322,8 @@ class ShardedEngine:
     @torch.no_grad()
     def offload_params(self) -> None:
         """Park every P shard in host memory and free its device storage, until
-        ``onload_params()``. Forward, ``gathered()`` and ``step()`` raise ``EngineError`` while
-        parked; checkpoints read and write the host copies. Local: no collective; the copies are
+        ``onload_params()``. Forward and ``gathered()`` raise ``EngineError`` while parked (so
+        no backward or step can follow); checkpoints read and write the host copies. Local: no collective; the copies are
         counted in ``transfers`` (one per flat buffer, its P shard's bytes)."""
         if self.offload != "params":
             raise EngineError(f"model {self.meter.model!r} was sharded with "
