@@ -54,6 +54,14 @@ DEFAULT_CONF = "ppo_tiny"
 ROLES = ("actor", "critic", "reward", "ref")
 TRAINED_ROLES = ("actor", "critic")
 FROZEN_ROLES = ("reward", "ref")
+# <role>.offload modes each role takes, and why the others are refused.
+OFFLOAD_ALLOWED = {
+    "actor": (("none", "optimizer"), "the actor runs in every phase of a PPO step (generation, "
+              "inference, training): there is no phase to park its parameters in"),
+    "critic": (("none", "optimizer", "params"), ""),
+    "reward": (("none", "params"), "a frozen model has no optimizer state"),
+    "ref": (("none", "params"), "a frozen model has no optimizer state"),
+}
 
 
 class ConfigError(ValueError):
@@ -198,6 +206,10 @@ class ModelConfig:
     # in fp32): fp32 keeps the summed gradient exact to fp32 rounding in any order, bf16 halves
     # the gradient traffic.
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    # Host memory for states the device need not hold (docs/design.md, "Offload"): optimizer
+    # (trained models) keeps the fp32 masters and Adam moments there and steps them on the CPU;
+    # params (critic, reward, ref) parks the parameters there between the model's phases.
+    offload: Literal["none", "optimizer", "params"] = "none"
     optim: OptimConfig = field(default_factory=OptimConfig)
     # Sequences per forward/backward on one device; gradient accumulation makes up the rest.
     micro_batch_size: int = 4
@@ -547,6 +559,10 @@ class Config:
             if model.lora.enabled and role in FROZEN_ROLES:
                 raise ConfigError(f"{role}.lora.enabled", "LoRA trains adapters; allowed only "
                                                           "for actor and critic")
+            allowed, why = OFFLOAD_ALLOWED[role]
+            if model.offload not in allowed:
+                raise ConfigError(f"{role}.offload", f"{model.offload!r}: {why}; allowed: "
+                                                     f"{', '.join(allowed)}")
         n = self.cluster.num_devices
         if self.ppo.rollout_batch_size % n:
             raise ConfigError("ppo.rollout_batch_size", f"{self.ppo.rollout_batch_size} must be "
@@ -576,7 +592,19 @@ class Config:
                                                                      "optimizer; allowed: false")
         if model.function is not None:
             raise ConfigError(f"{role}.backend", "a reward function runs no model; allowed: paro")
+        if model.offload != "none":
+            raise ConfigError(f"{role}.offload", "is the PaRO engine's; on backend=deepspeed "
+                                                 f"set {role}.deepspeed.offload_optimizer; "
+                                                 "allowed: none")
         model.strategy = ds.strategy(role in FROZEN_ROLES, self.cluster.group_size)
+
+    def offload(self, role: str) -> str:
+        """What of ``role`` lives in host memory: ``<role>.offload`` on the PaRO engine, the
+        optimizer under ``deepspeed.offload_optimizer`` on DeepSpeed (for the planner)."""
+        model = self.model(role)
+        if model.backend == "deepspeed":
+            return "optimizer" if model.deepspeed.offload_optimizer else "none"
+        return model.offload
 
     def model(self, role: str) -> ModelConfig:
         if role not in ROLES:

@@ -7,7 +7,12 @@ Every rank of every model sends the driver one ``RankReport`` per step (``actors
   put on intra-group and on inter-group links during this step (each rank counts what it sent,
   so nothing is counted twice). ``m/comm/<phase>/{intra,inter}_bytes`` split them by phase.
   ``m/comm/time_s`` is the slowest rank's time inside collectives.
-- ``m/mem/*`` are **per rank**, the largest over the model's ranks: what one device must hold.
+- ``m/mem/*`` are **per rank**, the largest over the model's ranks: what one device must hold
+  (``params``, ``grads``, ``optim``) and what host memory holds for it under offload
+  (``host_params``, ``host_grads``, ``host_optim``), at the end of the step.
+- ``m/offload/*`` are summed over the model's ranks: bytes copied between device and host
+  memory (``d2h_bytes``, ``h2d_bytes``) and the copies (``transfers``) under offload; kept apart
+  from ``m/comm/*``, which is traffic between ranks.
 - ``m/time_s/<phase>`` is the slowest rank's wall time in that phase; ``m/tokens_per_s`` is every
   token the model processed (all ranks, all phases) over the model's busy time (slowest rank).
 """
@@ -33,6 +38,9 @@ ROLE_PHASES = {
 # Comm phases every row has a column for: the engine's four and the actor's generation. Any
 # other phase a meter reports (e.g. a checkpoint's "gather") gets columns when it occurs.
 COMM_PHASES = (*TRAINING_PHASES, "generate")
+# engine.memory()'s keys (m/mem/<key>_bytes) and engine.transfers' (m/offload/<key>).
+MEMORY_KEYS = ("params", "grads", "optim", "host_params", "host_grads", "host_optim")
+OFFLOAD_KEYS = ("d2h_bytes", "h2d_bytes", "transfers")
 LOOP_KEYS = (
     "ppo/reward_mean", "ppo/task_score", "ppo/kl", "ppo/kl_coef", "ppo/advantage_mean",
     "ppo/return_mean", "ppo/response_length",
@@ -45,7 +53,8 @@ def model_keys(role: str) -> list[str]:
     """The keys of one model (docs/design.md, "Metrics") (the per-phase comm split comes on top)."""
     keys = [f"{role}/tokens_per_s", *(f"{role}/time_s/{p}" for p in ROLE_PHASES[role])]
     keys += [f"{role}/comm/{k}" for k in ("intra_bytes", "inter_bytes", "time_s", "calls")]
-    keys += [f"{role}/mem/{k}_bytes" for k in ("params", "grads", "optim", "peak")]
+    keys += [f"{role}/mem/{k}_bytes" for k in (*MEMORY_KEYS, "peak")]
+    keys += [f"{role}/offload/{k}" for k in OFFLOAD_KEYS]
     if role in TRAINED_ROLES:
         keys += [f"{role}/{k}" for k in ("loss", "grad_norm", "lr", "skipped_steps")]
         keys.append("actor/clipfrac" if role == "actor" else "critic/vf_clipfrac")
@@ -64,8 +73,10 @@ class RankReport:
     tokens: int  # tokens through the model (prompt + response), every phase
     time_s: dict[str, float]  # wall time per role phase
     comm: dict[str, dict[str, float]]  # CommMeter.by_phase()
-    memory: dict[str, int]  # engine.memory(): params, grads, optim bytes on this rank
+    memory: dict[str, int]  # engine.memory(): bytes on the device and in host memory
     peak_bytes: int  # process peak: CUDA max allocated, or peak RSS on CPU
+    # engine.transfers: bytes and copies between device and host memory (offload)
+    offload: dict[str, int] = field(default_factory=dict)
     train: dict[str, float] = field(default_factory=dict)  # loss, grad_norm, lr, clipfrac...
     # Trained models: the longest run of optimizer steps skipped in a row (a non-finite loss or
     # gradient norm) that this step saw, counting a run that began in earlier steps.
@@ -87,8 +98,10 @@ def model_metrics(role: str, reports: list[RankReport]) -> dict[str, float]:
         for key in ("intra_bytes", "inter_bytes"):
             row[f"{role}/comm/{phase}/{key}"] = sum(r.comm.get(phase, {}).get(key, 0)
                                                     for r in reports)
-    for key in ("params", "grads", "optim"):
+    for key in MEMORY_KEYS:
         row[f"{role}/mem/{key}_bytes"] = max(r.memory.get(key, 0) for r in reports)
+    for key in OFFLOAD_KEYS:
+        row[f"{role}/offload/{key}"] = sum(r.offload.get(key, 0) for r in reports)
     row[f"{role}/mem/peak_bytes"] = max(r.peak_bytes for r in reports)
     # Loss-like numbers are means of rank means: every rank trains on as many samples.
     for key in dict.fromkeys(k for r in reports for k in r.train):

@@ -34,6 +34,18 @@ files one unit at a time; a model then holds at most its P + G + OS plus its lar
 gathered (``cost.setup_memory``, the engine's [Note: setup memory]). A fitting combination's
 four setup peaks must also fit in ``memory_gb`` (no activations exist yet, so the reserve is
 free then).
+
+[Note: offload]
+``<role>.offload`` (docs/design.md, "Offload") places states in host memory: ``optimizer`` the OS
+level (12 bytes per trainable element: an fp32 master of its own and the moments, plus 4 for a
+copy of the OS gradient), ``params`` the P level between the model's own phases. So a model's
+resident states on the device are what its offload leaves there, and under ``params`` its P comes
+back on top of them while it runs (in its peak). The table prints, for every strategy, the
+device bytes between phases under each offload mode the role takes (``none``, ``opt``,
+``par``), whatever the conf picks; P, G, OS, sum, peak and setup follow the conf's mode. The
+planner's one-model-at-a-time view ([Note: all four models share a device]) is kinder to
+``params`` than the trainer is: ref, reward and critic score a rollout at the same time, so
+their parameters are on the device together then.
 """
 
 from __future__ import annotations
@@ -46,13 +58,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from rlhf_paro import cli
-from rlhf_paro.config import FROZEN_ROLES, ROLES, TRAINED_ROLES, Config, ConfigError
+from rlhf_paro.config import (FROZEN_ROLES, OFFLOAD_ALLOWED, ROLES, TRAINED_ROLES, Config,
+                              ConfigError)
 from rlhf_paro.sharding.strategy import Level, Strategy, all_strategies
 
 if TYPE_CHECKING:
     from rlhf_paro.sharding.steptime import Machine, StepTime, Workload
 
 GIB = 2 ** 30
+# The planner table's offload columns: device bytes between phases under each mode.
+OFFLOAD_COLUMNS = {"none": "none", "optimizer": "opt", "params": "par"}
 GB = 1e9
 
 
@@ -63,7 +78,9 @@ class Timed:
     seconds: float
     compute: float  # of which compute
     exposed: float  # of which communication that nothing hides
-    peak_bytes: float  # the model's own peak above its states (activations, buffers)
+    # The model's own peak above its resident states (activations, buffers, and under
+    # offload=params its parameters brought back for its phases).
+    peak_bytes: float
 
 
 @dataclass(frozen=True)
@@ -80,9 +97,13 @@ class Option:
     # first); see [Note: all four models share a device].
     by_micro: dict[int, Timed] = field(default_factory=dict)
     setup_bytes: int = 0  # held at most while setting up: P + G + OS + one unit gathered
+    # [Note: offload] Under the conf's <role>.offload: host bytes per device, and each mode the
+    # role takes -> device bytes between the model's phases (the planner's table shows them all).
+    host_bytes: int = 0
+    device_by_offload: dict[str, int] = field(default_factory=dict)
 
     @property
-    def memory_bytes(self) -> int:  # P + G + OS
+    def memory_bytes(self) -> int:  # P + G + OS on the device between the model's phases
         return self.params_bytes + self.grads_bytes + self.optim_bytes
 
     @property
@@ -207,8 +228,10 @@ def _kv_cache_bytes(cfg: Config, vocab_size: int) -> float:
     return 2 * hf.num_hidden_layers * width * tokens * bytes_per_element(cfg.actor.precision)
 
 
-def _timed(cfg: Config, role: str, strategy: Strategy, w: Workload, b: int) -> Timed:
-    """[Note: what a PPO step costs] for one strategy at micro-batch size ``b``."""
+def _timed(cfg: Config, role: str, strategy: Strategy, w: Workload, b: int,
+           onload_bytes: int = 0) -> Timed:
+    """[Note: what a PPO step costs] for one strategy at micro-batch size ``b``;
+    ``onload_bytes``: parameters parked between the model's phases ([Note: offload])."""
     from rlhf_paro.comm.topology import Topology
     from rlhf_paro.sharding.steptime import forward_time, gather_seconds, peak_memory, step_time
 
@@ -231,7 +254,7 @@ def _timed(cfg: Config, role: str, strategy: Strategy, w: Workload, b: int) -> T
         seconds += optimizer_steps * step.total
         compute += optimizer_steps * step.compute
         peak = max(peak, mem.train)
-    return Timed(seconds, compute, seconds - compute, peak - mem.states)
+    return Timed(seconds, compute, seconds - compute, peak - mem.states + onload_bytes)
 
 
 def model_plan(cfg: Config, role: str, vocab_size: int) -> ModelPlan:
@@ -240,7 +263,7 @@ def model_plan(cfg: Config, role: str, vocab_size: int) -> ModelPlan:
     import torch
 
     from rlhf_paro.models import build_model
-    from rlhf_paro.sharding.cost import memory, setup_memory, traffic
+    from rlhf_paro.sharding.cost import DEVICE_KEYS, offload_memory, setup_memory, traffic
     from rlhf_paro.sharding.layout import unit_sizes
 
     model_cfg = cfg.model(role)
@@ -263,18 +286,24 @@ def model_plan(cfg: Config, role: str, vocab_size: int) -> ModelPlan:
         inference[level] = (sum(p.intra for p in phases.values()),
                             sum(p.inter for p in phases.values()))
     options = []
+    offload, modes = cfg.offload(role), OFFLOAD_ALLOWED[role][0]
     for strategy in all_strategies() if trained else frozen_strategies():
-        held = memory(strategy, units, n, m, precision)
+        placed = {mode: offload_memory(strategy, units, n, m, precision, mode) for mode in modes}
+        held = placed[offload]
         intra, inter = inference[strategy.params]
         if trained:
             phases = traffic(strategy, units, n, m, cfg.grad_accum_steps(role), precision,
                              algorithm, reduce_dtype=model_cfg.reduce_dtype)
             intra += optimizer_steps * sum(p.intra for p in phases.values())
             inter += optimizer_steps * sum(p.inter for p in phases.values())
-        by_micro = {b: _timed(cfg, role, strategy, w, b) for b in micro_batch_sizes(cfg, role)}
-        setup = setup_memory(strategy, units, n, m, precision)
-        options.append(Option(strategy, held["params"], held["grads"], held["optim"], intra,
-                              inter, by_micro, setup))
+        by_micro = {b: _timed(cfg, role, strategy, w, b, held["host_params"])
+                    for b in micro_batch_sizes(cfg, role)}
+        setup = setup_memory(strategy, units, n, m, precision, offload)
+        options.append(Option(
+            strategy, held["params"], held["grads"], held["optim"], intra, inter, by_micro,
+            setup, host_bytes=sum(v for k, v in held.items() if k not in DEVICE_KEYS),
+            device_by_offload={mode: sum(p[k] for k in DEVICE_KEYS)
+                               for mode, p in placed.items()}))
     kv = _kv_cache_bytes(cfg, vocab_size) if role == "actor" else 0.0
     return ModelPlan(role, num_params, num_trainable, options, kv)
 
@@ -396,6 +425,10 @@ def _why(plan: Plan, role: str) -> str:
         return f"{head}; the least of its {len(model.options)} strategies"
     fastest = min(faster, key=lambda o: _time_key(o.seconds, o.memory_bytes))
     extra = fastest.memory_bytes - chosen.memory_bytes
+    if extra <= 0:  # offload=params: the same resident states, but more brought back to run
+        extra = fastest.configured.peak_bytes - t.peak_bytes
+        return (f"{head}; {fastest.strategy} would take {fastest.seconds:.4g} s but needs "
+                f"{extra / GIB:+.2f} GiB more while it runs: the four would not fit")
     return (f"{head}; {fastest.strategy} would take {fastest.seconds:.4g} s but holds "
             f"{extra / GIB:+.2f} GiB of states: the four would not fit")
 
@@ -414,6 +447,9 @@ def format_plan(cfg: Config, plan: Plan) -> str:
         f"PPO step: rollout {cfg.ppo.rollout_batch_size}, mini-batch {cfg.ppo.mini_batch_size}, "
         f"{cfg.ppo.ppo_epochs} epoch(s); traffic is bytes one device sends per PPO step, time "
         "is predicted per PPO step (generation's decoding left out)",
+        "P, G, OS, sum, peak and setup are device bytes under each model's offload; columns "
+        + "/".join(OFFLOAD_COLUMNS.values()) + ": device bytes between the model's phases under "
+        + "/".join(OFFLOAD_COLUMNS) + " ('-': not for this model)",
     ]
     configured = configured_strategies(cfg)
     # Tiny models read better in MiB/MB, real ones in GiB/GB.
@@ -426,14 +462,20 @@ def format_plan(cfg: Config, plan: Plan) -> str:
         steps = f", s={cfg.grad_accum_steps(role)}" if role in TRAINED_ROLES else ""
         alone = _alone(plan, model)
         rank = {o.strategy: k + 1 for k, o in enumerate(alone)}
+        modes = OFFLOAD_ALLOWED[role][0]
         lines += ["", f"{role}: Psi={model.num_params:,} Psi'={model.num_trainable:,} "
                       f"{m_cfg.precision}{steps}, micro-batch {m_cfg.micro_batch_size}, conf "
-                      f"strategy {m_cfg.strategy}; fastest first (rank: alone on the device)",
+                      f"strategy {m_cfg.strategy}{' (deepspeed)' if m_cfg.backend == 'deepspeed' else ''}, "
+                      f"offload {cfg.offload(role)}; fastest first "
+                      "(rank: alone on the device)",
                   f"  rank strategy {'P':>7} {'G':>8} {'OS':>8} {'sum':>8} {'peak':>8} "
-                  f"{'setup':>8} {'intra':>9} {'inter':>9} {'s/step':>9} {'compute':>8} "
-                  f"{'exposed':>8}  fits",
+                  f"{'setup':>8} "
+                  + "".join(f"{OFFLOAD_COLUMNS[mode]:>8} " for mode in OFFLOAD_COLUMNS)
+                  + f"{'intra':>9} {'inter':>9} {'s/step':>9} {'compute':>8} {'exposed':>8}  fits",
                   f"                {mem_unit:>7} {mem_unit:>8} {mem_unit:>8} {mem_unit:>8} "
-                  f"{mem_unit:>8} {mem_unit:>8} {net_unit:>9} {net_unit:>9}"]
+                  f"{mem_unit:>8} {mem_unit:>8} "
+                  + "".join(f"{mem_unit if mode in modes else '':>8} " for mode in OFFLOAD_COLUMNS)
+                  + f"{net_unit:>9} {net_unit:>9}"]
         for o in sorted(model.options, key=lambda o: _time_key(o.seconds, o.memory_bytes)):
             marks = "yes" if o.strategy in plan.fits[role] else "no"
             if plan.best is not None and plan.best[role].strategy == o.strategy:
@@ -443,10 +485,19 @@ def format_plan(cfg: Config, plan: Plan) -> str:
             held = [o.params_bytes, o.grads_bytes, o.optim_bytes, o.memory_bytes,
                     o.memory_bytes + o.configured.peak_bytes, o.setup_bytes]
             cells = " ".join(f"{b / mem_scale:8.2f}" for b in held)
+            cells += "".join(f" {o.device_by_offload[mode] / mem_scale:8.2f}"
+                             if mode in o.device_by_offload else f" {'-':>8}"
+                             for mode in OFFLOAD_COLUMNS)
             sent = " ".join(f"{b / net_scale:9.3f}" for b in (o.intra_bytes, o.inter_bytes))
             t = o.configured
             lines.append(f"  {rank.get(o.strategy, '-')!s:>4} {o.strategy.name:<7}{cells} {sent} "
                          f"{t.seconds:9.4g} {t.compute:8.3g} {t.exposed:8.3g}  {marks}")
+        if m_cfg.offload != "none":
+            shown = plan.best[role].option if plan.best is not None else min(
+                model.options, key=lambda o: o.memory_bytes)
+            lines.append(f"  offload={m_cfg.offload}: {shown.strategy} also holds "
+                         f"{shown.host_bytes / mem_scale:.2f} {mem_unit} in host memory per "
+                         "device")
         if model.kv_cache_bytes:
             lines.append(f"  generation also holds a key/value cache of "
                          f"{model.kv_cache_bytes / mem_scale:.1f} {mem_unit} for the device's "

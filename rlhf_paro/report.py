@@ -181,8 +181,11 @@ def _memory(ax, rows, run) -> None:
         left += values
     for yi, role, total in zip(y, ROLES, left):
         peak = last[f"{role}/mem/peak_bytes"]
-        ax.text(total, yi, f"  {human_bytes(total)}  (process peak {human_bytes(peak)})",
-                va="center", fontsize=8.5, color="#333")
+        # Offloaded states (rows of runs before offload have no host keys).
+        host = sum(last.get(f"{role}/mem/host_{state}_bytes", 0) for state in STATE_COLORS)
+        offloaded = f", host {human_bytes(host)}" if host else ""
+        ax.text(total, yi, f"  {human_bytes(total)}  (process peak {human_bytes(peak)}"
+                f"{offloaded})", va="center", fontsize=8.5, color="#333")
     ax.set_yticks(y, [f"{r}\n{_strategy(run, r)}" for r in ROLES])
     for tick, role in zip(ax.get_yticklabels(), ROLES):
         tick.set_color(COLORS[role])

@@ -144,6 +144,10 @@ def test_nodes_and_gpus_per_node_define_the_cluster():
     (["trainer.max_skipped_steps=-2"], "trainer.max_skipped_steps", "must be >= 0"),
     (["trainer.resume=/no/such/step_3"], "trainer.resume", "auto, none or a checkpoint"),
     (["ref.lora.enabled=true"], "ref.lora.enabled", "actor and critic"),
+    (["ref.offload=optimizer"], "ref.offload", "no optimizer state; allowed: none, params"),
+    (["reward.offload=optimizer"], "reward.offload", "allowed: none, params"),
+    (["actor.offload=params"], "actor.offload", "allowed: none, optimizer"),
+    (["critic.offload=cpu"], "critic.offload", "allowed: none, optimizer, params"),
     (["conf=no_such_conf"], "conf", "ppo_tiny"),
     # A path on the command line replaces the conf's inline config; both given is a mistake.
     (["actor.path=/no/such/model"], "actor.path", "never downloaded"),
@@ -175,6 +179,8 @@ def test_nodes_and_gpus_per_node_define_the_cluster():
      "actor.deepspeed.hpz_partition_size", "must divide cluster.num_devices=4"),
     (["ref.backend=deepspeed", "ref.deepspeed.hpz_partition_size=2"],
      "ref.deepspeed.hpz_partition_size", "only for trained models"),
+    (["critic.backend=deepspeed", "critic.offload=optimizer"], "critic.offload",
+     "critic.deepspeed.offload_optimizer"),
     (["reward.backend=deepspeed", "reward.deepspeed.offload_optimizer=true"],
      "reward.deepspeed.offload_optimizer", "no optimizer"),
 ])

@@ -19,8 +19,10 @@ def _report(rank: int) -> RankReport:
         comm={"forward": {"intra_bytes": 100 * (rank + 1), "inter_bytes": 0, "calls": 2,
                           "seconds": 0.1},
               "boundary": {"intra_bytes": 0, "inter_bytes": 10, "calls": 1, "seconds": 0.2}},
-        memory={"params": 1000 * (rank + 1), "grads": 10, "optim": 20},
+        memory={"params": 1000 * (rank + 1), "grads": 10, "optim": 0, "host_optim": 60},
         peak_bytes=5000 + rank,
+        # offload=optimizer: one step's OS gradient out and masters back, 40 bytes each way.
+        offload={"d2h_bytes": 40, "h2d_bytes": 40, "transfers": 2},
         train={"loss": float(rank), "grad_norm": 1.0, "lr": 1e-3, "vf_clipfrac": 0.5,
                "skipped_steps": 0.0},
     )
@@ -37,6 +39,10 @@ def test_comm_is_summed_over_ranks_and_memory_is_the_largest_rank():
     assert abs(row["critic/comm/time_s"] - 0.3) < 1e-12  # slowest rank, not the sum
     assert row["critic/mem/params_bytes"] == 2000
     assert row["critic/mem/peak_bytes"] == 5001
+    # Host memory per rank like the device's; host copies summed like link bytes, apart from them.
+    assert row["critic/mem/optim_bytes"] == 0 and row["critic/mem/host_optim_bytes"] == 60
+    assert row["critic/mem/host_params_bytes"] == 0  # a key the report lacks is 0
+    assert (row["critic/offload/d2h_bytes"], row["critic/offload/transfers"]) == (80, 4)
     # 100 tokens over the slowest rank's 2 busy seconds.
     assert row["critic/tokens_per_s"] == 50.0
     assert row["critic/time_s/train"] == 1.5
@@ -50,7 +56,9 @@ def test_required_keys_cover_design_section_9():
     for role in ("actor", "critic", "reward", "ref"):
         for name in ("tokens_per_s", "comm/intra_bytes", "comm/inter_bytes", "comm/time_s",
                      "comm/calls", "mem/params_bytes", "mem/grads_bytes", "mem/optim_bytes",
-                     "mem/peak_bytes"):
+                     "mem/peak_bytes", "mem/host_params_bytes", "mem/host_grads_bytes",
+                     "mem/host_optim_bytes", "offload/d2h_bytes", "offload/h2d_bytes",
+                     "offload/transfers"):
             assert f"{role}/{name}" in keys
         assert any(k.startswith(f"{role}/time_s/") for k in keys)
     for name in ("actor/loss", "actor/grad_norm", "actor/lr", "critic/loss", "critic/grad_norm",

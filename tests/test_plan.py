@@ -102,7 +102,7 @@ def test_recommendation_is_explained_in_predicted_times(llama, llama_plan):
     assert "exposed communication" in out and "key/value cache" in out
     # Each model's table is ranked by predicted time, fastest first.
     table = out[out.index("actor: Psi"):out.index("critic: Psi")].splitlines()[3:17]
-    times = [float(line.split()[10]) for line in table]  # the s/step column
+    times = [float(line.split()[13]) for line in table]  # the s/step column
     assert len(times) == 14 and times == sorted(times)
 
 
@@ -206,3 +206,44 @@ def test_cli_prints_the_table_and_rejects_bad_input(capsys):
         main(["cluster.group_size=3"])
     assert info.value.code == 2
     assert capsys.readouterr().err.startswith("error: cluster.group_size: M=3 must divide")
+
+
+def test_offload_columns_give_the_device_bytes_each_mode_leaves_between_phases(llama_plan):
+    # The conf offloads nothing, so P, G and OS are Table 2's and "none" is their sum.
+    for role, model in llama_plan.models.items():
+        for o in model.options:
+            placed = o.device_by_offload
+            assert placed["none"] == o.memory_bytes
+            if role in ("reward", "ref"):  # frozen: no optimizer, parked P leaves nothing
+                assert placed == {"none": o.params_bytes, "params": 0}
+                continue
+            assert placed["optimizer"] == o.params_bytes + o.grads_bytes  # OS on the host
+            if role == "critic":  # P parked between its phases
+                assert placed["params"] == o.grads_bytes + o.optim_bytes
+            else:  # the actor runs in every phase: nothing to park
+                assert "params" not in placed
+
+
+def test_configured_offload_is_what_the_planner_fits():
+    # 24 GiB per GPU: no combination of the four fits with everything on the device.
+    tight = ["conf=ppo_llama7b", "cluster.memory_gb=24"]
+    offloads = ["actor.offload=optimizer", "critic.offload=optimizer", "ref.offload=params",
+                "reward.offload=params"]
+    without = make_plan(load_config(tight))
+    assert without.best is None
+    plan = make_plan(load_config(tight + offloads))
+    assert plan.best is not None
+    for role, choice in plan.best.items():
+        o, plain = choice.option, without.models[role].option(choice.strategy)
+        if role in ("actor", "critic"):
+            # The OS moves to the host with a copy of the OS gradient: K = 12 plus 4 bytes.
+            assert o.optim_bytes == 0 and o.host_bytes == plain.optim_bytes * 16 // 12
+            assert o.memory_bytes == plain.params_bytes + plain.grads_bytes
+        else:
+            # Parked between phases; back on the device (in its peak) while it runs.
+            assert o.memory_bytes == 0 and o.host_bytes == plain.params_bytes
+            assert o.configured.peak_bytes == plain.configured.peak_bytes + plain.params_bytes
+    from rlhf_paro.plan import format_plan
+
+    assert f"offload=params: {plan.best['ref'].strategy} also holds" in format_plan(
+        load_config(tight + offloads), plan)

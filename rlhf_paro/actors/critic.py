@@ -13,6 +13,9 @@ class CriticWorker(TrainedWorker):
     def values(self, rollout: Batch) -> torch.Tensor:
         """(B, T) values of this rank's rollout, kept here as the old values of the update."""
         self._rollout = rollout
+        # offload=params: back on the device from here to the end of train(); parked while the
+        # actor generates.
+        self.unpark()
         with self.timed("inference", rollout["sequences"].numel()):
             self._old_values = self.in_micro_batches(rollout, self._values)
         return self._old_values
@@ -33,3 +36,4 @@ class CriticWorker(TrainedWorker):
             return loss, {"critic/vf_clipfrac": stats["vf_clipfrac"]}
 
         self.ppo_update(rollout["action_mask"], micro_loss, step)
+        self.park()

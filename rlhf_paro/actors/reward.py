@@ -54,10 +54,11 @@ class RewardWorker(Worker):
                 out = torch.tensor(rewards.call_function(
                     self.function, self.model_cfg.function, step, prompts, responses,
                     rows["columns"]))
-            elif self.reward_tokenizer is not None:
-                out = self.in_micro_batches(self._encoded(prompts, responses), self.forward)
-            else:
-                out = self.in_micro_batches(rollout, self.forward)
+            else:  # offload=params: parked again once its one phase of the step is over
+                batch = (rollout if self.reward_tokenizer is None
+                         else self._encoded(prompts, responses))
+                with self.on_device():
+                    out = self.in_micro_batches(batch, self.forward)
         if rows is not None:
             score = out if self.score_function is None else torch.tensor(rewards.call_function(
                 self.score_function, self.model_cfg.score_function, step, prompts, responses,

@@ -5,7 +5,8 @@ A worker is one Ray actor: rank r of one model. ``setup`` joins the model's own 
 with ``shard(...)`` under the model's strategy: a model read from files is built on the meta
 device and each rank reads only its shards from them (docs/design.md, "Setup"). The driver
 calls the role's methods on all ranks at once; between steps it collects one ``RankReport`` per
-rank (``report``), which also resets the step's timers and the engine's comm meter.
+rank (``report``), which also resets the step's timers, the engine's comm meter and its count of
+host transfers.
 
 ``Worker`` is all a frozen model (ref, reward) is; ``TrainedWorker`` adds what the models PPO
 trains (actor, critic) need: an optimizer, the PPO epochs over the rollout, training statistics,
@@ -96,7 +97,9 @@ class Worker:
             self.engine = shard(model, strategy=strategy, topology=topology,
                                 comm=self.cfg.comm.algorithm, model_name=self.role,
                                 precision=self.model_cfg.precision, source=source,
-                                device=self.device, **self.shard_options())
+                                device=self.device, offload=self.model_cfg.offload,
+                                **self.shard_options())
+            self.park()  # offload=params: parked until the model's first phase
         # Each rank samples and shuffles differently from here on.
         torch.manual_seed(self.cfg.trainer.seed * 1000 + self.rank + 1)
         return os.getpid()
@@ -120,6 +123,28 @@ class Worker:
                                 precision=self.model_cfg.precision, frozen=not self.trained,
                                 device=self.device, extra=ds.config, **options)
 
+    # -- offload=params: the model's parameters in host memory between its phases ---------------
+    def park(self) -> None:
+        """Move the parameters to host memory (offload=params; otherwise nothing)."""
+        if self.model_cfg.offload == "params":
+            self.engine.offload_params()
+
+    def unpark(self) -> None:
+        """Bring parked parameters back to the device for a phase (no-op when not parked)."""
+        if self.model_cfg.offload == "params":
+            self.engine.onload_params()
+
+    @contextlib.contextmanager
+    def on_device(self) -> Iterator[None]:
+        """The parameters on the device for one phase, parked again after it if they were."""
+        parked = self.model_cfg.offload == "params" and self.engine.params_offloaded
+        self.unpark()
+        try:
+            yield
+        finally:
+            if parked:
+                self.park()
+
     # -- per-step accounting -----------------------------------------------------------------
     @contextlib.contextmanager
     def timed(self, phase: str, tokens: int) -> Iterator[None]:
@@ -139,10 +164,12 @@ class Worker:
             comm=self.engine.meter.by_phase(),
             memory=self.engine.memory(),
             peak_bytes=peak_bytes(self.device),
+            offload=self.engine.transfers.totals(),
         )
         self._time_s.clear()
         self._tokens = 0
         self.engine.meter.reset()
+        self.engine.transfers.reset()
         return report
 
     # -- checkpoints (actors/checkpoint.py) ----------------------------------------------------
@@ -277,7 +304,8 @@ class TrainedWorker(Worker):
     def export(self, directory: str) -> None:
         """The model in Hugging Face format with the actor's tokenizer under ``directory``
         (``models.export_hf``): every rank gathers, rank 0 writes."""
-        state = self.engine.full_state_dict()
+        with self.on_device():
+            state = self.engine.full_state_dict()
         if self.rank == 0:
             tokenizer = (data.actor_tokenizer(self.cfg)
                          if data.tokenizer_dir(self.cfg) is not None else None)

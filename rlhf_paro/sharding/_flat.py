@@ -26,6 +26,7 @@ from torch import nn
 
 from rlhf_paro.comm.collectives import Communicator, Pending
 from rlhf_paro.comm.topology import Topology
+from rlhf_paro.sharding._host import Transfers, host_zeros
 from rlhf_paro.sharding.errors import EngineError
 from rlhf_paro.sharding.layout import padded
 from rlhf_paro.sharding.schedule import Collective, transition_scope
@@ -44,7 +45,8 @@ class FlatBuffer:
 
     def __init__(self, params: list[nn.Parameter], names: list[str], topo: Topology,
                  p_level: Level, dtype: torch.dtype, gather: Collective | None, *,
-                 read: Read, device: torch.device, master_level: Level | None = None) -> None:
+                 read: Read, device: torch.device, master_level: Level | None = None,
+                 master_on_host: bool = False, host_copy: bool = False) -> None:
         self.params = params
         self.names = names  # the parameters' qualified names: what a checkpoint is keyed by
         self.topo = topo
@@ -59,10 +61,12 @@ class FlatBuffer:
         # [Note: filling a buffer] The shard first, then the master, then the gathered buffer.
         most = max(1, self.size * dtype.itemsize // 4)  # elements read at a time, at most
         self.shard = self._filled(self.level_slice(p_level), dtype, read, most)
-        # fp32 OS shard of a bf16 model's trained values, until the optimizer takes it as master.
+        # fp32 OS shard of a bf16 model's trained values, until the optimizer takes it as master;
+        # read straight into host memory when the optimizer lives there (offload=optimizer).
         self.master: torch.Tensor | None = (
             None if master_level is None
-            else self._filled(self.level_slice(master_level), torch.float32, read, most))
+            else self._filled(self.level_slice(master_level), torch.float32, read, most,
+                              on_host=master_on_host))
         self.full = self.shard if p_level == Level.N else torch.empty(
             self.size, dtype=dtype, device=device)
         for p, off, n, shape in zip(params, self.offsets, self.numels, self.shapes):
@@ -72,11 +76,17 @@ class FlatBuffer:
         self.pending: Pending | None = None  # a gather in flight into ``full``
         if p_level != Level.N:
             self.full.untyped_storage().resize_(0)
+        # The P shard's home in host memory (offload=params; _host.py, [Note: offload modes]).
+        self.host = host_zeros(self.shard.numel(), dtype, device) if host_copy else None
+        self.parked = False  # the P shard is in ``host`` and its device storage is freed
 
-    def _filled(self, span: slice, dtype: torch.dtype, read: Read, most: int) -> torch.Tensor:
-        """Elements ``span`` of the flat buffer, read ``most`` elements at most at a time; the
-        padding is zero."""
-        out = torch.zeros(span.stop - span.start, dtype=dtype, device=self.device)
+    def _filled(self, span: slice, dtype: torch.dtype, read: Read, most: int,
+                on_host: bool = False) -> torch.Tensor:
+        """Elements ``span`` of the flat buffer (in host memory with ``on_host``), read
+        ``most`` elements at most at a time; the padding is zero."""
+        numel = span.stop - span.start
+        out = (host_zeros(numel, dtype, self.device) if on_host
+               else torch.zeros(numel, dtype=dtype, device=self.device))
         for name, first, last, at in self.pieces(span):
             for start in range(first, last, most):
                 stop = min(last, start + most)
@@ -140,6 +150,30 @@ class FlatBuffer:
         if self.gathered:
             self.full.untyped_storage().resize_(0)
             self.gathered = False
+
+    # -- offload=params ----------------------------------------------------------------------
+    def park(self, transfers: Transfers) -> None:
+        """Copy the P shard to its host home and free its device storage (for P = N that is
+        the gathered buffer the module's parameters point into). The tensor keeps its identity:
+        the parameters' views and an fp32 master view of it stay valid after ``unpark``."""
+        if self.parked:
+            return
+        self.free()
+        transfers.to_host(self.host, self.shard)
+        self.shard.untyped_storage().resize_(0)
+        self.parked = True
+
+    def unpark(self, transfers: Transfers) -> None:
+        if not self.parked:
+            return
+        self.shard.untyped_storage().resize_(self.shard.numel() * self.shard.element_size())
+        transfers.to_device(self.shard, self.host)
+        self.parked = False
+
+    @property
+    def p_values(self) -> torch.Tensor:
+        """The P shard where it lives now: host memory while parked, else the device."""
+        return self.host if self.parked else self.shard
 
     def flat_grad(self, dtype: torch.dtype) -> torch.Tensor:
         """The parameters' gradients as one padded flat ``dtype`` tensor (zeros where none);

@@ -7,7 +7,10 @@ accumulated gradient is the mean over the N*s micro-batches, as in the unsharded
 the whole global batch. The squared norm is summed over this rank's OS shard and all-reduced
 over the ranks whose OS shards are disjoint (the schedule's norm row), so each element counts
 once. The update is ``torch.optim.AdamW`` itself on the OS shard, element for element the same
-arithmetic as on the unsharded model.
+arithmetic as on the unsharded model. With offload=optimizer it is ``DeepSpeedCPUAdam`` on a
+host copy of the OS shard: the same fp32 AdamW formula in another order of operations (fused
+multiply-adds, beta^t and the bias corrections in fp32), a few roundings per element and step
+apart (docs/design.md, "Offload").
 
 [Note: a step skipped on bad numbers]  (docs/design.md, "Exactness")
 A non-finite loss or gradient norm skips the step: no AdamW update (its step count stays), no
@@ -35,6 +38,7 @@ from torch import nn
 
 from rlhf_paro.comm.collectives import Communicator
 from rlhf_paro.sharding._checkpoint import OPTIMIZER_KINDS, Slot
+from rlhf_paro.sharding._host import Transfers, cpu_adam, host_zeros
 from rlhf_paro.sharding._unit import Unit
 from rlhf_paro.sharding.schedule import Collective, run, select, ways
 from rlhf_paro.sharding.strategy import Strategy
@@ -47,7 +51,8 @@ class BoundaryStep:
 
     def __init__(self, units: list[Unit], strategy: Strategy, comm: Communicator,
                  collectives: tuple[Collective, ...], optim: dict,
-                 max_grad_norm: float | None, reduce_dtype: torch.dtype) -> None:
+                 max_grad_norm: float | None, reduce_dtype: torch.dtype,
+                 transfers: Transfers, offload_optimizer: bool = False) -> None:
         unknown = set(optim) - set(OPTIM_DEFAULTS)
         if unknown:
             raise ValueError(f"unknown optimizer key(s) {sorted(unknown)}; allowed: "
@@ -60,26 +65,40 @@ class BoundaryStep:
         self._reduce = select(collectives, "boundary", "grads")
         self._norm = select(collectives, "boundary", "norm")
         self._update = select(collectives, "update", "trained")
+        self.transfers = transfers
+        # offload=optimizer: masters, moments and a copy of the OS gradient live in host memory
+        # (_host.py, [Note: offload modes]); the masters are then never views of P.
+        self.offload = offload_optimizer
         self.masters: list[nn.Parameter] = []  # the OS shard of each trained unit
+        self.host_grads: list[torch.Tensor] = []  # offload: where each OS gradient is stepped
         for unit in self.units:
             buf = unit.trainable
             unit.grad_acc = torch.zeros(buf.size // ways(strategy.grads, comm.topo),
                                         dtype=torch.float32, device=buf.device)
-            if buf.full.dtype == torch.float32:
-                # The fp32 parameters are their own master: the OS shard is a view of P.
-                master = buf.shard[buf.within_shard(strategy.optim)]
-            else:  # read when the buffer was filled (_flat.py, [Note: filling a buffer])
+            own = buf.shard[buf.within_shard(strategy.optim)]
+            if buf.master is not None:  # a bf16 model's, read when the buffer was filled
+                # (_flat.py, [Note: filling a buffer]), on the host already with offload
                 master, buf.master = buf.master, None
+            elif offload_optimizer:
+                master = host_zeros(own.numel(), torch.float32, buf.device)
+                master.copy_(own)
+            else:  # the fp32 parameters are their own master: the OS shard is a view of P
+                master = own
             self.masters.append(nn.Parameter(master))
+            if offload_optimizer:
+                self.host_grads.append(host_zeros(master.numel(), torch.float32, buf.device))
         kwargs = {**OPTIM_DEFAULTS, **optim}
         kwargs["betas"] = tuple(kwargs["betas"])
-        self.optimizer = torch.optim.AdamW(self.masters, **kwargs) if self.masters else None
+        self.optimizer = (None if not self.masters
+                          else cpu_adam(self.masters, **kwargs) if offload_optimizer
+                          else torch.optim.AdamW(self.masters, **kwargs))
         self.skipped_steps = 0  # steps skipped on a non-finite loss or norm, in total
         self.last_skipped = False  # whether the latest step was one of them
-        # Allocate the moments now, so memory() is the steady state from the start.
+        # Allocate the moments now, so memory() is the steady state from the start. Both
+        # optimizers take a state they find; DeepSpeedCPUAdam counts steps in a Python int.
         for p in self.masters:
             self.optimizer.state[p] = {
-                "step": torch.tensor(0.0),
+                "step": 0 if offload_optimizer else torch.tensor(0.0),
                 "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                 "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
             }
@@ -104,7 +123,10 @@ class BoundaryStep:
             coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
             for g in grads:
                 g.mul_(coef)
-        for master, g in zip(self.masters, grads):
+        for k, (master, g) in enumerate(zip(self.masters, grads)):
+            if self.offload:
+                self.transfers.to_host(self.host_grads[k], g)
+                g = self.host_grads[k]
             master.grad = g
         if self.optimizer is not None:
             self.optimizer.step()
@@ -133,21 +155,34 @@ class BoundaryStep:
         """Bring the updated OS shard back to the P level (schedule, update)."""
         buf = unit.trainable
         within = buf.within_shard(self.strategy.optim)
-        if buf.full.dtype != torch.float32:
+        if self.offload:
+            self.transfers.to_device(buf.shard[within], master)
+        elif buf.full.dtype != torch.float32:
             buf.shard[within].copy_(master)
         if self._update:
             run(self._update, buf.shard[within].clone(), self.comm, out=buf.shard)
 
-    def optim_bytes(self) -> int:
-        """Adam moments, plus the fp32 masters where they are not the parameters themselves."""
-        total = 0
+    def memory(self) -> dict[str, int]:
+        """Bytes of the optimizer's state: ``optim`` on the device (Adam moments, and the fp32
+        masters where they are not the parameters themselves), ``host_optim`` and
+        ``host_grads`` in host memory (offload=optimizer: masters and moments, the OS
+        gradient's copy)."""
+        state = sum(self.optimizer.state[m][k].numel() * self.optimizer.state[m][k].element_size()
+                    for m in self.masters for k in OPTIMIZER_KINDS)
+        state += sum(m.numel() * m.element_size() for unit, m in zip(self.units, self.masters)
+                     if self.offload or unit.trainable.full.dtype != torch.float32)
+        grads = sum(g.numel() * g.element_size() for g in self.host_grads)
+        if self.offload:
+            return {"optim": 0, "host_optim": state, "host_grads": grads}
+        return {"optim": state, "host_optim": 0, "host_grads": 0}
+
+    def sync_masters(self) -> None:
+        """After a load: fp32 masters of their own (offload) take the loaded parameters, which
+        a checkpoint holds for them (fp32 parameters are their own master there)."""
         for unit, master in zip(self.units, self.masters):
-            state = self.optimizer.state[master]
-            total += sum(state[k].numel() * state[k].element_size()
-                         for k in ("exp_avg", "exp_avg_sq"))
-            if unit.trainable.full.dtype != torch.float32:
-                total += master.numel() * master.element_size()
-        return total
+            buf = unit.trainable
+            if self.offload and buf.full.dtype == torch.float32:
+                master.detach().copy_(buf.p_values[buf.within_shard(self.strategy.optim)])
 
     def slots(self) -> list[Slot]:
         """This rank's optimizer state for a checkpoint, on the OS shard: the fp32 master (bf16
@@ -155,7 +190,7 @@ class BoundaryStep:
         out = []
         for unit, master in zip(self.units, self.masters):
             buf, state = unit.trainable, self.optimizer.state[master]
-            if buf.full.dtype != torch.float32:
+            if buf.full.dtype != torch.float32:  # an offloaded fp32 master equals P: not saved
                 out.append(Slot("master", buf, self.strategy.optim, master.detach()))
             out += [Slot(kind, buf, self.strategy.optim, state[kind]) for kind in OPTIMIZER_KINDS]
         return out
@@ -169,7 +204,11 @@ class BoundaryStep:
 
     def restore_counts(self, step_count: int, skipped_steps: int) -> None:
         for master in self.masters:
-            self.optimizer.state[master]["step"].fill_(step_count)
+            state = self.optimizer.state[master]
+            if isinstance(state["step"], torch.Tensor):
+                state["step"].fill_(step_count)
+            else:  # DeepSpeedCPUAdam's Python int; its kernel recomputes beta^t on a jump
+                state["step"] = step_count
         self.skipped_steps = skipped_steps
         self.last_skipped = False
 

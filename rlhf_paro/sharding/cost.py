@@ -24,14 +24,17 @@ from rlhf_paro.comm.collectives import DryRunCommunicator
 from rlhf_paro.comm.meter import CommMeter, LinkBytes
 from rlhf_paro.comm.topology import Topology
 from rlhf_paro.sharding._flat import DTYPES
+from rlhf_paro.sharding._host import OFFLOAD_MODES
 from rlhf_paro.sharding.layout import UnitSizes, padded
 from rlhf_paro.sharding.schedule import TRAINING_PHASES, plan, run, select, ways
 from rlhf_paro.sharding.strategy import Strategy
 
-__all__ = ["UnitSizes", "bytes_per_element", "memory", "optimizer_bytes_per_element",
-           "setup_memory", "traffic"]
+__all__ = ["UnitSizes", "bytes_per_element", "memory", "offload_memory",
+           "optimizer_bytes_per_element", "setup_memory", "traffic"]
 
 GRAD_BYTES = 4  # the fp32 gradient accumulator
+HOST_OPTIM_BYTES = 12  # offload=optimizer: an fp32 master of its own and two fp32 moments
+DEVICE_KEYS = ("params", "grads", "optim")  # offload_memory's keys on the device
 
 
 def bytes_per_element(precision: str) -> int:
@@ -63,11 +66,45 @@ def memory(strategy: Strategy, units: Sequence[UnitSizes], num_ranks: int, group
     return {"params": params, "grads": grads, "optim": optim}
 
 
+def offload_memory(strategy: Strategy, units: Sequence[UnitSizes], num_ranks: int,
+                   group_size: int, precision: str = "fp32", offload: str = "none"
+                   ) -> dict[str, int]:
+    """``memory()`` placed by an offload mode (_host.py, [Note: offload modes]), as
+    ``engine.memory()`` reports it between the model's phases: ``params``, ``grads``, ``optim`` on
+    the device, ``host_params``, ``host_grads``, ``host_optim`` in host memory.
+
+    offload=optimizer moves the OS level to the host with an fp32 master of its own even for
+    fp32 parameters (12 bytes per trainable element, the K of bf16) and a 4-byte copy of the OS
+    gradient; offload=params moves P there (parked: the model brings it back for its phases).
+    """
+    if offload not in OFFLOAD_MODES:
+        raise ValueError(f"offload={offload!r} is unknown; allowed: {', '.join(OFFLOAD_MODES)}")
+    if offload == "optimizer" and strategy.frozen:
+        raise ValueError(f"offload='optimizer' needs a trained model; strategy {strategy.name} "
+                         "is frozen (allowed: none, params)")
+    held = memory(strategy, units, num_ranks, group_size, precision)
+    out = {**held, "host_params": 0, "host_grads": 0, "host_optim": 0}
+    if offload == "params":
+        out["params"], out["host_params"] = 0, held["params"]
+    elif offload == "optimizer":
+        topo = Topology(num_ranks, group_size)
+        trainable = sum(padded(u.trainable, num_ranks) for u in units)
+        os_elements = trainable // ways(strategy.optim, topo)
+        out["optim"] = 0
+        out["host_optim"] = os_elements * HOST_OPTIM_BYTES
+        out["host_grads"] = os_elements * GRAD_BYTES
+    return out
+
+
 def setup_memory(strategy: Strategy, units: Sequence[UnitSizes], num_ranks: int,
-                 group_size: int, precision: str = "fp32") -> int:
-    """Bytes a rank holds at most while the engine sets the model up: what it keeps
-    (``memory``) plus the largest unit gathered (engine.py, [Note: setup memory])."""
-    held = sum(memory(strategy, units, num_ranks, group_size, precision).values())
+                 group_size: int, precision: str = "fp32", offload: str = "none") -> int:
+    """Device bytes a rank holds at most while the engine sets the model up: what it keeps
+    (``memory``) plus the largest unit gathered (engine.py, [Note: setup memory]).
+    offload=optimizer reads and makes the OS level in host memory; offload=params fills P on
+    the device first (the caller parks it afterwards)."""
+    placed = offload_memory(strategy, units, num_ranks, group_size, precision,
+                            "optimizer" if offload == "optimizer" else "none")
+    held = sum(placed[k] for k in DEVICE_KEYS)
     gathered = max((padded(u.trainable, num_ranks) + padded(u.frozen, num_ranks)
                     for u in units), default=0)
     return held + gathered * bytes_per_element(precision)

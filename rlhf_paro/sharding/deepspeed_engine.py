@@ -35,6 +35,7 @@ from torch import nn
 
 from rlhf_paro.comm.meter import CommMeter, LinkBytes, ring_bytes
 from rlhf_paro.comm.topology import Topology
+from rlhf_paro.sharding._host import Transfers
 from rlhf_paro.sharding.errors import EngineError
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -147,6 +148,9 @@ class DeepSpeedEngine:
         self.topo = topology
         self.meter = CommMeter(model_name)
         self.zero_stage = config["zero_optimization"]["stage"]
+        self.offload_optimizer = "offload_optimizer" in config["zero_optimization"]
+        # Host copies DeepSpeed makes are its own: none are counted here (m/offload/* stay 0).
+        self.transfers = Transfers()
         self.grad_accum_steps = config["gradient_accumulation_steps"]
         self.frozen = frozen
         self._phase: str | None = None
@@ -259,7 +263,8 @@ class DeepSpeedEngine:
             return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
     def memory(self) -> dict[str, int]:
-        """Bytes this rank holds in P, G and OS, read off DeepSpeed's partitions: P the
+        """Bytes this rank holds in P, G and OS on the device and on the host (the keys of
+        ``ShardedEngine.memory()``), read off DeepSpeed's partitions: P the
         parameters (ZeRO-3: the partition each keeps, plus hpZ's secondary one), G the fp32 gradient partition the
         optimizer accumulates into (the whole gradient below stage 2), OS the optimizer's fp32
         master partition and moments (on the host when offloaded)."""
@@ -271,8 +276,10 @@ class DeepSpeedEngine:
             p_bytes = sum(t.numel() * t.element_size() for t in kept)
         else:
             p_bytes = sum(p.numel() * p.element_size() for p in params)
+        out = {"params": p_bytes, "grads": 0, "optim": 0,
+               "host_params": 0, "host_grads": 0, "host_optim": 0}
         if self.frozen:
-            return {"params": p_bytes, "grads": 0, "optim": 0}
+            return out
         masters = self._master_partitions()
         trained = sum(p.numel() for p in params if p.requires_grad)
         g_elems = sum(m.numel() for m in masters) if self.zero_stage >= 2 else trained
@@ -280,7 +287,11 @@ class DeepSpeedEngine:
         o_bytes = sum(t.numel() * t.element_size() for t in optim)
         if self.zero_stage >= 1:
             o_bytes += sum(m.numel() * m.element_size() for m in masters)
-        return {"params": p_bytes, "grads": 4 * g_elems, "optim": o_bytes}
+        # Offloaded, DeepSpeed keeps the gradient partition, the master and the moments on the
+        # host (``memory()``'s host keys, as for the PaRO engine's offload=optimizer).
+        where = "host_" if self.offload_optimizer else ""
+        out[f"{where}grads"], out[f"{where}optim"] = 4 * g_elems, o_bytes
+        return out
 
     def _master_partitions(self) -> list[torch.Tensor]:
         opt = self.ds.optimizer

@@ -61,6 +61,7 @@ from rlhf_paro.comm.meter import CommMeter
 from rlhf_paro.comm.topology import Topology
 from rlhf_paro.sharding import _checkpoint
 from rlhf_paro.sharding._flat import DTYPES, FlatBuffer, Read
+from rlhf_paro.sharding._host import OFFLOAD_MODES, Transfers
 from rlhf_paro.sharding._step import BoundaryStep
 from rlhf_paro.sharding._unit import PostBackward, Unit, UnitState, tensors_requiring_grad
 from rlhf_paro.sharding.errors import EngineError
@@ -85,10 +86,16 @@ class ShardedEngine:
                  reduce_dtype: str = "fp32", model_name: str = "model",
                  unit_classes: list[str] | None = None, prefetch: bool = True,
                  verify_gathers: bool = False, source: Read | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, offload: str = "none") -> None:
         for key, value in (("precision", precision), ("reduce_dtype", reduce_dtype)):
             if value not in DTYPES:
                 raise ValueError(f"{key}={value!r} is unknown; allowed: {', '.join(DTYPES)}")
+        if offload not in OFFLOAD_MODES:
+            raise ValueError(f"offload={offload!r} is unknown; allowed: "
+                             f"{', '.join(OFFLOAD_MODES)}")
+        if offload == "optimizer" and strategy.frozen:
+            raise ValueError(f"offload='optimizer' needs a trained model; strategy "
+                             f"{strategy.name} is frozen (allowed: none, params)")
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps={grad_accum_steps} must be a positive integer")
         if topology.world is None and topology.num_ranks > 1:
@@ -101,6 +108,9 @@ class ShardedEngine:
         self.grad_accum_steps = grad_accum_steps
         self.reduce_dtype = DTYPES[reduce_dtype]  # [Note: gradient precision]
         self.meter = CommMeter(model_name)
+        self.offload = offload  # _host.py, [Note: offload modes]
+        self.transfers = Transfers()  # device <-> host copies, apart from the comm meter
+        self._parked = False  # offload_params() moved the P shards to host memory
         self.comm = Communicator(topology, self.meter, comm)
         self.schedule = plan(strategy)  # the collectives this strategy runs (schedule.py)
         self._grad_reduce = select(self.schedule, "backward", "grads")
@@ -122,7 +132,7 @@ class ShardedEngine:
         module.to(device)
         self._boundary = None if strategy.frozen else BoundaryStep(
             self.units, strategy, self.comm, self.schedule, optim or {}, max_grad_norm,
-            self.reduce_dtype)
+            self.reduce_dtype, self.transfers, offload_optimizer=offload == "optimizer")
         self._register_hooks()
 
     # -- construction ------------------------------------------------------------------------
@@ -141,7 +151,9 @@ class ShardedEngine:
             buffers = [FlatBuffer(group, [names[id(p)] for p in group], self.topo,
                                   self.strategy.params, dtype, gather[0] if gather else None,
                                   read=read, device=device,
-                                  master_level=master if group is trainable else None)
+                                  master_level=master if group is trainable else None,
+                                  master_on_host=self.offload == "optimizer",
+                                  host_copy=self.offload == "params")
                        for group in (trainable, frozen) if group]
             units.append(Unit(spec.name, spec.module, buffers,
                               buffers[0] if trainable else None, is_root=index == 0))
@@ -174,6 +186,7 @@ class ShardedEngine:
             self._order[k].gather(self.comm, self._phase(), async_op=True)
 
     def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple | None:
+        self._check_on_device("forward")
         if not unit.is_root and not self._order_known and unit not in self._order:
             self._order.append(unit)
         self._gather_now(unit, self._phase())
@@ -282,19 +295,68 @@ class ShardedEngine:
         return norm
 
     def memory(self) -> dict[str, int]:
-        """Bytes this rank holds in P, G and OS (persistent buffers; gathered copies excluded)."""
-        params = sum(buf.shard.numel() * buf.shard.element_size()
-                     for u in self.units for buf in u.buffers)
+        """Bytes this rank holds now (persistent buffers; gathered copies excluded), by state and
+        by place: ``params``, ``grads``, ``optim`` on the device (P, G, OS); ``host_params``,
+        ``host_grads``, ``host_optim`` in host memory: the P shards' home (offload=params, held
+        whether parked or not), and the OS gradient's copy and the masters and moments
+        (offload=optimizer). ``cost.offload_memory`` is the same dictionary from sizes alone."""
+        bufs = [buf for u in self.units for buf in u.buffers]
+        params = sum(buf.shard.numel() * buf.shard.element_size() for buf in bufs
+                     if not buf.parked)
+        host_params = sum(buf.host.numel() * buf.host.element_size() for buf in bufs
+                          if buf.host is not None)
         grads = sum(u.grad_acc.numel() * u.grad_acc.element_size()
                     for u in self.units if u.grad_acc is not None)
-        optim = 0 if self._boundary is None else self._boundary.optim_bytes()
-        return {"params": params, "grads": grads, "optim": optim}
+        optim = ({"optim": 0, "host_optim": 0, "host_grads": 0} if self._boundary is None
+                 else self._boundary.memory())
+        return {"params": params, "grads": grads, "optim": optim["optim"],
+                "host_params": host_params, "host_grads": optim["host_grads"],
+                "host_optim": optim["host_optim"]}
+
+    # -- offload=params: _host.py, [Note: offload modes] --------------------------------------
+    @property
+    def params_offloaded(self) -> bool:
+        """Whether the P shards are parked in host memory (``offload_params()``)."""
+        return self._parked
+
+    @torch.no_grad()
+    def offload_params(self) -> None:
+        """Park every P shard in host memory and free its device storage, until
+        ``onload_params()``. Forward and ``gathered()`` raise ``EngineError`` while parked (so
+        no backward or step can follow); checkpoints read and write the host copies. Local: no collective; the copies are
+        counted in ``transfers`` (one per flat buffer, its P shard's bytes)."""
+        if self.offload != "params":
+            raise EngineError(f"model {self.meter.model!r} was sharded with "
+                              f"offload={self.offload!r}; offload_params() needs "
+                              "shard(..., offload='params')")
+        if self._hold or self.state == TrainingState.BACKWARD or self._micro_batches:
+            raise EngineError("offload_params() inside gathered() or between backward() and "
+                              "step(): the parameters are in use")
+        for unit in self.units:  # [Note: waits] a prefetch in flight reads the shards
+            unit.free()
+            for buf in unit.buffers:
+                buf.park(self.transfers)
+        self._parked = True
+
+    @torch.no_grad()
+    def onload_params(self) -> None:
+        """Bring the parked P shards back to the device (no-op when they are there)."""
+        for unit in self.units:
+            for buf in unit.buffers:
+                buf.unpark(self.transfers)
+        self._parked = False
+
+    def _check_on_device(self, what: str) -> None:
+        if self.params_offloaded:
+            raise EngineError(f"{what} on model {self.meter.model!r} while its parameters are "
+                              "offloaded to host memory; call onload_params() first")
 
     @contextlib.contextmanager
     def gathered(self, phase: str = "gather") -> Iterator[nn.Module]:
         """Full parameters of every unit (for generation or evaluation), freed afterwards."""
         if self.state == TrainingState.BACKWARD:
             raise EngineError("gathered() cannot be used during backward")
+        self._check_on_device("gathered()")
         outer = self._hold == 0
         if outer:
             self._gather_phase = phase
@@ -389,10 +451,12 @@ class ShardedEngine:
             target[offset:offset + values.numel()].copy_(values)
         if self._boundary is not None and self._boundary.optimizer is not None:
             self._boundary.restore_counts(meta["step"], meta["skipped_steps"])
+            self._boundary.sync_masters()
 
     def _slots(self) -> list[_checkpoint.Slot]:
-        """What this rank holds, slot by slot: the P shards, then the optimizer's OS shards."""
-        slots = [_checkpoint.Slot("params", buf, self.strategy.params, buf.shard)
+        """What this rank holds, slot by slot: the P shards (their host copies while parked),
+        then the optimizer's OS shards."""
+        slots = [_checkpoint.Slot("params", buf, self.strategy.params, buf.p_values)
                  for unit in self.units for buf in unit.buffers]
         return slots + ([] if self._boundary is None else self._boundary.slots())
 
@@ -434,7 +498,7 @@ def shard(model: nn.Module, strategy: Strategy | str, topology: Topology, *,
           reduce_dtype: str = "fp32", model_name: str = "model",
           unit_classes: list[str] | None = None, prefetch: bool = True,
           verify_gathers: bool = False, source: Read | None = None,
-          device: torch.device | str | None = None) -> ShardedEngine:
+          device: torch.device | str | None = None, offload: str = "none") -> ShardedEngine:
     """Shard ``model`` in place by ``strategy`` over ``topology`` (docs/design.md, "Engine").
 
     A frozen strategy (one P level, e.g. ``Strategy.parse("G", frozen=True)``) gives an
@@ -447,6 +511,11 @@ def shard(model: nn.Module, strategy: Strategy | str, topology: Topology, *,
     one unit at a time (docs/design.md, "Setup"). Without it the parameters' own values are
     used. The shards are made on ``device`` (default: where the parameters are), and the
     module's buffers are moved there.
+
+    ``offload`` (docs/design.md, "Offload"): ``none``; ``optimizer`` keeps the OS level (fp32
+    masters, Adam moments) in host memory and steps it with DeepSpeedCPUAdam (trained models);
+    ``params`` gives the P shards a home in host memory, used by ``offload_params()`` and
+    ``onload_params()`` between the model's phases.
     """
     if isinstance(strategy, str):
         strategy = Strategy.parse(strategy, frozen=len(strategy.strip()) == 1)
@@ -454,7 +523,8 @@ def shard(model: nn.Module, strategy: Strategy | str, topology: Topology, *,
                          grad_accum_steps=grad_accum_steps, comm=comm, precision=precision,
                          reduce_dtype=reduce_dtype, model_name=model_name,
                          unit_classes=unit_classes, prefetch=prefetch,
-                         verify_gathers=verify_gathers, source=source, device=device)
+                         verify_gathers=verify_gathers, source=source, device=device,
+                         offload=offload)
 
 
 def _values(module: nn.Module, source: Read | None, device: torch.device | str | None

@@ -23,6 +23,8 @@ N, M = 4, 2
 # groups at the boundary and the update; G: a frozen model gathering on the world ring; I: a
 # frozen model gathering inside its group only.
 STRATEGIES = {"actor": "III", "critic": "NIG", "ref": "G", "reward": "I"}
+# The critic's optimizer steps on the host; ref and reward park between their phases.
+OFFLOAD = {"critic": "optimizer", "ref": "params", "reward": "params"}
 STEPS = 2
 
 
@@ -32,6 +34,7 @@ def job(tmp_path_factory):
     cfg = load_config([
         f"cluster.num_devices={N}", f"cluster.group_size={M}",
         *(f"{role}.strategy={s}" for role, s in STRATEGIES.items()),
+        *(f"{role}.offload={mode}" for role, mode in OFFLOAD.items()),
         "task.model.hidden_size=32", "task.model.intermediate_size=64", "task.sft_steps=10",
         "task.train_prompts=64", "task.val_prompts=8",
         "actor.micro_batch_size=1", "critic.micro_batch_size=1",
@@ -124,9 +127,31 @@ def test_memory_follows_the_strategies(job):
         assert row[f"{role}/mem/grads_bytes"] == 0 and row[f"{role}/mem/optim_bytes"] == 0
     # The actor's P is cut in M, its OS too; fp32 Adam holds 2 moments: OS = 2 P (no frozen part).
     assert row["actor/mem/optim_bytes"] == 2 * row["actor/mem/params_bytes"]
-    # NIG: P replicated, G cut in M, OS cut in N.
+    # NIG: P replicated, G cut in M, OS cut in N, on the host (offload=optimizer): an fp32
+    # master of its own and two moments, 12 bytes, and a 4-byte copy of the OS gradient.
     assert row["critic/mem/params_bytes"] == M * row["critic/mem/grads_bytes"]
-    assert row["critic/mem/optim_bytes"] == 2 * row["critic/mem/params_bytes"] // N
+    assert row["critic/mem/optim_bytes"] == 0
+    assert row["critic/mem/host_optim_bytes"] == 3 * row["critic/mem/params_bytes"] // N
+    assert row["critic/mem/host_grads_bytes"] == row["critic/mem/params_bytes"] // N
     for role in ROLES:
         assert row[f"{role}/mem/peak_bytes"] > 0
         assert row[f"{role}/tokens_per_s"] > 0
+
+
+def test_offloaded_models_park_between_phases_and_count_their_copies(job):
+    cfg, rows, _ = job
+    row = rows[-1]  # the first step also counts the park after setting up
+    optimizer_steps = cfg.ppo.ppo_epochs * cfg.ppo.rollout_batch_size // cfg.ppo.mini_batch_size
+    # Per optimizer step each rank sends its OS gradient out and takes its masters back.
+    for direction in ("d2h_bytes", "h2d_bytes"):
+        assert row[f"critic/offload/{direction}"] == \
+            N * optimizer_steps * row["critic/mem/host_grads_bytes"]
+    for role in ("ref", "reward"):
+        parked = row[f"{role}/mem/host_params_bytes"]
+        # Parked at the end of the step, its P in host memory; brought back and parked again
+        # once per scoring (the rollout, and an evaluation where one runs).
+        assert row[f"{role}/mem/params_bytes"] == 0 and parked > 0
+        moved = row[f"{role}/offload/d2h_bytes"]
+        assert moved == row[f"{role}/offload/h2d_bytes"] and moved > 0
+        assert moved % (N * parked) == 0
+    assert row["actor/offload/transfers"] == 0

@@ -3,7 +3,7 @@ docs/paper-errata.md) and equation (1)."""
 
 import pytest
 
-from rlhf_paro.sharding.cost import UnitSizes, memory, setup_memory, traffic
+from rlhf_paro.sharding.cost import UnitSizes, memory, offload_memory, setup_memory, traffic
 from rlhf_paro.sharding.strategy import Strategy, all_strategies
 
 N, M = 64, 8  # the paper's Figure 5 cluster
@@ -51,6 +51,30 @@ def test_setup_peak_is_what_a_rank_keeps_plus_its_largest_unit_gathered() -> Non
             kept = sum(memory(strategy, units, 4, 2, precision).values())
             assert setup_memory(strategy, units, 4, 2, precision) == kept + 16 * b
     assert setup_memory(Strategy.parse("GGG"), [], 4, 2) == 0
+
+
+@pytest.mark.parametrize("precision,b", [("fp32", 4), ("bf16", 2)])
+def test_offload_moves_os_or_p_to_the_host(precision: str, b: int) -> None:
+    iig, frozen = Strategy.parse("IIG"), Strategy.parse("I", frozen=True)
+    # optimizer: the OS shard's fp32 master (its own, for fp32 too) and two moments, 12 bytes,
+    # and a 4-byte copy of its gradient leave the device; P and G stay.
+    assert offload_memory(iig, UNITS, N, M, precision, "optimizer") == {
+        "params": b * PSI // M, "grads": 4 * PSI // M, "optim": 0,
+        "host_params": 0, "host_grads": 4 * PSI // N, "host_optim": 12 * PSI // N}
+    # params: P parked in host memory between phases, G and OS stay.
+    assert offload_memory(iig, UNITS, N, M, precision, "params") == {
+        **memory(iig, UNITS, N, M, precision), "params": 0, "host_params": b * PSI // M,
+        "host_grads": 0, "host_optim": 0}
+    assert offload_memory(frozen, UNITS, N, M, precision, "params")["params"] == 0
+    with pytest.raises(ValueError, match="needs a trained model"):
+        offload_memory(frozen, UNITS, N, M, precision, "optimizer")
+    # Setting up with offload=optimizer, the OS is made on the host; with params, P is filled
+    # on the device before it is parked.
+    units = [UnitSizes(10, 3), UnitSizes(6, 0)]  # padded 12+4 and 8; the larger gathers 16
+    assert setup_memory(iig, units, 4, 2, precision, "optimizer") == \
+        b * (12 + 4 + 8) // 2 + 4 * (12 + 8) // 2 + 16 * b  # P and G cut in M = 2
+    assert setup_memory(iig, units, 4, 2, precision, "params") == setup_memory(
+        iig, units, 4, 2, precision)
 
 
 def _total(name: str, s: int, phase: str) -> tuple[float, float]:

@@ -65,3 +65,29 @@ def test_plain_module_without_blocks_is_one_root_unit_and_trains() -> None:
         opt.zero_grad()
     for key, value in ref.state_dict().items():
         torch.testing.assert_close(engine.full_state_dict()[key], value, rtol=1e-6, atol=1e-7)
+
+
+def test_offload_mode_is_checked_and_parking_is_explicit() -> None:
+    with pytest.raises(ValueError, match="offload='cpu' is unknown; allowed: none, optimizer, "
+                                         "params"):
+        shard(TwoLayer(), "NNN", Topology(1, 1), offload="cpu")
+    with pytest.raises(ValueError, match="offload='optimizer' needs a trained model"):
+        shard(TwoLayer(), "G", Topology(1, 1), offload="optimizer")
+    with pytest.raises(EngineError, match="offload_params\\(\\) needs shard\\(..., "
+                                          "offload='params'\\)"):
+        shard(TwoLayer(), "GGG", Topology(1, 1)).offload_params()
+    engine = shard(TwoLayer(), "GGG", Topology(1, 1), offload="params")
+    engine.backward(engine(torch.ones(2, 3)))
+    with pytest.raises(EngineError, match="between backward\\(\\) and step\\(\\)"):
+        engine.offload_params()
+    engine.step()
+    engine.offload_params()
+    assert engine.params_offloaded
+    for what, call in (("gathered\\(\\)", lambda: engine.gathered().__enter__()),
+                       ("forward", lambda: engine(torch.ones(2, 3)))):
+        with pytest.raises(EngineError, match=f"{what} on model 'model' while its parameters "
+                                              "are offloaded"):
+            call()
+    engine.onload_params()
+    engine.backward(engine(torch.ones(2, 3)))
+    engine.step()  # back on the device, it trains

@@ -70,8 +70,8 @@ def sharded_run(rank: int, topo, case: Case) -> dict:
         "state": state if rank == 0 else None,
         "states": states if rank == 0 else None,
         "memory": engine.memory(),
-        "expected_memory": cost.memory(strategy, sizes, topo.num_ranks, topo.group_size,
-                                       case.precision),
+        "expected_memory": cost.offload_memory(strategy, sizes, topo.num_ranks,
+                                               topo.group_size, case.precision),
         "traffic": traffic,
         "expected_traffic": expected_traffic,
     }
