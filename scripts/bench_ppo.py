@@ -64,8 +64,7 @@ def run_job(overrides: list[str], output_dir: Path) -> list[dict]:
 def summary(rows: list[dict]) -> dict[str, float]:
     """Median over steps of every numeric metric the table shows."""
     keys = [k for k in rows[0] if k == "perf/samples_per_s" or "/time_s/" in k
-            or k.endswith("/comm/intra_bytes") or k.endswith("/comm/inter_bytes")
-            or k.endswith("/strategy")]
+            or k.endswith("/comm/intra_bytes") or k.endswith("/comm/inter_bytes")]
     return {k: statistics.median(r[k] for r in rows) for k in keys
             if all(isinstance(r.get(k), (int, float)) for r in rows)}
 
