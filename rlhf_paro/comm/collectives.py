@@ -111,22 +111,30 @@ class Communicator:
         return pending
 
     @torch.no_grad()
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, scope: str, phase: str) -> None:
-        """Sum ``full`` over the scope's ranks and keep this rank's chunk in ``out``."""
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, scope: str, phase: str,
+                       async_op: bool = False) -> Pending:
+        """Sum ``full`` over the scope's ranks and keep this rank's chunk in ``out``. With
+        ``async_op`` the result is in ``out`` only after ``wait()`` on what this returns, and
+        ``full`` must not change until then."""
         n = self.size(scope)
         start = time.perf_counter()
         if n == 1:
             out.copy_(full)
-            return
+            return _done()
         if self._algorithm("reduce_scatter", scope) != "native":
             sent = rings.ALGORITHMS[self.algorithm].reduce_scatter(out, full, self.topo)
             self._record(phase, "reduce_scatter", scope, sent, start)
-            return
+            return _done()
         if scope == "world" and not self._world_is_nested():
             full = self.topo.nested_to_world(full)
-        _reduce_scatter_single(out, full.contiguous(), group=self.topo.group(scope))
+        work = _reduce_scatter_single(out, full.contiguous(), group=self.topo.group(scope),
+                                      async_op=async_op)
         sent = native_bytes("reduce_scatter", full.numel(), full.element_size(), scope, self.topo)
-        self._record(phase, "reduce_scatter", scope, sent, start)
+        pending = Pending(work if async_op else None,
+                          lambda: self._record(phase, "reduce_scatter", scope, sent, start))
+        if not async_op:
+            pending.wait()
+        return pending
 
     @torch.no_grad()
     def all_reduce(self, buf: torch.Tensor, scope: str, phase: str) -> None:
@@ -158,8 +166,10 @@ class DryRunCommunicator(Communicator):
         self._count("all_gather", out.numel(), out.element_size(), scope, phase)
         return _done()
 
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, scope: str, phase: str) -> None:
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, scope: str, phase: str,
+                       async_op: bool = False) -> Pending:
         self._count("reduce_scatter", full.numel(), full.element_size(), scope, phase)
+        return _done()
 
     def all_reduce(self, buf: torch.Tensor, scope: str, phase: str) -> None:
         self._count("all_reduce", buf.numel(), buf.element_size(), scope, phase)
