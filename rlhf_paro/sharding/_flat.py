@@ -15,6 +15,15 @@ more than the gathered buffer would. The gathered buffer is allocated only after
 freed at once (P != N). So filling a buffer costs at most the buffer gathered on top of what the
 strategy keeps. ``copy_`` does the one rounding to the buffer's precision, the same as widening
 to fp32 first and then rounding.
+
+[Note: gradients land in flat buffers]  (docs/design.md, "The unit lifecycle")
+When a unit's backward begins, every trained parameter's ``.grad`` is made a view of one padded
+flat buffer (``attach_grads``), and autograd, which adds into an existing ``.grad`` in place,
+writes the gradients where the reduce-scatter reads them: no copy per parameter and micro-batch.
+The buffer is a new zeroed one per micro-batch (0 + g is g exactly), or, for an fp32 model whose
+gradients stay at the N level, the fp32 accumulator itself, which then sums the micro-batches
+without any pass of our own (the division by N waits for the step). A gradient that autograd put
+elsewhere (``.grad`` reset by the user) is added in when the unit's backward ends.
 """
 
 from __future__ import annotations
@@ -79,6 +88,8 @@ class FlatBuffer:
         # The P shard's home in host memory (offload=params; _host.py, [Note: offload modes]).
         self.host = host_zeros(self.shard.numel(), dtype, device) if host_copy else None
         self.parked = False  # the P shard is in ``host`` and its device storage is freed
+        self.grad: torch.Tensor | None = None  # where autograd adds this pass's gradients
+        self._grad_is_acc = False  # ``grad`` is the unit's accumulator (attach_grads(into=...))
 
     def _filled(self, span: slice, dtype: torch.dtype, read: Read, most: int,
                 on_host: bool = False) -> torch.Tensor:
@@ -175,15 +186,35 @@ class FlatBuffer:
         """The P shard where it lives now: host memory while parked, else the device."""
         return self.host if self.parked else self.shard
 
-    def flat_grad(self, dtype: torch.dtype) -> torch.Tensor:
-        """The parameters' gradients as one padded flat ``dtype`` tensor (zeros where none);
-        clears them. A bf16 gradient widens to fp32 exactly."""
-        out = torch.zeros(self.size, dtype=dtype, device=self.device)
+    # -- gradients: [Note: gradients land in flat buffers] ------------------------------------
+    def attach_grads(self, into: torch.Tensor | None = None) -> None:
+        """Point every parameter's ``.grad`` at its slice of one padded flat buffer of S
+        elements: ``into`` (the fp32 accumulator of a model whose gradients stay at the N level)
+        or, by default, a new zeroed buffer of the parameters' dtype. Autograd then adds each
+        gradient in place where the reduction reads it. No-op when already attached."""
+        if self.grad is not None:
+            return
+        self.grad = into if into is not None else torch.zeros(self.size, dtype=self.full.dtype,
+                                                              device=self.device)
+        self._grad_is_acc = into is not None
+        for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
+            p.grad = self.grad[off:off + n].view(shape)
+
+    def take_grad(self) -> tuple[torch.Tensor, bool]:
+        """The parameters' gradients as one padded flat tensor, and whether it is the
+        accumulator given to ``attach_grads`` (then they were added to it). Detaches the
+        parameters' ``.grad``. A gradient autograd put elsewhere (the buffer was not attached
+        when the unit's backward began, or ``.grad`` was reset meanwhile) is added in."""
+        flat, is_acc = self.grad, self._grad_is_acc
+        if flat is None:
+            flat, is_acc = torch.zeros(self.size, dtype=self.full.dtype, device=self.device), False
         for p, off, n in zip(self.params, self.offsets, self.numels):
-            if p.grad is not None:
-                out[off:off + n].copy_(p.grad.reshape(-1))
-                p.grad = None
-        return out
+            g = p.grad
+            if g is not None and g.data_ptr() != flat[off:off + n].data_ptr():
+                flat[off:off + n].add_(g.reshape(-1))
+            p.grad = None
+        self.grad, self._grad_is_acc = None, False
+        return flat, is_acc
 
     def verify(self, comm: Communicator, unit_name: str) -> None:
         """Compare every chunk of the gathered buffer against its owner's checksum."""

@@ -10,11 +10,13 @@ This module wires them to the module's forward and autograd's backward.
                  flight, then start the next unit's gather (prefetch); wrap the unit's inputs so
                  that autograd tells us when the unit's backward is over
   post-forward   free P (P != N), and hook the outputs so backward can re-gather first
-  pre-backward   gather P again (first hook on the unit's outputs); prefetch the unit before it
+  pre-backward   point the trained parameters' .grad at one flat buffer (_flat.py, [Note:
+                 gradients land in flat buffers]), gather P again (first hook on the unit's
+                 outputs); prefetch the unit before it
   post-backward  (autograd reached the unit's inputs: every node that used its parameters has
-                 run, and AccumulateGrad nodes run first when ready) flatten the gradients,
-                 reduce them to the G level (the schedule's backward reduce-scatter), add them
-                 to the fp32 accumulator, free P
+                 run, and AccumulateGrad nodes run first when ready) start reducing the flat
+                 gradient to the G level (the schedule's backward reduce-scatter, waited for
+                 later: [Note: gradient reduction in flight]), free P
   end of backward  a queued autograd callback finishes units whose inputs needed no gradient
                  (the root, the first block of a LoRA model) and resets the pass state
 
@@ -50,13 +52,13 @@ import contextlib
 import enum
 import os
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from rlhf_paro.comm.collectives import Communicator
+from rlhf_paro.comm.collectives import Communicator, Pending
 from rlhf_paro.comm.meter import CommMeter
 from rlhf_paro.comm.topology import Topology
 from rlhf_paro.sharding import _checkpoint
@@ -66,8 +68,29 @@ from rlhf_paro.sharding._step import BoundaryStep
 from rlhf_paro.sharding._unit import PostBackward, Unit, UnitState, tensors_requiring_grad
 from rlhf_paro.sharding.errors import EngineError
 from rlhf_paro.sharding.layout import split_units
-from rlhf_paro.sharding.schedule import plan, run, select
+from rlhf_paro.sharding.schedule import plan, select
 from rlhf_paro.sharding.strategy import Level, Strategy
+
+
+# [Note: gradient reduction in flight]
+# A unit's backward reduce-scatter is started in its post-backward hook and waited for only when
+# its result is needed: when more than REDUCTIONS_IN_FLIGHT are in flight (the oldest is
+# finished first), and in ``step()`` before the boundary reads the accumulators. So the
+# reduction of one unit runs while autograd computes the units before it, and the last ones
+# while the next micro-batch runs forward. Each reduction holds its unsharded gradient (the
+# input, which must not change until the wait) and its G-level result, so the cap bounds the
+# extra memory to REDUCTIONS_IN_FLIGHT unsharded gradients of a unit. The sums enter a unit's
+# accumulator in micro-batch order, as before: finishing in issue order keeps every addition
+# where it was, so the numbers are the same bits as reducing synchronously. Every rank issues
+# the same reductions in the same order (units finish backward in the same order everywhere).
+REDUCTIONS_IN_FLIGHT = 2
+
+
+class _Reduction(NamedTuple):
+    unit: Unit
+    pending: Pending  # the reduce-scatter
+    grad: torch.Tensor  # its input, kept alive until it is finished
+    out: torch.Tensor  # this rank's G-level sum
 
 
 class TrainingState(enum.Enum):
@@ -114,6 +137,10 @@ class ShardedEngine:
         self.comm = Communicator(topology, self.meter, comm)
         self.schedule = plan(strategy)  # the collectives this strategy runs (schedule.py)
         self._grad_reduce = select(self.schedule, "backward", "grads")
+        # Gradients that stay at the N level (G = N) of an fp32 model are added by autograd
+        # straight into the fp32 accumulator ([Note: gradients land in flat buffers]).
+        self._direct_grads = not self._grad_reduce and precision == "fp32"
+        self._reductions: list[_Reduction] = []  # backward reduce-scatters in flight, in order
         self.prefetch = prefetch
         self.verify_gathers = verify_gathers
         self.state = TrainingState.IDLE
@@ -226,6 +253,9 @@ class ShardedEngine:
         if unit.state not in (UnitState.READY, UnitState.ARMED):
             return
         unit.state = UnitState.BACKWARD
+        if unit.trainable is not None and self._boundary is not None:
+            # [Note: gradients land in flat buffers]
+            unit.trainable.attach_grads(unit.grad_acc if self._direct_grads else None)
         self._gather_now(unit, "backward")
         self._prefetch(unit, -1)
 
@@ -235,11 +265,33 @@ class ShardedEngine:
             return
         unit.state = UnitState.DONE
         buf = unit.trainable
-        if buf is not None:
-            grad = buf.flat_grad(self.reduce_dtype)
-            grad.div_(self.topo.num_ranks)
-            unit.grad_acc.add_(run(self._grad_reduce, grad, self.comm))
+        if buf is not None and self._boundary is not None:
+            grad, added = buf.take_grad()
+            if not added:
+                grad = grad.to(self.reduce_dtype)
+                grad.div_(self.topo.num_ranks)
+                if self._grad_reduce:
+                    self._reduce_async(unit, grad)
+                else:
+                    unit.grad_acc.add_(grad)
         unit.free()
+
+    def _reduce_async(self, unit: Unit, grad: torch.Tensor) -> None:
+        """Start the schedule's backward reduce-scatter of one micro-batch's gradient (N -> G);
+        its sum is added to the accumulator when it is waited for ([Note: gradient reduction
+        in flight])."""
+        (c,) = self._grad_reduce  # one row: N -> G on the scope between them
+        out = grad.new_empty(grad.numel() // self.comm.size(c.scope))
+        pending = self.comm.reduce_scatter(out, grad, c.scope, c.phase, async_op=True)
+        self._reductions.append(_Reduction(unit, pending, grad, out))
+        while len(self._reductions) > REDUCTIONS_IN_FLIGHT:
+            self._finish_reduction()
+
+    def _finish_reduction(self) -> None:
+        """Wait for the oldest gradient reduction in flight and add it to its accumulator."""
+        reduction = self._reductions.pop(0)
+        reduction.pending.wait()
+        reduction.unit.grad_acc.add_(reduction.out)
 
     def _end_of_backward(self) -> None:
         # Reverse forward order, then the rest: the same on every rank, so collectives line up.
@@ -290,6 +342,11 @@ class ShardedEngine:
         # still in flight (a prefetch nobody consumed) and free it, before any shard changes.
         for unit in self.units:
             unit.free()
+        while self._reductions:  # [Note: gradient reduction in flight]
+            self._finish_reduction()
+        if self._direct_grads:  # the accumulators hold the sums of undivided gradients
+            for unit in self._boundary.units:
+                unit.grad_acc.div_(self.topo.num_ranks)
         norm = self._boundary()
         self._micro_batches = 0
         return norm
