@@ -26,7 +26,8 @@ from rlhf_paro.comm.topology import Topology
 from rlhf_paro.sharding._flat import DTYPES
 from rlhf_paro.sharding._host import OFFLOAD_MODES
 from rlhf_paro.sharding.layout import UnitSizes, padded
-from rlhf_paro.sharding.schedule import TRAINING_PHASES, plan, run, select, ways
+from rlhf_paro.sharding.schedule import (BUCKET_NUMEL, TRAINING_PHASES, buckets, plan, run, select,
+                                         ways)
 from rlhf_paro.sharding.strategy import Strategy
 
 __all__ = ["UnitSizes", "bytes_per_element", "memory", "offload_memory",
@@ -111,7 +112,8 @@ def setup_memory(strategy: Strategy, units: Sequence[UnitSizes], num_ranks: int,
 
 
 def _rank_traffic(strategy: Strategy, units: Sequence[UnitSizes], topo: Topology, s: int,
-                  precision: str, algorithm: str, reduce_dtype: str) -> dict[str, LinkBytes]:
+                  precision: str, algorithm: str, reduce_dtype: str, bucket_numel: int
+                  ) -> dict[str, LinkBytes]:
     """Dry-run the engine's schedule for one optimizer step on a communicator that only counts,
     on meta tensors of the sizes the engine would hand it."""
     elem = {"params": DTYPES[precision], "trained": DTYPES[precision],
@@ -125,13 +127,22 @@ def _rank_traffic(strategy: Strategy, units: Sequence[UnitSizes], topo: Topology
                  "trained": [padded(u.trainable, n)] if u.trainable else []}
         sizes["grads"] = sizes["trained"]
         for c in collectives:
-            if c.what == "norm":
+            if c.what == "norm" or c.what == "grads" and c.per == "micro":
                 continue
             for size in sizes[c.what]:
                 tensor = torch.empty(size // ways(c.src, topo), dtype=elem[c.what],
                                      device="meta")
                 for _ in range(s if c.per == "micro" else 1):
                     run([c], tensor, comm)
+    # The backward reduce-scatters, unit by unit as backward finishes them (the blocks in
+    # reverse, the root last), small ones together (schedule.py, [Note: gradient buckets]).
+    finishing = [padded(u.trainable, n) for u in [*reversed(units[1:]), *units[:1]]]
+    for c in [c for c in collectives if c.what == "grads" and c.per == "micro"]:
+        for bucket in buckets(finishing, bucket_numel):
+            tensor = torch.empty(sum(finishing[k] for k in bucket) // ways(c.src, topo),
+                                 dtype=elem["grads"], device="meta")
+            for _ in range(s):
+                run([c], tensor, comm)
     if any(u.trainable for u in units):
         run(select(collectives, "boundary", "norm"),
             torch.empty(1, dtype=elem["norm"], device="meta"), comm)
@@ -141,21 +152,23 @@ def _rank_traffic(strategy: Strategy, units: Sequence[UnitSizes], topo: Topology
 
 def traffic(strategy: Strategy, units: Sequence[UnitSizes], num_ranks: int, group_size: int,
             grad_accum_steps: int = 1, precision: str = "fp32", algorithm: str = "native",
-            rank: int | None = None, reduce_dtype: str = "fp32") -> dict[str, LinkBytes]:
+            rank: int | None = None, reduce_dtype: str = "fp32",
+            bucket_numel: int = BUCKET_NUMEL) -> dict[str, LinkBytes]:
     """Bytes one rank sends per optimizer step, by phase, on intra and inter links.
 
     For a frozen (inference-only) strategy the step is ``grad_accum_steps`` forward passes.
     With ``rank=None`` the result is the average over all ranks (Table 3's total divided by N);
-    the ranks differ only in which of them cross groups on the world ring.
+    the ranks differ only in which of them cross groups on the world ring. ``bucket_numel`` is
+    the engine's (schedule.py, [Note: gradient buckets]).
     """
     topo = Topology(num_ranks, group_size)
     if rank is not None:
         return _rank_traffic(strategy, units, topo.with_rank(rank), grad_accum_steps, precision,
-                             algorithm, reduce_dtype)
+                             algorithm, reduce_dtype, bucket_numel)
     # Every group is laid out alike, so a rank's traffic depends only on its local index j:
     # the mean over the M ranks of one group is the mean over all N.
     per_rank = [_rank_traffic(strategy, units, topo.with_rank(j), grad_accum_steps, precision,
-                              algorithm, reduce_dtype) for j in range(group_size)]
+                              algorithm, reduce_dtype, bucket_numel) for j in range(group_size)]
     return {phase: LinkBytes(sum(p[phase].intra for p in per_rank) / group_size,
                              sum(p[phase].inter for p in per_rank) / group_size)
             for phase in TRAINING_PHASES}

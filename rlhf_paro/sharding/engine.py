@@ -68,7 +68,7 @@ from rlhf_paro.sharding._step import BoundaryStep
 from rlhf_paro.sharding._unit import PostBackward, Unit, UnitState, tensors_requiring_grad
 from rlhf_paro.sharding.errors import EngineError
 from rlhf_paro.sharding.layout import split_units
-from rlhf_paro.sharding.schedule import plan, select
+from rlhf_paro.sharding.schedule import BUCKET_NUMEL, plan, select
 from rlhf_paro.sharding.strategy import Level, Strategy
 
 
@@ -87,7 +87,7 @@ REDUCTIONS_IN_FLIGHT = 2
 
 
 class _Reduction(NamedTuple):
-    unit: Unit
+    units: list[Unit]  # one, or a bucket's members in their order
     pending: Pending  # the reduce-scatter
     grad: torch.Tensor  # its input, kept alive until it is finished
     out: torch.Tensor  # this rank's G-level sum
@@ -109,7 +109,8 @@ class ShardedEngine:
                  reduce_dtype: str = "fp32", model_name: str = "model",
                  unit_classes: list[str] | None = None, prefetch: bool = True,
                  verify_gathers: bool = False, source: Read | None = None,
-                 device: torch.device | str | None = None, offload: str = "none") -> None:
+                 device: torch.device | str | None = None, offload: str = "none",
+                 bucket_numel: int = BUCKET_NUMEL) -> None:
         for key, value in (("precision", precision), ("reduce_dtype", reduce_dtype)):
             if value not in DTYPES:
                 raise ValueError(f"{key}={value!r} is unknown; allowed: {', '.join(DTYPES)}")
@@ -121,6 +122,8 @@ class ShardedEngine:
                              f"{strategy.name} is frozen (allowed: none, params)")
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps={grad_accum_steps} must be a positive integer")
+        if bucket_numel < 1:
+            raise ValueError(f"bucket_numel={bucket_numel} must be a positive integer")
         if topology.world is None and topology.num_ranks > 1:
             raise ValueError("the topology has no process groups; build it with "
                              "Topology.from_process_group(group_size=M)")
@@ -141,6 +144,8 @@ class ShardedEngine:
         # straight into the fp32 accumulator ([Note: gradients land in flat buffers]).
         self._direct_grads = not self._grad_reduce and precision == "fp32"
         self._reductions: list[_Reduction] = []  # backward reduce-scatters in flight, in order
+        self._bucket: list[tuple[Unit, torch.Tensor]] = []  # small gradients waiting to go
+        self.bucket_numel = bucket_numel  # schedule.py, [Note: gradient buckets]
         self.prefetch = prefetch
         self.verify_gathers = verify_gathers
         self.state = TrainingState.IDLE
@@ -270,34 +275,50 @@ class ShardedEngine:
             if not added:
                 grad = grad.to(self.reduce_dtype)
                 grad.div_(self.topo.num_ranks)
-                if self._grad_reduce:
-                    self._reduce_async(unit, grad)
-                else:
+                if not self._grad_reduce:
                     unit.grad_acc.add_(grad)
+                elif grad.numel() >= self.bucket_numel:  # schedule.buckets: a large one alone
+                    self._reduce_async([(unit, grad)])
+                else:
+                    self._bucket.append((unit, grad))
+                    if sum(g.numel() for _, g in self._bucket) >= self.bucket_numel:
+                        self._flush_bucket()
         unit.free()
 
-    def _reduce_async(self, unit: Unit, grad: torch.Tensor) -> None:
-        """Start the schedule's backward reduce-scatter of one micro-batch's gradient (N -> G);
-        its sum is added to the accumulator when it is waited for ([Note: gradient reduction
-        in flight])."""
+    def _flush_bucket(self) -> None:
+        if self._bucket:
+            members, self._bucket = self._bucket, []
+            self._reduce_async(members)
+
+    def _reduce_async(self, members: list[tuple[Unit, torch.Tensor]]) -> None:
+        """Start the schedule's backward reduce-scatter (N -> G) of one micro-batch's gradient of
+        one unit, or of a bucket of small ones laid out chunk by chunk ([Note: gradient
+        buckets] in schedule.py); the sums are added to the accumulators when it is waited for
+        ([Note: gradient reduction in flight])."""
         (c,) = self._grad_reduce  # one row: N -> G on the scope between them
-        out = grad.new_empty(grad.numel() // self.comm.size(c.scope))
+        n = self.comm.size(c.scope)
+        grad = (members[0][1] if len(members) == 1
+                else torch.cat([g.view(n, -1) for _, g in members], dim=1).view(-1))
+        out = grad.new_empty(grad.numel() // n)
         pending = self.comm.reduce_scatter(out, grad, c.scope, c.phase, async_op=True)
-        self._reductions.append(_Reduction(unit, pending, grad, out))
+        self._reductions.append(_Reduction([u for u, _ in members], pending, grad, out))
         while len(self._reductions) > REDUCTIONS_IN_FLIGHT:
             self._finish_reduction()
 
     def _finish_reduction(self) -> None:
-        """Wait for the oldest gradient reduction in flight and add it to its accumulator."""
+        """Wait for the oldest gradient reduction in flight and add it to its accumulators."""
         reduction = self._reductions.pop(0)
         reduction.pending.wait()
-        reduction.unit.grad_acc.add_(reduction.out)
+        parts = reduction.out.split([u.grad_acc.numel() for u in reduction.units])
+        for unit, part in zip(reduction.units, parts):
+            unit.grad_acc.add_(part)
 
     def _end_of_backward(self) -> None:
         # Reverse forward order, then the rest: the same on every rank, so collectives line up.
         rest = [u for u in self.units if not u.is_root and u not in self._order]
         for unit in [*reversed(self._order), *rest, self.root]:
             self._post_backward(unit)
+        self._flush_bucket()  # [Note: gradient buckets]: what is left goes at the end
         for unit in self.units:
             unit.state = UnitState.READY
         self.state = TrainingState.IDLE
@@ -555,7 +576,8 @@ def shard(model: nn.Module, strategy: Strategy | str, topology: Topology, *,
           reduce_dtype: str = "fp32", model_name: str = "model",
           unit_classes: list[str] | None = None, prefetch: bool = True,
           verify_gathers: bool = False, source: Read | None = None,
-          device: torch.device | str | None = None, offload: str = "none") -> ShardedEngine:
+          device: torch.device | str | None = None, offload: str = "none",
+          bucket_numel: int = BUCKET_NUMEL) -> ShardedEngine:
     """Shard ``model`` in place by ``strategy`` over ``topology`` (docs/design.md, "Engine").
 
     A frozen strategy (one P level, e.g. ``Strategy.parse("G", frozen=True)``) gives an
@@ -573,6 +595,10 @@ def shard(model: nn.Module, strategy: Strategy | str, topology: Topology, *,
     masters, Adam moments) in host memory and steps it with DeepSpeedCPUAdam (trained models);
     ``params`` gives the P shards a home in host memory, used by ``offload_params()`` and
     ``onload_params()`` between the model's phases.
+
+    ``bucket_numel``: units with fewer trainable elements reduce their gradients together, in
+    buckets of at least that many elements (``schedule.py``, [Note: gradient buckets]); 1 makes
+    every unit reduce alone.
     """
     if isinstance(strategy, str):
         strategy = Strategy.parse(strategy, frozen=len(strategy.strip()) == 1)
@@ -581,7 +607,7 @@ def shard(model: nn.Module, strategy: Strategy | str, topology: Topology, *,
                          reduce_dtype=reduce_dtype, model_name=model_name,
                          unit_classes=unit_classes, prefetch=prefetch,
                          verify_gathers=verify_gathers, source=source, device=device,
-                         offload=offload)
+                         offload=offload, bucket_numel=bucket_numel)
 
 
 def _values(module: nn.Module, source: Read | None, device: torch.device | str | None

@@ -27,7 +27,7 @@ counts once; the update all-gathers the new OS shard back to the P level.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Sequence
 
 from rlhf_paro.sharding.strategy import Level, Strategy
 
@@ -117,6 +117,45 @@ def plan(strategy: Strategy) -> tuple[Collective, ...]:
         if scope is not None:
             out.append(Collective(row.phase, row.op, row.what, scope, src, dst, row.per))
     return tuple(out)
+
+
+# [Note: gradient buckets]
+# A unit whose trainable buffer has fewer than BUCKET_NUMEL elements (a LoRA block, a norm, a
+# small head) does not reduce its gradient alone: units finishing backward one after another join
+# a bucket until it holds BUCKET_NUMEL elements, and the bucket runs one reduce-scatter. Each
+# member's buffer is n chunks (padded to N), so the bucket is laid out chunk by chunk (chunk k of
+# every member, in order) and rank k's result is its chunk of every member, in order: the same
+# numbers as the members' own reduce-scatters, in one message per peer instead of one per unit
+# and peer. Bytes are linear in the size, so the bucket sends what its members would have.
+# 1 Mi elements (4 MiB in fp32): a transformer block of hidden 256 or more is larger and goes
+# alone as soon as its backward is over; LoRA adapters, norms and value heads are smaller.
+# ``buckets`` is the rule, which the cost model runs too; the engine applies it as units finish.
+BUCKET_NUMEL = 1 << 20
+
+
+def buckets(sizes: Sequence[int], bucket_numel: int = BUCKET_NUMEL) -> list[list[int]]:
+    """Which gradient reductions run together ([Note: gradient buckets]): indices into
+    ``sizes`` (the trainable buffers' sizes, in the order their backward finishes), grouped.
+    A unit of at least ``bucket_numel`` elements goes alone when it finishes; a smaller one
+    joins the open bucket, which runs once it holds ``bucket_numel`` elements, or at the end of
+    the backward pass. Units with no trainable elements are in no bucket."""
+    out: list[list[int]] = []
+    open_bucket: list[int] = []
+    held = 0
+    for index, size in enumerate(sizes):
+        if size <= 0:
+            continue
+        if size >= bucket_numel:
+            out.append([index])
+            continue
+        open_bucket.append(index)
+        held += size
+        if held >= bucket_numel:
+            out.append(open_bucket)
+            open_bucket, held = [], 0
+    if open_bucket:
+        out.append(open_bucket)
+    return out
 
 
 def select(collectives: tuple[Collective, ...], phase: str, what: str) -> list[Collective]:

@@ -50,6 +50,15 @@ class Case:
     def reduce_dtype(self) -> str:
         return "bf16" if self.variant == "bf16_reduce" else "fp32"
 
+    @property
+    def bucket_numel(self) -> int:
+        """Half the grid reduces every unit's gradient alone (1: the path of any unit of a real
+        model's size), the other half in buckets (the default: these units are all small)."""
+        from rlhf_paro.sharding.schedule import BUCKET_NUMEL
+
+        alone = self.comm != "native" or self.variant in ("odd", "tied", "ckpt", "bf16")
+        return 1 if alone else BUCKET_NUMEL
+
 
 class TwoLayer(nn.Module):
     """The smallest model: no blocks, so the engine makes it one root unit."""

@@ -42,7 +42,7 @@ def sharded_run(rank: int, topo, case: Case) -> dict:
     strategy = Strategy.parse(case.strategy)
     engine = shard(model, strategy=strategy, topology=topo, optim=OPTIM, max_grad_norm=MAX_NORM,
                    grad_accum_steps=MICRO, comm=case.comm, precision=case.precision,
-                   reduce_dtype=case.reduce_dtype)
+                   reduce_dtype=case.reduce_dtype, bucket_numel=case.bucket_numel)
     batches = make_batches(case.variant, topo.num_ranks)[:, rank]
     losses = torch.zeros(STEPS, MICRO, dtype=torch.float64)
     traffic, expected_traffic, norms = [], [], []
@@ -60,7 +60,8 @@ def sharded_run(rank: int, topo, case: Case) -> dict:
         if bf16:
             states.append(engine.full_state_dict())
     expected = cost.traffic(strategy, sizes, topo.num_ranks, topo.group_size, MICRO,
-                            case.precision, case.comm, rank=rank, reduce_dtype=case.reduce_dtype)
+                            case.precision, case.comm, rank=rank, reduce_dtype=case.reduce_dtype,
+                            bucket_numel=case.bucket_numel)
     expected_traffic = {phase: (lb.intra, lb.inter) for phase, lb in expected.items()
                         if lb.intra or lb.inter}
     state = engine.full_state_dict()  # collective: every rank takes part

@@ -87,3 +87,21 @@ def test_the_design_documents_table_is_what_plan_resolves_to() -> None:
     text = DESIGN.read_text()
     block = text.split("<!-- schedule-table -->\n")[1].split("\n<!-- /schedule-table -->")[0]
     assert block == _table()
+
+
+def test_buckets_send_large_units_alone_and_group_small_ones_in_finishing_order() -> None:
+    from rlhf_paro.sharding.schedule import buckets
+
+    # 5 and 3 fill a bucket of 6 together; 10 goes alone although a bucket is open; the empty
+    # unit (a frozen root) is in none; 2 and 2 never reach 6 and go at the end of backward.
+    assert buckets([5, 3, 0, 10, 2, 2], 6) == [[0, 1], [3], [4, 5]]
+    assert buckets([2, 10, 2, 2], 6) == [[1], [0, 2, 3]]
+    assert buckets([7, 7], 1) == [[0], [1]]  # 1: every unit alone
+    assert buckets([], 6) == [] and buckets([0, 0], 6) == []
+    # Every trained unit is in exactly one bucket, in its finishing order inside the bucket.
+    sizes = [3, 0, 9, 1, 1, 6, 2, 8, 5]
+    got = buckets(sizes, 6)
+    flat = [k for b in got for k in b]
+    assert sorted(flat) == [k for k, n in enumerate(sizes) if n]
+    assert all(b == sorted(b) for b in got)
+    assert all(sum(sizes[k] for k in b) >= 6 for b in got[:-1] if len(b) > 1)
