@@ -137,14 +137,20 @@ class Communicator:
         return pending
 
     @torch.no_grad()
-    def all_reduce(self, buf: torch.Tensor, scope: str, phase: str) -> None:
-        """Sum ``buf`` in place over the scope's ranks (always native: no order to keep)."""
+    def all_reduce(self, buf: torch.Tensor, scope: str, phase: str,
+                   async_op: bool = False) -> Pending:
+        """Sum ``buf`` in place over the scope's ranks (always native: no order to keep); with
+        ``async_op``, the sum is there after ``wait()`` on what this returns."""
         if self.size(scope) == 1:
-            return
+            return _done()
         start = time.perf_counter()
-        dist.all_reduce(buf, group=self.topo.group(scope))
+        work = dist.all_reduce(buf, group=self.topo.group(scope), async_op=async_op)
         sent = native_bytes("all_reduce", buf.numel(), buf.element_size(), scope, self.topo)
-        self._record(phase, "all_reduce", scope, sent, start)
+        pending = Pending(work if async_op else None,
+                          lambda: self._record(phase, "all_reduce", scope, sent, start))
+        if not async_op:
+            pending.wait()
+        return pending
 
     @torch.no_grad()
     def checksums(self, shard: torch.Tensor, scope: str) -> torch.Tensor:
@@ -171,8 +177,10 @@ class DryRunCommunicator(Communicator):
         self._count("reduce_scatter", full.numel(), full.element_size(), scope, phase)
         return _done()
 
-    def all_reduce(self, buf: torch.Tensor, scope: str, phase: str) -> None:
+    def all_reduce(self, buf: torch.Tensor, scope: str, phase: str,
+                   async_op: bool = False) -> Pending:
         self._count("all_reduce", buf.numel(), buf.element_size(), scope, phase)
+        return _done()
 
     def _count(self, op: str, numel: int, elem_size: int, scope: str, phase: str) -> None:
         if self.size(scope) > 1:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rlhf_paro.comm.collectives import Communicator
+from rlhf_paro.comm.collectives import Communicator, Pending
 from rlhf_paro.sharding._checkpoint import OPTIMIZER_KINDS, Slot
 from rlhf_paro.sharding._host import Transfers, cpu_adam, host_zeros
 from rlhf_paro.sharding._unit import Unit
@@ -70,6 +70,8 @@ class BoundaryStep:
         # (_host.py, [Note: offload modes]); the masters are then never views of P.
         self.offload = offload_optimizer
         self.masters: list[nn.Parameter] = []  # the OS shard of each trained unit
+        # Reductions to the OS level started before the step: unit -> (pending, input, output).
+        self._started: dict[Unit, tuple[Pending, torch.Tensor, torch.Tensor]] = {}
         self.host_grads: list[torch.Tensor] = []  # offload: where each OS gradient is stepped
         for unit in self.units:
             buf = unit.trainable
@@ -143,12 +145,31 @@ class BoundaryStep:
         bad = torch.where(torch.isfinite(loss.detach()).all(), 0.0, float("nan"))
         self.units[0].grad_acc[:1].add_(bad)
 
+    def start(self, unit: Unit) -> None:
+        """Start the first collective of the unit's reduction to the OS level, asynchronously,
+        once its accumulator holds the step's whole sum (engine.py, [Note: the boundary starts
+        in the last backward]); ``__call__`` finishes it."""
+        if not self._reduce or unit in self._started:
+            return
+        c = self._reduce[0]
+        # In place for an all-reduce in fp32: the accumulator is zeroed after the step anyway.
+        tensor = unit.grad_acc.to(self.reduce_dtype)
+        if c.op == "all_reduce":
+            out = tensor
+            pending = self.comm.all_reduce(tensor, c.scope, c.phase, async_op=True)
+        else:  # the reduce-scatter of a level change
+            out = tensor.new_empty(tensor.numel() // self.comm.size(c.scope))
+            pending = self.comm.reduce_scatter(out, tensor, c.scope, c.phase, async_op=True)
+        self._started[unit] = (pending, tensor, out)
+
     def _reduce_to_os(self, unit: Unit) -> torch.Tensor:
         """The globally summed gradient of this rank's OS shard, in fp32 (schedule, boundary)."""
         if not self._reduce:  # G = OS = G: the accumulator already is the OS shard's sum
             return unit.grad_acc.clone()
-        # In place for an all-reduce in fp32: the accumulator is zeroed after the step anyway.
-        out = run(self._reduce, unit.grad_acc.to(self.reduce_dtype), self.comm)
+        self.start(unit)  # a no-op when the last backward started it
+        pending, _, out = self._started.pop(unit)
+        pending.wait()
+        out = run(self._reduce[1:], out, self.comm)
         return out.to(torch.float32, copy=True)
 
     def _refresh(self, unit: Unit, master: torch.Tensor) -> None:

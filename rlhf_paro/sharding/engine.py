@@ -85,12 +85,23 @@ from rlhf_paro.sharding.strategy import Level, Strategy
 # the same reductions in the same order (units finish backward in the same order everywhere).
 REDUCTIONS_IN_FLIGHT = 2
 
+# [Note: the boundary starts in the last backward]
+# In the step's last micro-batch a unit's accumulator is complete as soon as its own gradient is
+# in: at its post-backward when gradients stay at the N level, when its last reduce-scatter is
+# added otherwise. The first collective of its boundary chain (the reduction to the OS level)
+# starts then (``BoundaryStep.start``), while autograd computes the units before it, instead of
+# in ``step()`` after the whole backward; ``step()`` waits for it and runs the rest of the
+# chain, the norm and AdamW. The accumulator is only read from then on: nothing adds to it
+# before the step (the NaN of a bad loss goes in before the backward). Every rank starts the
+# same collectives in the same order, since units finish in the same order everywhere.
+
 
 class _Reduction(NamedTuple):
     units: list[Unit]  # one, or a bucket's members in their order
     pending: Pending  # the reduce-scatter
     grad: torch.Tensor  # its input, kept alive until it is finished
     out: torch.Tensor  # this rank's G-level sum
+    last: bool  # of the step's last micro-batch: the accumulators are complete once it is added
 
 
 class TrainingState(enum.Enum):
@@ -272,11 +283,15 @@ class ShardedEngine:
         buf = unit.trainable
         if buf is not None and self._boundary is not None:
             grad, added = buf.take_grad()
-            if not added:
+            if added and self._last_micro_batch:
+                self._accumulated(unit)
+            elif not added:
                 grad = grad.to(self.reduce_dtype)
                 grad.div_(self.topo.num_ranks)
                 if not self._grad_reduce:
                     unit.grad_acc.add_(grad)
+                    if self._last_micro_batch:
+                        self._accumulated(unit)
                 elif grad.numel() >= self.bucket_numel:  # schedule.buckets: a large one alone
                     self._reduce_async([(unit, grad)])
                 else:
@@ -301,7 +316,8 @@ class ShardedEngine:
                 else torch.cat([g.view(n, -1) for _, g in members], dim=1).view(-1))
         out = grad.new_empty(grad.numel() // n)
         pending = self.comm.reduce_scatter(out, grad, c.scope, c.phase, async_op=True)
-        self._reductions.append(_Reduction([u for u, _ in members], pending, grad, out))
+        self._reductions.append(_Reduction([u for u, _ in members], pending, grad, out,
+                                           self._last_micro_batch))
         while len(self._reductions) > REDUCTIONS_IN_FLIGHT:
             self._finish_reduction()
 
@@ -312,6 +328,15 @@ class ShardedEngine:
         parts = reduction.out.split([u.grad_acc.numel() for u in reduction.units])
         for unit, part in zip(reduction.units, parts):
             unit.grad_acc.add_(part)
+            if reduction.last:
+                self._accumulated(unit)
+
+    def _accumulated(self, unit: Unit) -> None:
+        """The unit's accumulator holds this step's whole sum: start its boundary reduction
+        ([Note: the boundary starts in the last backward])."""
+        if self._direct_grads:  # the accumulator holds the sum of undivided gradients
+            unit.grad_acc.div_(self.topo.num_ranks)
+        self._boundary.start(unit)
 
     def _end_of_backward(self) -> None:
         # Reverse forward order, then the rest: the same on every rank, so collectives line up.
@@ -338,8 +363,10 @@ class ShardedEngine:
         if self._micro_batches >= self.grad_accum_steps:
             raise EngineError(f"backward() called {self._micro_batches + 1} times without "
                               f"step(); grad_accum_steps={self.grad_accum_steps}")
+        # [Note: a step skipped on bad numbers] (_step.py). Before the backward: the boundary's
+        # reductions may start inside it ([Note: the boundary starts in the last backward]).
+        self._boundary.poison(loss)
         (loss / self.grad_accum_steps).backward()
-        self._boundary.poison(loss)  # [Note: a step skipped on bad numbers] (_step.py)
         self._micro_batches += 1
 
     @torch.no_grad()
@@ -365,9 +392,6 @@ class ShardedEngine:
             unit.free()
         while self._reductions:  # [Note: gradient reduction in flight]
             self._finish_reduction()
-        if self._direct_grads:  # the accumulators hold the sums of undivided gradients
-            for unit in self._boundary.units:
-                unit.grad_acc.div_(self.topo.num_ranks)
         norm = self._boundary()
         self._micro_batches = 0
         return norm
@@ -553,6 +577,11 @@ class ShardedEngine:
                 "kinds": sorted({slot.kind for slot in self._slots()}),
                 "step": None if self._boundary is None else self._boundary.step_count,
                 "skipped_steps": self.skipped_steps, "params": self._table()}
+
+    @property
+    def _last_micro_batch(self) -> bool:
+        """Inside the backward of the step's last micro-batch (backward() counts it after)."""
+        return self._micro_batches == self.grad_accum_steps - 1
 
     @property
     def lr(self) -> float:
