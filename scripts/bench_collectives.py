@@ -69,13 +69,13 @@ def measure_links(topo: Topology) -> Links:
     return Links(intra[0], inter[0], intra[1], inter[1])
 
 
-def run(topo: Topology, sizes_mb: list[int], repeats: int) -> list[dict]:
+def run(topo: Topology, sizes_mb: list[float], repeats: int) -> list[dict]:
     comms = {name: Communicator(topo, algorithm=name) for name in ALGORITHM_NAMES}
     n, k = topo.num_ranks, topo.chunk_index()
     rows = []
     for op in ("all_gather", "reduce_scatter"):
         for size_mb in sizes_mb:
-            c = -(-size_mb * MB // 4 // n)
+            c = -(-int(size_mb * MB) // 4 // n)
             full = torch.randn(n * c)
             shard = full[k * c:(k + 1) * c].clone()
             out = torch.empty(n * c) if op == "all_gather" else torch.empty(c)
@@ -105,7 +105,7 @@ def table(rows: list[dict], topo: Topology, links: Links, rate_bps: float | None
              f"+ {links.intra_lat * 1e3:.2f} ms, inter {links.inter_bw / 1e6:.0f} MB/s "
              f"+ {links.inter_lat * 1e3:.2f} ms"
              + (f"; NICs shaped to {rate_bps / 1e6:.0f} MB/s" if rate_bps else "")]
-    header = (f"{'op':<15}{'MB':>4} {'algorithm':<17}{'median ms':>10}{'/Ring':>7}"
+    header = (f"{'op':<15}{'MB':>5} {'algorithm':<17}{'median ms':>10}{'/Ring':>7}"
               f"{'/H-Ring':>8}{'/bound':>7}{'model ms':>10}")
     lines.append(header)
     for row in rows:
@@ -115,17 +115,18 @@ def table(rows: list[dict], topo: Topology, links: Links, rate_bps: float | None
         for name in ALGORITHM_NAMES:
             model = collective_time("native-ring" if name == "native" else name, row["op"], size,
                                     g, m, links)
-            lines.append(f"{row['op']:<15}{row['size_mb']:>4} {name:<17}{med[name] * 1e3:>10.1f}"
+            lines.append(f"{row['op']:<15}{row['size_mb']:>5g} {name:<17}{med[name] * 1e3:>10.1f}"
                          f"{med[name] / med['ring']:>7.3f}{med[name] / med['hring']:>8.3f}"
                          f"{med[name] / bound:>7.2f}{model * 1e3:>10.1f}")
-        lines.append(f"{row['op']:<15}{row['size_mb']:>4} {'bound (links)':<17}"
+        lines.append(f"{row['op']:<15}{row['size_mb']:>5g} {'bound (links)':<17}"
                      f"{bound * 1e3:>10.1f}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[4, 16, 64], help="MB (2**20)")
+    parser.add_argument("--sizes", type=float, nargs="+", default=[4, 16, 64],
+                        help="MB (2**20), e.g. 0.25 1 4")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json", help="also write the raw times here (rank 0)")
     args = parser.parse_args(argv)

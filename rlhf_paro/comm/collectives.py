@@ -76,24 +76,27 @@ class Communicator:
         # With one group or groups of one, rank order and nested order coincide.
         return self.topo.num_groups == 1 or self.topo.group_size == 1
 
-    def _record(self, phase: str, op: str, scope: str, sent: LinkBytes, start: float) -> None:
-        self.meter.record(phase, op, scope, self._algorithm(op, scope), sent,
-                          time.perf_counter() - start)
+    def _record(self, phase: str, op: str, scope: str, algorithm: str, sent: LinkBytes,
+                start: float) -> None:
+        self.meter.record(phase, op, scope, algorithm, sent, time.perf_counter() - start)
 
     # -- collectives -------------------------------------------------------------------------
     @torch.no_grad()
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, scope: str, phase: str,
                    async_op: bool = False) -> Pending:
-        """Fill ``out`` (n * shard.numel()) with every rank's ``shard`` in the scope's order."""
+        """Fill ``out`` (n * shard.numel()) with every rank's ``shard`` in the scope's order.
+        With ``async_op`` the result is in ``out`` only after ``wait()`` on what this returns,
+        and ``shard`` must not change until then."""
         n = self.size(scope)
         start = time.perf_counter()
         if n == 1:
             out.copy_(shard)
             return _done()
-        if self._algorithm("all_gather", scope) != "native":
-            sent = rings.ALGORITHMS[self.algorithm].all_gather(out, shard, self.topo)
-            self._record(phase, "all_gather", scope, sent, start)
-            return _done()
+        name = self._algorithm("all_gather", scope)
+        if name != "native":
+            running = rings.ALGORITHMS[name].all_gather(out, shard, self.topo, async_op)
+            return _pending(None, lambda: self._record(phase, "all_gather", scope, name,
+                                                       running.wait(), start), async_op)
         reorder = scope == "world" and not self._world_is_nested()
         target = torch.empty_like(out) if reorder else out
         work = _all_gather_single(target, shard.contiguous(), group=self.topo.group(scope),
@@ -103,12 +106,9 @@ class Communicator:
         def finish() -> None:
             if reorder:
                 out.copy_(self.topo.world_to_nested(target))
-            self._record(phase, "all_gather", scope, sent, start)
+            self._record(phase, "all_gather", scope, name, sent, start)
 
-        pending = Pending(work if async_op else None, finish)
-        if not async_op:
-            pending.wait()
-        return pending
+        return _pending(work, finish, async_op)
 
     @torch.no_grad()
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, scope: str, phase: str,
@@ -121,20 +121,18 @@ class Communicator:
         if n == 1:
             out.copy_(full)
             return _done()
-        if self._algorithm("reduce_scatter", scope) != "native":
-            sent = rings.ALGORITHMS[self.algorithm].reduce_scatter(out, full, self.topo)
-            self._record(phase, "reduce_scatter", scope, sent, start)
-            return _done()
+        name = self._algorithm("reduce_scatter", scope)
+        if name != "native":
+            running = rings.ALGORITHMS[name].reduce_scatter(out, full, self.topo, async_op)
+            return _pending(None, lambda: self._record(phase, "reduce_scatter", scope, name,
+                                                       running.wait(), start), async_op)
         if scope == "world" and not self._world_is_nested():
             full = self.topo.nested_to_world(full)
         work = _reduce_scatter_single(out, full.contiguous(), group=self.topo.group(scope),
                                       async_op=async_op)
         sent = native_bytes("reduce_scatter", full.numel(), full.element_size(), scope, self.topo)
-        pending = Pending(work if async_op else None,
-                          lambda: self._record(phase, "reduce_scatter", scope, sent, start))
-        if not async_op:
-            pending.wait()
-        return pending
+        return _pending(work, lambda: self._record(phase, "reduce_scatter", scope, name, sent,
+                                                   start), async_op)
 
     @torch.no_grad()
     def all_reduce(self, buf: torch.Tensor, scope: str, phase: str,
@@ -147,7 +145,7 @@ class Communicator:
         work = dist.all_reduce(buf, group=self.topo.group(scope), async_op=async_op)
         sent = native_bytes("all_reduce", buf.numel(), buf.element_size(), scope, self.topo)
         pending = Pending(work if async_op else None,
-                          lambda: self._record(phase, "all_reduce", scope, sent, start))
+                          lambda: self._record(phase, "all_reduce", scope, "native", sent, start))
         if not async_op:
             pending.wait()
         return pending
@@ -186,6 +184,14 @@ class DryRunCommunicator(Communicator):
         if self.size(scope) > 1:
             sent = predicted_bytes(self.algorithm, op, numel, elem_size, scope, self.topo)
             self.meter.record(phase, op, scope, self._algorithm(op, scope), sent, 0.0)
+
+
+def _pending(work: Any, finish: Callable[[], None], async_op: bool) -> Pending:
+    """A collective posted as ``work``; finished now unless ``async_op``."""
+    pending = Pending(work, finish)
+    if not async_op:
+        pending.wait()
+    return pending
 
 
 def _done() -> Pending:

@@ -30,7 +30,9 @@ native up to the summation order otherwise.
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+import threading
+import weakref
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -41,6 +43,9 @@ from rlhf_paro.comm.topology import Topology
 
 OPS = ("all_gather", "reduce_scatter")
 PIPELINE_PIECES = 4  # pieces per chunk of the registered pipelined HO-Ring
+# The tag of every message the executor posts: other point-to-point traffic on the group (tag 0
+# unless it says otherwise) can never take one of ours on gloo ([Note: one lane per group]).
+RING_TAG = 0x52494E47
 
 
 class Transfer(NamedTuple):
@@ -290,17 +295,17 @@ def _execute(buf: torch.Tensor, steps: list[Step], topo: Topology, reduce: bool)
             t = posted[k].transfer
             if posted[k].kind == "send":
                 ops.append(dist.P2POp(dist.isend, buf[t.lo:t.hi], group=topo.world,
-                                      group_peer=t.peer))
+                                      tag=RING_TAG, group_peer=t.peer))
             else:
                 # Reduce-scatter: a range may arrive from two peers in one step (HO-Ring's last
                 # step adds the inter and the intra partial sums), so each gets its own buffer.
                 landing[k] = buf.new_empty(t.hi - t.lo) if reduce else buf[t.lo:t.hi]
                 ops.append(dist.P2POp(dist.irecv, landing[k], group=topo.world,
-                                      group_peer=t.peer))
+                                      tag=RING_TAG, group_peer=t.peer))
         if len(ops) == 1:
             op = ops[0]
             peer = {"group_dst" if op.op is dist.isend else "group_src": op.group_peer}
-            batch_works = [op.op(op.tensor, group=op.group, **peer)]
+            batch_works = [op.op(op.tensor, group=op.group, tag=op.tag, **peer)]
         else:
             batch_works = dist.batch_isend_irecv(ops)
         for k, work in zip(batch, batch_works):
@@ -313,6 +318,127 @@ def _execute(buf: torch.Tensor, steps: list[Step], topo: Topology, reduce: bool)
         sent = step_bytes(step, topo.rank, topo.group_size, buf.element_size())
         intra, inter = intra + sent.intra, inter + sent.inter
     return LinkBytes(intra, inter)
+
+
+class Running:
+    """A ring collective handed to its group's lane. ``wait()`` returns once it is done, with
+    the result in the caller's ``out``, and gives the bytes this rank sent."""
+
+    def __init__(self, sent: LinkBytes | None = None) -> None:
+        self._sent = sent  # set when the collective is done
+        self._error: BaseException | None = None  # what stopped it, raised again by wait()
+        self._thread: threading.Thread | None = None  # gloo: the thread that runs it
+        self._ready: Callable[[], None] | None = None  # NCCL: the caller's stream waits for it
+
+    def _start(self, run: Callable[[], LinkBytes], before: Running | None) -> None:
+        def target() -> None:
+            try:
+                if before is not None:
+                    before._join()
+                    if before._error is not None:
+                        raise RuntimeError("not run: the ring collective posted before it on "
+                                           "this process group failed") from before._error
+                with torch.no_grad():  # grad mode is per thread
+                    self._sent = run()
+            except BaseException as err:  # noqa: BLE001 - raised again by wait()
+                self._error = err
+
+        self._thread = threading.Thread(target=target, name="ring-lane", daemon=True)
+        self._thread.start()
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    def wait(self) -> LinkBytes:
+        self._join()
+        if self._error is not None:
+            raise self._error
+        if self._ready is not None:
+            self._ready()
+        assert self._sent is not None
+        return self._sent
+
+
+class _Lane:
+    """The ring collectives of one process group, run one at a time in the order they were
+    posted.
+
+    [Note: one lane per group]
+    Each ring collective on a process group, of any communicator, synchronous or not, goes
+    through the group's lane, which runs them one at a time in the order the caller posted
+    them. On gloo a collective's later sends wait for its earlier receives, so something on the
+    host must post them as the data lands: an asynchronous one runs on a thread of its own that
+    first joins the thread of the one posted before it; a synchronous one runs on the caller's
+    thread once the lane is idle. Why every message still meets its own:
+      - gloo pairs a point-to-point message with a receive by (pair, tag), in the order the two
+        ends post them. Every rank posts the same ring collectives on a group in the same order
+        (the engine's schedule), the lane runs them in that order and never two at once, and
+        within one collective both ends of a pair post its messages in the same order
+        ([Note: dataflow execution]); so on every pair our messages form the same sequence at
+        both ends, collective after collective.
+      - They carry ``RING_TAG``: other point-to-point traffic on the group cannot take ours.
+      - gloo matches a native collective in a slot of its own kind and sequence number, drawn
+        when the caller issues it; a point-to-point slot is its bare tag and draws no number.
+        The lane's threads issue no collective, so the callers' collectives, on any group,
+        keep one order on every rank whatever a lane does meanwhile, and they never match
+        our messages.
+      - The lane waits for nothing its caller does: the input is copied into the working
+        buffer before ``post``, and only the lane touches that buffer and ``out`` until
+        ``wait()``. A rank blocked in a native collective, or in ``wait()`` on a later ring
+        collective, cannot hold back the one in flight, so no cycle of waits forms.
+    NCCL posts without blocking the host but runs a communicator's operations in the order
+    they were enqueued, and two threads enqueuing on one communicator would give each rank an
+    order of its own. There every ring collective is posted by the caller's thread, in program
+    order; an asynchronous one on the lane's own stream, which first waits for the caller's,
+    and ``wait()`` makes the caller's stream wait for the lane's.
+    """
+
+    def __init__(self) -> None:
+        self.last: Running | None = None  # gloo: the collective posted last; the next joins it
+        self.stream: Any = None  # NCCL: the stream of asynchronous ring collectives
+
+    def post(self, run: Callable[[], LinkBytes], work: torch.Tensor, group: Any,
+             async_op: bool) -> Running:
+        if dist.get_backend(group) == "nccl":
+            return self._post_on_stream(run, work, async_op)
+        if not async_op:
+            if self.last is not None:
+                self.last.wait()  # raises if it failed: the pairs' message order is lost
+                self.last = None
+            return Running(run())
+        running = Running()
+        running._start(run, self.last)
+        self.last = running
+        return running
+
+    def _post_on_stream(self, run: Callable[[], LinkBytes], work: torch.Tensor,
+                        async_op: bool) -> Running:
+        if not async_op:
+            return Running(run())
+        caller = torch.cuda.current_stream(work.device)
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(work.device)
+        self.stream.wait_stream(caller)  # the input copied into ``work`` is there
+        with torch.cuda.stream(self.stream):
+            running = Running(run())
+        work.record_stream(self.stream)  # not reused by the caller's stream before it is done
+        event, device = self.stream.record_event(), work.device
+        running._ready = lambda: torch.cuda.current_stream(device).wait_event(event)
+        return running
+
+
+_LANES: weakref.WeakKeyDictionary[Any, _Lane] = weakref.WeakKeyDictionary()
+_LANES_LOCK = threading.Lock()
+
+
+def _lane(group: Any) -> _Lane:
+    """The lane of a process group: one per group and process, shared by every communicator
+    of that group, since the point-to-point messages it orders are the group's."""
+    with _LANES_LOCK:
+        if group not in _LANES:
+            _LANES[group] = _Lane()
+        return _LANES[group]
 
 
 def _chunk_numel(total: int, n: int) -> int:
@@ -337,10 +463,13 @@ class Algorithm:
         raise ValueError(f"unknown collective {op!r}; allowed: {', '.join(OPS)}")
 
     @torch.no_grad()
-    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, topo: Topology) -> LinkBytes:
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, topo: Topology,
+                   async_op: bool = False) -> Running:
         """Fill ``out`` with the N chunks in nested order; ``shard`` is chunk
         ``topo.chunk_index()``. ``out`` may be shorter than N chunks by less than one chunk per
-        rank (a size not divisible by N): the tail of the padded result is dropped."""
+        rank (a size not divisible by N): the tail of the padded result is dropped.
+        ``shard`` is copied before this returns; with ``async_op``, ``out`` holds the result
+        once ``wait()`` on what this returns has returned."""
         c, n = shard.numel(), topo.num_ranks
         if _chunk_numel(out.numel(), n) != c:
             raise ValueError(f"all_gather: out has {out.numel()} elements, expected "
@@ -349,26 +478,36 @@ class Algorithm:
         work = out.view(-1) if exact else out.new_empty(n * c)
         k = topo.chunk_index()
         work[k * c:(k + 1) * c].copy_(shard.reshape(-1))
-        sent = _execute(work, self.steps("all_gather", topo, c), topo, reduce=False)
-        if not exact:
-            out.copy_(work[:out.numel()].view_as(out))
-        return sent
+
+        def run() -> LinkBytes:
+            sent = _execute(work, self.steps("all_gather", topo, c), topo, reduce=False)
+            if not exact:
+                out.copy_(work[:out.numel()].view_as(out))
+            return sent
+
+        return _lane(topo.world).post(run, work, topo.world, async_op)
 
     @torch.no_grad()
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, topo: Topology) -> LinkBytes:
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, topo: Topology,
+                       async_op: bool = False) -> Running:
         """Sum ``full`` (N chunks in nested order, possibly short of a padded tail) over all
         ranks and write this rank's chunk ``topo.chunk_index()`` to ``out``. ``full`` is left
-        as it was: the partial sums live in a working copy."""
+        as it was, and copied before this returns: the partial sums live in a working copy.
+        With ``async_op``, ``out`` holds the result once ``wait()`` has returned."""
         c, n = out.numel(), topo.num_ranks
         if _chunk_numel(full.numel(), n) != c:
             raise ValueError(f"reduce_scatter: full has {full.numel()} elements, expected "
                              f"{n} chunks of {c} (the last rank's chunk may be padded)")
         work = full.new_zeros(n * c)
         work[:full.numel()].copy_(full.reshape(-1))
-        sent = _execute(work, self.steps("reduce_scatter", topo, c), topo, reduce=True)
         k = topo.chunk_index()
-        out.copy_(work[k * c:(k + 1) * c].view_as(out))
-        return sent
+
+        def run() -> LinkBytes:
+            sent = _execute(work, self.steps("reduce_scatter", topo, c), topo, reduce=True)
+            out.copy_(work[k * c:(k + 1) * c].view_as(out))
+            return sent
+
+        return _lane(topo.world).post(run, work, topo.world, async_op)
 
     def link_bytes(self, op: str, numel: int, elem_size: int, topo: Topology) -> LinkBytes:
         """Closed form of the bytes this rank sends (intra, inter) for ``op`` on a buffer of
