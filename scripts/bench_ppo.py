@@ -5,10 +5,14 @@
     python scripts/bench_ppo.py --contenders zero3,deepspeed --mix actor=IIG,critic=NIG,ref=I,reward=I
 
 On an emulated cluster (scripts/emulate_cluster.py --ray) the jobs join it through RAY_ADDRESS,
-which a job takes for ray.address (the docstring there has the rest):
+which a job takes for ray.address (the docstring there has the rest). Here four 10.5M-parameter
+Llamas with random weights on 2 nodes x 2 ranks, a budget that uniform DDP does not fit:
 
     sudo python scripts/emulate_cluster.py --nodes 2 --gpus-per-node 2 --inter-rate 160MB --ray \\
-        -- python scripts/bench_ppo.py --contenders zero3,auto,ddp -- cluster.memory_gb=0.4
+        -- python scripts/bench_ppo.py --contenders zero3,auto --rounds 2 --steps 3 -- \\
+        'actor.config={model_type: llama, hidden_size: 512, intermediate_size: 1024,
+        num_hidden_layers: 4, num_attention_heads: 8, num_key_value_heads: 8,
+        max_position_embeddings: 64}' reward.path=null data.train_files=null cluster.memory_gb=0.4
 
 Contenders (each a set of overrides on top of the given ones):
   zero3      uniform ZeRO-3 on PaRO: GGG for the trained models, G for the frozen ones, as an
@@ -150,7 +154,7 @@ def main() -> None:
           f"{args.steps} steps, first step of each job left out; ratios against {names[0]}")
     budget = next((o.split("=", 1)[1] for o in reversed(args.overrides)
                    if o.startswith("cluster.memory_gb=")), None)
-    print(table(results, fits, f"{budget} GB" if budget else "(no cluster.memory_gb)"))
+    print(table(results, fits, f"memory_gb={budget}" if budget else "(no memory_gb)"))
 
 
 if __name__ == "__main__":
