@@ -475,8 +475,8 @@ class TaskConfig:
                                             f"got {self.prompt_len}")
 
 
-RAY_ADDRESS_ALLOWED = ("allowed: null (a private Ray on this machine) or the address of a "
-                       "running cluster (ray start --head)")
+RAY_ADDRESS_ALLOWED = ("allowed: null (the cluster at RAY_ADDRESS if set, else a private Ray on "
+                       "this machine) or the address of a running cluster (ray start --head)")
 
 
 @dataclass
@@ -519,7 +519,9 @@ FILE_LIST_KEYS = ("data.train_files", "data.val_files")
 
 @dataclass
 class RayConfig:
-    address: str | None = None  # None: start a local Ray; "auto" or host:port: join a cluster
+    # None: the cluster at RAY_ADDRESS if set, else a private Ray on this machine; "auto" or
+    # host:port: join a running cluster.
+    address: str | None = None
     num_cpus: int | None = None  # CPUs of the local Ray (None: all)
 
     def __post_init__(self) -> None:

@@ -6,8 +6,11 @@ a cluster first with `python -m rlhf_paro.plan`.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import shlex
 import sys
+from typing import Mapping
 
 from rlhf_paro import cli
 from rlhf_paro.config import RAY_ADDRESS_ALLOWED, Config, ConfigError
@@ -20,7 +23,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def prepare(cfg: Config, conf: str) -> Config:
     """Every check a user's mistake can fail, before anything runs or is written; the config to
-    run, with ``auto`` strategies resolved."""
+    run, with ``auto`` strategies resolved and ``ray.address`` taken from the environment."""
+    cfg = with_ray_address(cfg, os.environ)
     require_gpus(cfg, conf)
     if cfg.ray.address:
         require_ray(cfg.ray.address)
@@ -65,6 +69,16 @@ def run(cfg: Config, argv: list[str]) -> None:
               file=sys.stderr)
         raise SystemExit(stopped.exit_code)
     print(f"metrics: {cfg.trainer.output_dir}/metrics.jsonl\ndashboard: {dashboard}")
+
+
+def with_ray_address(cfg: Config, environ: Mapping[str, str]) -> Config:
+    """``cfg`` with ``ray.address`` set to RAY_ADDRESS where the conf leaves it null, as
+    ``ray.init`` reads it: a driver started for a cluster (a Ray job, or a command of
+    ``scripts/emulate_cluster.py --ray``) joins that cluster."""
+    if cfg.ray.address or not environ.get("RAY_ADDRESS"):
+        return cfg
+    return dataclasses.replace(cfg, ray=dataclasses.replace(cfg.ray,
+                                                            address=environ["RAY_ADDRESS"]))
 
 
 def resume_command(argv: list[str], resume: str) -> str:

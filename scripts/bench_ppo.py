@@ -4,6 +4,16 @@
     python scripts/bench_ppo.py --rounds 3 --steps 6 -- cluster.num_devices=4 cluster.group_size=2
     python scripts/bench_ppo.py --contenders zero3,deepspeed --mix actor=IIG,critic=NIG,ref=I,reward=I
 
+On an emulated cluster (scripts/emulate_cluster.py --ray) the jobs join it through RAY_ADDRESS,
+which a job takes for ray.address (the docstring there has the rest). Here four 10.5M-parameter
+Llamas with random weights on 2 nodes x 2 ranks, a budget that uniform DDP does not fit:
+
+    sudo python scripts/emulate_cluster.py --nodes 2 --gpus-per-node 2 --inter-rate 160MB --ray \\
+        -- python scripts/bench_ppo.py --contenders zero3,auto --rounds 2 --steps 3 -- \\
+        'actor.config={model_type: llama, hidden_size: 512, intermediate_size: 1024,
+        num_hidden_layers: 4, num_attention_heads: 8, num_key_value_heads: 8,
+        max_position_embeddings: 64}' reward.path=null data.train_files=null cluster.memory_gb=0.4
+
 Contenders (each a set of overrides on top of the given ones):
   zero3      uniform ZeRO-3 on PaRO: GGG for the trained models, G for the frozen ones, as an
              OpenRLHF user would run it
@@ -11,6 +21,10 @@ Contenders (each a set of overrides on top of the given ones):
   auto       the planner's choice per model (strategy=auto)
   deepspeed  every model on DeepSpeed ZeRO-3 (backend=deepspeed), the way OpenRLHF runs today
   mix        the hand mix of --mix
+Before the first round, each contender's strategies per model (the planner's where it is auto)
+are worked out, and, when the overrides set cluster.memory_gb, whether they fit it as the planner
+counts (`python -m rlhf_paro.plan` shows its table): a training job runs a strategy that does
+not fit all the same, so the column says which contenders a device of that size could hold.
 Every round runs each contender once, in turn, as its own `python -m rlhf_paro.train` job, so
 slow drifts of the machine fall on all alike. A job's first step (warm-up) is left out; per
 contender the table gives the median of the other steps over all rounds: `perf/samples_per_s`,
@@ -48,6 +62,25 @@ def contender_overrides(name: str, mix: dict[str, str]) -> list[str]:
     raise SystemExit(f"error: unknown contender {name!r}; allowed: zero3, ddp, auto, deepspeed, mix")
 
 
+def strategies_and_fit(overrides: list[str]) -> tuple[dict[str, str], bool | None]:
+    """Each model's strategy in a job with ``overrides`` (``auto`` resolved by the planner), and
+    whether the four fit ``cluster.memory_gb`` (None: no budget set)."""
+    from rlhf_paro.config import ConfigError, load_config
+    from rlhf_paro.plan import configured_strategies, make_plan, resolve_auto
+    from rlhf_paro.ppo.data import with_critic_default
+
+    cfg = with_critic_default(load_config(overrides))
+    try:
+        cfg = resolve_auto(cfg)
+    except ConfigError:  # auto found nothing that fits; the job will say so itself
+        return {r: "auto" for r in ROLES}, False
+    fixed = configured_strategies(cfg)
+    names = {r: fixed[r].name for r in ROLES}
+    if cfg.cluster.memory_gb is None:
+        return names, None
+    return names, make_plan(cfg, fixed=fixed).best is not None
+
+
 def run_job(overrides: list[str], output_dir: Path) -> list[dict]:
     """One training job; its metrics rows (the job's own errors go to the console)."""
     command = [sys.executable, "-m", "rlhf_paro.train", *overrides,
@@ -69,16 +102,21 @@ def summary(rows: list[dict]) -> dict[str, float]:
             if all(isinstance(r.get(k), (int, float)) for r in rows)}
 
 
-def table(results: dict[str, list[dict]]) -> str:
-    lines = ["| contender | samples/s | " + " | ".join(
+def table(results: dict[str, list[dict]], plans: dict[str, tuple[dict[str, str], bool | None]],
+          budget: str) -> str:
+    lines = [f"| contender | strategies (actor critic reward ref) | fits {budget} | samples/s | "
+             + " | ".join(
         f"{r} s/step (gen, infer, train) | {r} MB/step intra, inter" for r in ROLES) + " |",
-        "|---" * (2 + 2 * len(ROLES)) + "|"]
+        "|---" * (4 + 2 * len(ROLES)) + "|"]
     base = None
     for name, rows in results.items():
         s = summary(rows)
         rate = s["perf/samples_per_s"]
         base = base or rate
-        cells = [name, f"{rate:.2f} ({rate / base:.2f}x)"]
+        strategies, fits = plans[name]
+        cells = [name, " ".join(strategies[r] for r in ROLES),
+                 "-" if fits is None else ("yes" if fits else "no"),
+                 f"{rate:.2f} ({rate / base:.2f}x)"]
         for r in ROLES:
             phases = [s.get(f"{r}/time_s/{p}", 0.0) for p in ("generate", "inference", "train")]
             cells.append(", ".join(f"{t:.2f}" for t in phases))
@@ -103,6 +141,7 @@ def main() -> None:
     mix = dict(item.split("=", 1) for item in args.mix.split(",") if item)
     names = [n for n in args.contenders.split(",") if n]
     plans = {n: contender_overrides(n, mix) for n in names}
+    fits = {n: strategies_and_fit([*args.overrides, *plans[n]]) for n in names}
     results: dict[str, list[dict]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory(prefix="bench_ppo_") as tmp:
         for round_ in range(args.rounds):
@@ -113,7 +152,9 @@ def main() -> None:
                                           f"trainer.steps={args.steps}"], out)
     print(f"overrides: {' '.join(args.overrides) or '(none)'}; {args.rounds} rounds of "
           f"{args.steps} steps, first step of each job left out; ratios against {names[0]}")
-    print(table(results))
+    budget = next((o.split("=", 1)[1] for o in reversed(args.overrides)
+                   if o.startswith("cluster.memory_gb=")), None)
+    print(table(results, fits, f"memory_gb={budget}" if budget else "(no memory_gb)"))
 
 
 if __name__ == "__main__":

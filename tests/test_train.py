@@ -68,15 +68,18 @@ def test_help_and_cfg_job_exit_0_and_write_nothing(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_a_dead_ray_address_fails_in_seconds_in_one_line(tmp_path):
+# ray.address=auto reads RAY_ADDRESS first, and ray.address=null takes it as ray.init does: a
+# driver started for a cluster (a Ray job, emulate_cluster.py --ray) joins that cluster.
+@pytest.mark.parametrize("address", [["ray.address=auto"], []])
+def test_a_dead_ray_address_fails_in_seconds_in_one_line(tmp_path, address):
     # What `ray.address=auto` finds after a cluster on this machine stopped: an address where
-    # nothing answers any more (here through RAY_ADDRESS, which `auto` reads first).
+    # nothing answers any more (here through RAY_ADDRESS).
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "out"
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "rlhf_paro.train", "ray.address=auto",
+    proc = subprocess.run([sys.executable, "-m", "rlhf_paro.train", *address,
                            f"trainer.output_dir={out}"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120,
                           env={**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}"})
@@ -85,4 +88,4 @@ def test_a_dead_ray_address_fails_in_seconds_in_one_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ray.address: no Ray cluster answers "
                                                    "at "), proc.stderr
-    assert f":{port} " in lines[0] and not out.exists()
+    assert f":{port}" in lines[0] and not out.exists()

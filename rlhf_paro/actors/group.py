@@ -53,7 +53,9 @@ def init_ray(address: str | None, num_cpus: int | None, num_devices: int) -> Non
     # that to the raylet and the workers it starts, the constant to this already-imported driver.
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
-    ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
+    # "local": a new Ray even where RAY_ADDRESS names a cluster (ray.init would join that).
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+             _node_ip_address="127.0.0.1")
 
 
 def check_address(address: str) -> None:

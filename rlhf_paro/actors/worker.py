@@ -28,6 +28,7 @@ import time
 from collections import defaultdict
 from typing import Any, Callable, Iterator
 
+import psutil
 import ray
 import torch
 import torch.distributed as dist
@@ -80,6 +81,8 @@ class Worker:
         """Join this model's process group, build the model and shard it; returns this
         worker's process id."""
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if backend == "gloo":
+            bind_gloo(ray.util.get_node_ip_address())
         dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
                                 rank=self.rank, world_size=self.num_ranks)
         topology = Topology.from_process_group(group_size=self.cfg.cluster.group_size)
@@ -322,6 +325,30 @@ class TrainedWorker(Worker):
         total = self.all_reduce_sum(local)
         per_micro = self.num_ranks * self.engine.grad_accum_steps
         return [(m, float(t) / per_micro) for m, t in zip(minis, total)]
+
+
+def bind_gloo(node_address: str) -> None:
+    """Make gloo bind to the interface that holds ``node_address`` (the address Ray knows this
+    node by, which rank 0 also hands out as the rendezvous), unless GLOO_SOCKET_IFNAME already
+    names one.
+
+    Left alone, gloo binds to the address the hostname resolves to and tells its peers to connect
+    there; that is loopback on many machines (an /etc/hosts line ``127.0.1.1 host``) and in a
+    network namespace, so ranks on other nodes would connect to their own loopback.
+    """
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    name = interface_of(node_address)
+    if name is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this machine's network interface that holds ``address``, or None."""
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addresses):
+            return name
+    return None
 
 
 def peak_bytes(device: torch.device) -> int:

@@ -34,7 +34,17 @@ class Rank:
 
 @pytest.fixture(scope="module")
 def ranks():
-    init_ray(None, num_cpus=2, num_devices=2)
+    # A private Ray even where RAY_ADDRESS names a cluster (here one where nothing answers),
+    # which ray.init would otherwise join.
+    saved = os.environ.get("RAY_ADDRESS")
+    os.environ["RAY_ADDRESS"] = "127.0.0.1:1"
+    try:
+        init_ray(None, num_cpus=2, num_devices=2)
+    finally:
+        if saved is None:
+            os.environ.pop("RAY_ADDRESS")
+        else:
+            os.environ["RAY_ADDRESS"] = saved
     handles = {"actor": [Rank.remote(), Rank.remote()], "critic": [Rank.remote()]}
     yield handles
     ray.shutdown()
