@@ -337,9 +337,9 @@ class ClusterConfig:
 class CommConfig:
     """Algorithm for world-scope all-gather and reduce-scatter (docs/design.md, "Collectives")."""
 
-    # native, a ring schedule of comm/rings.py, or auto (per collective, by size and topology:
-    # comm/auto.py)
-    algorithm: str = "native"
+    # auto (per collective, by size and topology: comm/auto.py), native, or a ring schedule of
+    # comm/rings.py
+    algorithm: str = "auto"
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHM_CHOICES:

@@ -64,7 +64,7 @@ def test_ppo_tiny_gives_the_values_of_the_default_run():
     assert (cfg.ppo.kl_coef, cfg.ppo.adaptive_kl, cfg.ppo.max_prompt_len) == (0.01, False, 8)
     assert (cfg.trainer.steps, cfg.trainer.seed, cfg.trainer.output_dir) == \
         (50, 0, "outputs/ppo_tiny")
-    assert (cfg.cluster.device, cfg.cluster.memory_gb, cfg.comm.algorithm) == ("cpu", None, "native")
+    assert (cfg.cluster.device, cfg.cluster.memory_gb, cfg.comm.algorithm) == ("cpu", None, "auto")
     assert (cfg.task.reward_lr, cfg.logger.wandb.mode, cfg.ray.address) == (1e-3, "offline", None)
 
 
