@@ -40,7 +40,7 @@ def _records(comm: Communicator) -> list[tuple]:
 
 
 def _check_shape(topo: Topology, name: str, numel: int) -> list[str]:
-    n, k, rank = topo.num_ranks, topo.chunk_index(), topo.rank
+    n, rank = topo.num_ranks, topo.rank
     c = -(-numel // n)
     case = f"g={topo.num_groups} M={topo.group_size} {name} numel={numel} rank={rank}"
     sync, post = Communicator(topo, algorithm=name), Communicator(topo, algorithm=name)
