@@ -44,7 +44,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, UnsupportedValueType
 
-from rlhf_paro.comm.meter import ALGORITHM_NAMES
+from rlhf_paro.comm.meter import ALGORITHM_CHOICES
 from rlhf_paro.sharding.strategy import Strategy, StrategyError
 
 # conf/ sits next to the package in the repository (and in an editable install).
@@ -337,12 +337,14 @@ class ClusterConfig:
 class CommConfig:
     """Algorithm for world-scope all-gather and reduce-scatter (docs/design.md, "Collectives")."""
 
-    algorithm: str = "native"  # native or a ring schedule of comm/rings.py
+    # auto (per collective, by size and topology: comm/auto.py), native, or a ring schedule of
+    # comm/rings.py
+    algorithm: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.algorithm not in ALGORITHM_NAMES:
+        if self.algorithm not in ALGORITHM_CHOICES:
             raise ConfigError("algorithm", f"got {self.algorithm!r}; allowed: "
-                                           f"{', '.join(ALGORITHM_NAMES)}")
+                                           f"{', '.join(ALGORITHM_CHOICES)}")
 
 
 @dataclass

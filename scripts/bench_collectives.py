@@ -8,7 +8,8 @@ in the environment, as ``emulate_cluster.py`` sets them). Every repeat runs each
 in a rotating order, so that drift on the machine hits all of them alike; a run's time is the
 slowest rank's, from the barrier before it to its own end. Rank 0 prints, per op and size, the
 median over the repeats, the ratios to Ring and to H-Ring, the links' lower bound and the
-alpha-beta model's prediction, both from the intra and inter bandwidths probed at the start.
+alpha-beta model's prediction, both from the intra and inter bandwidths probed at the start,
+and the algorithm ``comm.algorithm=auto`` picks there (``comm/auto.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from rlhf_paro.comm.auto import choose
 from rlhf_paro.comm.topology import Topology
 from rlhf_paro.comm.collectives import Communicator
 from rlhf_paro.comm.meter import ALGORITHM_NAMES
@@ -120,6 +122,9 @@ def table(rows: list[dict], topo: Topology, links: Links, rate_bps: float | None
                          f"{med[name] / bound:>7.2f}{model * 1e3:>10.1f}")
         lines.append(f"{row['op']:<15}{row['size_mb']:>5g} {'bound (links)':<17}"
                      f"{bound * 1e3:>10.1f}")
+        numel = topo.num_ranks * -(-int(size) // 4 // topo.num_ranks)  # fp32, as run() has it
+        lines.append(f"{row['op']:<15}{row['size_mb']:>5g} {'auto runs':<17}"
+                     f"{choose(row['op'], 'world', numel, 4, topo)}")
     return "\n".join(lines)
 
 

@@ -47,6 +47,7 @@ def test_overrides_parse_as_yaml_and_normalise_strategies():
     assert cfg.logger.wandb.name == "7"
     assert cfg.critic.optim.lr == 5e-3  # a number, as OmegaConf reads it (YAML 1.1: a string)
     assert load_config(["actor.strategy=auto"]).actor.strategy == "auto"
+    assert load_config(["comm.algorithm=auto"]).comm.algorithm == "auto"
 
 
 def test_ppo_tiny_gives_the_values_of_the_default_run():
@@ -63,7 +64,7 @@ def test_ppo_tiny_gives_the_values_of_the_default_run():
     assert (cfg.ppo.kl_coef, cfg.ppo.adaptive_kl, cfg.ppo.max_prompt_len) == (0.01, False, 8)
     assert (cfg.trainer.steps, cfg.trainer.seed, cfg.trainer.output_dir) == \
         (50, 0, "outputs/ppo_tiny")
-    assert (cfg.cluster.device, cfg.cluster.memory_gb, cfg.comm.algorithm) == ("cpu", None, "native")
+    assert (cfg.cluster.device, cfg.cluster.memory_gb, cfg.comm.algorithm) == ("cpu", None, "auto")
     assert (cfg.task.reward_lr, cfg.logger.wandb.mode, cfg.ray.address) == (1e-3, "offline", None)
 
 
@@ -127,7 +128,8 @@ def test_nodes_and_gpus_per_node_define_the_cluster():
     (["actor.optim.lr=fast"], "actor.optim.lr", "expected a number"),
     (["actor.gradient_checkpointing=2"], "actor.gradient_checkpointing", "true or false"),
     (["actor.precision=fp16"], "actor.precision", "allowed: fp32, bf16"),
-    (["comm.algorithm=tree"], "comm.algorithm", "native, ring, hring, horing"),
+    (["comm.algorithm=tree"], "comm.algorithm", "allowed: auto, native, ring, hring, horing"),
+    (["comm.algorithm=Auto"], "comm.algorithm", "allowed: auto, native"),
     (["actor.strategy=XYZ"], "actor.strategy", "a triple of N/I/G"),
     (["actor.strategy=GNN"], "actor.strategy", "nearest valid strategy: GNG"),
     (["critic.strategy=N"], "critic.strategy", "a trained model needs"),

@@ -3,8 +3,9 @@
 Scopes: ``intra`` (the M ranks of this rank's group, buffers in local-rank order), ``inter`` (the
 g ranks with this rank's local index, buffers in group order) and ``world`` (all N ranks, buffers
 in the nested chunk order). World-scope all-gather and reduce-scatter run on the selected
-algorithm (``native`` or one of ``rings.ALGORITHMS``); everything else runs natively.
-Every call is recorded in the ``CommMeter`` with the bytes this rank sent on each kind of link.
+algorithm (``native``, one of ``rings.ALGORITHMS``, or ``auto``: one of those per collective by
+``comm.auto``); everything else runs natively. Every call is recorded in the ``CommMeter`` with
+the algorithm that ran and the bytes this rank sent on each kind of link.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from rlhf_paro.comm import rings
-from rlhf_paro.comm.meter import ALGORITHM_NAMES, CommMeter, LinkBytes, native_bytes
+from rlhf_paro.comm.auto import resolve
+from rlhf_paro.comm.meter import ALGORITHM_CHOICES, CommMeter, LinkBytes, native_bytes
 from rlhf_paro.comm.topology import Topology
 
 
@@ -27,12 +29,14 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 def predicted_bytes(algorithm: str, op: str, numel: int, elem_size: int, scope: str,
                     topo: Topology) -> LinkBytes:
-    """Bytes this rank sends in ``op`` on ``numel`` elements of ``scope``: the selected
-    algorithm's closed form for world all-gathers and reduce-scatters, the ring model of
-    ``comm.meter`` for everything native. The communicator meters what this says, and so does
-    its dry run: the cost model cannot count differently from the engine."""
+    """Bytes this rank sends in ``op`` on ``numel`` elements of ``scope``: the closed form of
+    the algorithm that runs it (``comm.auto.resolve``) for world all-gathers and
+    reduce-scatters, the ring model of ``comm.meter`` for everything native. The communicator
+    meters what this says, and so does its dry run: the cost model cannot count differently
+    from the engine."""
+    name = resolve(algorithm, op, scope, numel, elem_size, topo)
     if scope == "world" and op in rings.OPS:
-        return rings.predicted_world_bytes(algorithm, op, numel, elem_size, topo)
+        return rings.predicted_world_bytes(name, op, numel, elem_size, topo)
     return native_bytes(op, numel, elem_size, scope, topo)
 
 
@@ -58,19 +62,19 @@ class Communicator:
 
     def __init__(self, topology: Topology, meter: CommMeter | None = None,
                  algorithm: str = "native") -> None:
-        if algorithm not in ALGORITHM_NAMES:
+        if algorithm not in ALGORITHM_CHOICES:
             raise ValueError(f"comm.algorithm={algorithm!r} is unknown; allowed: "
-                             f"{', '.join(ALGORITHM_NAMES)}")
+                             f"{', '.join(ALGORITHM_CHOICES)}")
         self.topo = topology
         self.meter = meter if meter is not None else CommMeter()
-        self.algorithm = algorithm
+        self.algorithm = algorithm  # comm.algorithm: a concrete one, or auto
 
     def size(self, scope: str) -> int:
         return self.topo.scope_size(scope)
 
-    def _algorithm(self, op: str, scope: str) -> str:
-        """The algorithm that runs ``op`` on ``scope`` (ours only for world gathers/scatters)."""
-        return self.algorithm if scope == "world" and op in rings.OPS else "native"
+    def _algorithm(self, op: str, scope: str, numel: int, elem_size: int) -> str:
+        """The concrete algorithm that runs ``op`` on ``numel`` elements of ``scope``."""
+        return resolve(self.algorithm, op, scope, numel, elem_size, self.topo)
 
     def _world_is_nested(self) -> bool:
         # With one group or groups of one, rank order and nested order coincide.
@@ -92,7 +96,7 @@ class Communicator:
         if n == 1:
             out.copy_(shard)
             return _done()
-        name = self._algorithm("all_gather", scope)
+        name = self._algorithm("all_gather", scope, out.numel(), out.element_size())
         if name != "native":
             running = rings.ALGORITHMS[name].all_gather(out, shard, self.topo, async_op)
             return _pending(None, lambda: self._record(phase, "all_gather", scope, name,
@@ -121,7 +125,7 @@ class Communicator:
         if n == 1:
             out.copy_(full)
             return _done()
-        name = self._algorithm("reduce_scatter", scope)
+        name = self._algorithm("reduce_scatter", scope, full.numel(), full.element_size())
         if name != "native":
             running = rings.ALGORITHMS[name].reduce_scatter(out, full, self.topo, async_op)
             return _pending(None, lambda: self._record(phase, "reduce_scatter", scope, name,
@@ -183,7 +187,8 @@ class DryRunCommunicator(Communicator):
     def _count(self, op: str, numel: int, elem_size: int, scope: str, phase: str) -> None:
         if self.size(scope) > 1:
             sent = predicted_bytes(self.algorithm, op, numel, elem_size, scope, self.topo)
-            self.meter.record(phase, op, scope, self._algorithm(op, scope), sent, 0.0)
+            self.meter.record(phase, op, scope, self._algorithm(op, scope, numel, elem_size),
+                              sent, 0.0)
 
 
 def _pending(work: Any, finish: Callable[[], None], async_op: bool) -> Pending:

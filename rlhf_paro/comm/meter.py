@@ -14,9 +14,13 @@ from typing import NamedTuple
 
 from rlhf_paro.comm.topology import Topology
 
-# comm.algorithm: native collectives or a schedule of comm/rings.py (its ALGORITHMS, held to this
-# list at import). Kept here, torch-free, so that the config checks it without importing torch.
+# The algorithms a collective can run on: native collectives or a schedule of comm/rings.py (its
+# ALGORITHMS, held to this list at import). comm.algorithm takes one of them, or AUTO: one of
+# them per collective, by comm/auto.py. Kept here, torch-free, so that the config checks it
+# without importing torch.
 ALGORITHM_NAMES = ("native", "ring", "hring", "horing", "horing_pipelined")
+AUTO = "auto"
+ALGORITHM_CHOICES = (AUTO, *ALGORITHM_NAMES)  # the values of comm.algorithm
 
 
 class CommRecord(NamedTuple):
@@ -24,7 +28,7 @@ class CommRecord(NamedTuple):
     phase: str
     op: str  # all_gather, reduce_scatter, all_reduce
     scope: str  # intra, inter, world
-    algorithm: str
+    algorithm: str  # the one that ran (never "auto")
     intra_bytes: int
     inter_bytes: int
     seconds: float

@@ -4,7 +4,9 @@ Every algorithm here is a *schedule*: a list of lock-step steps, each a set of s
 of element ranges of the nested-order buffer (``rlhf_paro.comm.topology``). One executor runs
 any schedule with ``batch_isend_irecv``, so our own code decides which link every byte crosses,
 and it counts the bytes where the sends are issued. Schedules are pure functions of the topology,
-which lets ``comm/simulate.py`` time exactly the steps that run here.
+which lets ``comm/simulate.py`` time exactly the steps that run here. A collective may be posted
+asynchronously; the ring collectives of a process group run one at a time, in the order they
+were posted, on the group's lane ([Note: one lane per group]).
 
 Algorithms (c = S/N elements per chunk, chunk (i, j) = nested chunk ``j*g + i``):
 

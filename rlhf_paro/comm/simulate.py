@@ -45,6 +45,7 @@ import sys
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from rlhf_paro.comm.auto import resolve
 from rlhf_paro.comm.meter import ALGORITHM_NAMES
 from rlhf_paro.comm.rings import (ALGORITHMS, OPS, PIPELINE_PIECES, Algorithm, pipelined,
                                   step_bytes)
@@ -145,11 +146,13 @@ def scope_seconds(op: str, scope: str, size: float, nodes: int, gpus_per_node: i
     """Seconds of one collective on ``scope`` whose full buffer has ``size`` bytes (the
     output of an all-gather, the input of a reduce-scatter, the buffer of an all-reduce or a
     reduce); see [Note: any collective on any scope]. ``algorithm`` applies to world
-    all-gathers and reduce-scatters only, as in the communicator."""
+    all-gathers and reduce-scatters only, as in the communicator (``auto`` resolved by
+    ``size``, in bytes, as ``comm.auto.choose`` resolves it there)."""
     if op not in (*OPS, "all_reduce", "reduce"):
         raise ValueError(f"unknown collective {op!r}; allowed: {', '.join(OPS)}, all_reduce, "
                          "reduce")
-    n = Topology(nodes * gpus_per_node, gpus_per_node).scope_size(scope)
+    topo = Topology(nodes * gpus_per_node, gpus_per_node)
+    n = topo.scope_size(scope)
     if n == 1 or size <= 0:
         return 0.0
     if op == "reduce":
@@ -165,7 +168,8 @@ def scope_seconds(op: str, scope: str, size: float, nodes: int, gpus_per_node: i
     if op == "all_reduce":
         return sum(scope_seconds(part, scope, size, nodes, gpus_per_node, links)
                    for part in OPS)
-    name = "ring" if algorithm == "native" else algorithm
+    name = resolve(algorithm, op, scope, int(size), 1, topo)
+    name = "ring" if name == "native" else name
     c = size / n
     total = 0.0
     for loads in _step_loads(name, op, nodes, gpus_per_node, num_pieces):

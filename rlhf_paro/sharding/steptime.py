@@ -74,6 +74,8 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
+from rlhf_paro.comm.auto import resolve
+from rlhf_paro.comm.meter import AUTO
 from rlhf_paro.comm.rings import OPS
 from rlhf_paro.comm.simulate import Links, scope_seconds
 from rlhf_paro.comm.topology import Topology
@@ -97,7 +99,9 @@ class Machine:
     ring_links: Links | None = None
 
     def links_for(self, op: str, scope: str, algorithm: str) -> Links:
-        """The links that carry ``op`` on ``scope`` (ours only for world gathers/scatters)."""
+        """The links that carry ``op`` on ``scope`` (ours only for world gathers/scatters);
+        ``algorithm`` is the one that runs it, never ``auto``."""
+        assert algorithm != AUTO, "resolve auto first (collective_algorithm)"
         ring = scope == "world" and op in OPS and algorithm != "native"
         return self.ring_links if ring and self.ring_links is not None else self.links
 
@@ -159,13 +163,21 @@ def transformer_workload(units: Sequence[UnitSizes], *, hidden: int, ffn: int, v
 
 
 # -- communication ---------------------------------------------------------------------------
+def collective_algorithm(c: Collective, numel: int, elem: int, topo: Topology,
+                         algorithm: str) -> str:
+    """The algorithm that runs a collective of the schedule on a unit buffer of ``numel``
+    padded elements (``comm.algorithm=auto`` resolved by its size, as the engine resolves it)."""
+    return resolve(algorithm, c.op, c.scope, numel // ways(min(c.src, c.dst), topo), elem, topo)
+
+
 def collective_seconds(c: Collective, numel: int, elem: int, topo: Topology, machine: Machine,
                        algorithm: str) -> float:
     """One collective of the schedule on a unit buffer of ``numel`` padded elements: its full
     buffer is the shard at the coarser of its two levels."""
     size = numel // ways(min(c.src, c.dst), topo) * elem
+    name = collective_algorithm(c, numel, elem, topo, algorithm)
     return scope_seconds(c.op, c.scope, size, topo.num_groups, topo.group_size,
-                         machine.links_for(c.op, c.scope, algorithm), algorithm)
+                         machine.links_for(c.op, c.scope, name), name)
 
 
 def owner_reduces(c: Collective, numel: int, share: float, elem: int, topo: Topology,
@@ -182,7 +194,8 @@ def owner_reduces(c: Collective, numel: int, share: float, elem: int, topo: Topo
 
 
 def asynchronous(c: Collective, algorithm: str) -> bool:
-    """Whether the engine can run this collective asynchronously (native collectives only)."""
+    """Whether the engine can run this collective asynchronously (native collectives only);
+    ``algorithm`` is the one that runs it (``collective_algorithm``)."""
     return c.scope != "world" or algorithm == "native"
 
 
@@ -226,13 +239,14 @@ def _unit_comm(strategy: Strategy, w: Workload, topo: Topology, machine: Machine
                                              machine)
                 else:
                     t = collective_seconds(c, numel, elem[c.what], topo, machine, algorithm)
+                runs = collective_algorithm(c, numel, elem[c.what], topo, algorithm)
                 if c.phase == "forward":  # the backward gathers the same again
                     secs["gather"] += t
-                    prefetch = prefetch and asynchronous(c, algorithm)
+                    prefetch = prefetch and asynchronous(c, runs)
                 elif c.phase != "backward" or c.what != "params":
                     secs[key] += t
                 if c.phase == "backward" and c.what == "grads":
-                    reduce_async = reduce_async and asynchronous(c, algorithm)
+                    reduce_async = reduce_async and asynchronous(c, runs)
                 if c.per == "micro":
                     per_micro += count
                 else:

@@ -113,7 +113,7 @@ def test_boundary_and_update_bytes_equal_the_cost_model(job):
         units = unit_sizes(models.build_model(role, cfg.model(role), vocab, meta=True))
         # Per-rank average bytes per optimizer step; the metrics sum the N ranks.
         expected = traffic(Strategy.parse(STRATEGIES[role]), units, N, M,
-                           cfg.grad_accum_steps(role))
+                           cfg.grad_accum_steps(role), algorithm=cfg.comm.algorithm)
         for phase in ("boundary", "update"):
             for link, value in zip(("intra", "inter"), expected[phase]):
                 measured = rows[-1][f"{role}/comm/{phase}/{link}_bytes"]

@@ -1,6 +1,6 @@
 """Ring collectives posted with ``async_op=True`` against the same ones run synchronously.
 
-Per shape and algorithm, each rank runs a world all-gather and a
+Per shape and algorithm (``auto`` included), each rank runs a world all-gather and a
 reduce-scatter synchronously, then posts both asynchronously, issues a native all-reduce on the
 world and a native asynchronous all-gather inside its group while they are in flight, runs a
 synchronous ring collective too, and only then waits, the reduce-scatter first. Results must be
@@ -17,13 +17,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rlhf_paro.comm.collectives import Communicator
+from rlhf_paro.comm.auto import HORING_GATHER_FROM, PIPELINED_GATHER_FROM, choose
+from rlhf_paro.comm.collectives import Communicator, DryRunCommunicator, predicted_bytes
+from rlhf_paro.comm.meter import AUTO
 from rlhf_paro.comm.rings import ALGORITHMS
 from rlhf_paro.comm.topology import Topology
 from tests.dist_utils import run_distributed
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
+NAMES = (*ALGORITHMS, AUTO)
 POSTING_DELAY = 1.0  # seconds rank 0 waits before posting, in the test of returning early
 
 
@@ -37,7 +40,7 @@ def _records(comm: Communicator) -> list[tuple]:
 
 
 def _check_shape(topo: Topology, name: str, numel: int) -> list[str]:
-    n, k, rank = topo.num_ranks, topo.chunk_index(), topo.rank
+    n, rank = topo.num_ranks, topo.rank
     c = -(-numel // n)
     case = f"g={topo.num_groups} M={topo.group_size} {name} numel={numel} rank={rank}"
     sync, post = Communicator(topo, algorithm=name), Communicator(topo, algorithm=name)
@@ -52,9 +55,10 @@ def _check_shape(topo: Topology, name: str, numel: int) -> list[str]:
     shard_in, full_in = shard.clone(), full.clone()
     gathering = post.all_gather(ag, shard_in, "world", "test", async_op=True)
     scattering = post.reduce_scatter(rs, full_in, "world", "test", async_op=True)
-    # Ours copied its input before returning (a native collective may still read it).
-    shard_in.fill_(float("nan"))
-    full_in.fill_(float("nan"))
+    if name != AUTO or choose("all_gather", "world", numel, 4, topo) != "native":
+        # Ours copied its input before returning (a native collective may still read it).
+        shard_in.fill_(float("nan"))
+        full_in.fill_(float("nan"))
     # The engine's other traffic while both are in flight: a world all-reduce (the norm), an
     # asynchronous native gather inside the group, and a synchronous ring collective.
     norm = torch.tensor([float(rank + 1)])
@@ -84,6 +88,20 @@ def _check_shape(topo: Topology, name: str, numel: int) -> list[str]:
     rings_post = [r for r in _records(post) if r[1] == "world" and r[0] != "all_reduce"]
     if sorted(rings_post) != sorted(rings_sync):
         failures.append(f"{case}: metered {rings_post}, synchronously {rings_sync}")
+    # auto: the algorithm that ran is the one choose() picks, and the bytes are the cost
+    # model's (predicted_bytes and its dry run).
+    dry = DryRunCommunicator(topo, algorithm=name)
+    dry.all_gather(torch.empty(numel, device="meta"), torch.empty(c, device="meta"), "world",
+                   "test")
+    dry.reduce_scatter(torch.empty(c, device="meta"), torch.empty(numel, device="meta"),
+                       "world", "test")
+    for op, record, planned in zip(("all_gather", "reduce_scatter"), _records(sync),
+                                   _records(dry)):
+        want = name if name != AUTO else choose(op, "world", numel, 4, topo)
+        predicted = predicted_bytes(name, op, numel, 4, "world", topo)
+        if record[2] != want or record[3:] != tuple(predicted) or record != planned:
+            failures.append(f"{case} {op}: metered {record}, expected {want} {predicted}, "
+                            f"dry run {planned}")
     return failures
 
 
@@ -91,9 +109,16 @@ def _check_all(rank: int, world_size: int, shapes: list[tuple[int, int]]) -> lis
     failures: list[str] = []
     for _, m in shapes:
         topo = Topology.from_process_group(group_size=m)
-        for name in ALGORITHMS:
-            for numel in (world_size * 64, world_size * 9 + 1):
-                failures += _check_shape(topo, name, numel)
+        for name in NAMES:
+            sizes = [world_size * 64, world_size * 9 + 1]
+            if name == AUTO:  # chunks of 2 and 4 MiB, where auto picks the HO-Rings
+                sizes += [world_size * (HORING_GATHER_FROM // 4),
+                          world_size * (PIPELINED_GATHER_FROM // 4)]
+            for numel in sizes:
+                # A buffer short of its padded tail only for ours: native takes whole chunks.
+                ours = name != AUTO or choose("all_gather", "world", numel, 4, topo) != "native"
+                if numel % world_size == 0 or ours:
+                    failures += _check_shape(topo, name, numel)
     return failures
 
 

@@ -1,5 +1,5 @@
 """Every strategy, on 4 gloo ranks as 2 groups x 2, against the unsharded reference, on native
-collectives and on Ring, H-Ring, HO-Ring and pipelined HO-Ring.
+collectives, on Ring, H-Ring, HO-Ring and pipelined HO-Ring, and on auto.
 
 One process group serves the whole grid (spawning is the slow part); each test then checks the
 results of its own case: every micro-batch loss of every rank at every step and the final
@@ -24,9 +24,10 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 WORLD, GROUP = 4, 2
 STRATEGIES = [s.name for s in all_strategies()]
-ALGORITHMS = ("ring", "hring", "horing", "horing_pipelined")
+ALGORITHMS = ("ring", "hring", "horing", "horing_pipelined", "auto")
 # Every strategy and variant on native collectives, and every strategy on each of our own
-# algorithms (their padding and bf16 paths are covered in tests/comm).
+# algorithms and on auto, which picks one per collective (their padding and bf16 paths are
+# covered in tests/comm).
 CASES = ([Case(s, v) for v in VARIANTS for s in STRATEGIES]
          + [Case(s, "base", a) for a in ALGORITHMS for s in STRATEGIES])
 
