@@ -116,7 +116,7 @@ class ShardedEngine:
 
     def __init__(self, module: nn.Module, strategy: Strategy, topology: Topology, *,
                  optim: dict | None = None, max_grad_norm: float | None = None,
-                 grad_accum_steps: int = 1, comm: str = "native", precision: str = "fp32",
+                 grad_accum_steps: int = 1, comm: str = "auto", precision: str = "fp32",
                  reduce_dtype: str = "fp32", model_name: str = "model",
                  unit_classes: list[str] | None = None, prefetch: bool = True,
                  verify_gathers: bool = False, source: Read | None = None,
@@ -601,7 +601,7 @@ class ShardedEngine:
 
 def shard(model: nn.Module, strategy: Strategy | str, topology: Topology, *,
           optim: dict | None = None, max_grad_norm: float | None = None,
-          grad_accum_steps: int = 1, comm: str = "native", precision: str = "fp32",
+          grad_accum_steps: int = 1, comm: str = "auto", precision: str = "fp32",
           reduce_dtype: str = "fp32", model_name: str = "model",
           unit_classes: list[str] | None = None, prefetch: bool = True,
           verify_gathers: bool = False, source: Read | None = None,
@@ -610,8 +610,9 @@ def shard(model: nn.Module, strategy: Strategy | str, topology: Topology, *,
     """Shard ``model`` in place by ``strategy`` over ``topology`` (docs/design.md, "Engine").
 
     A frozen strategy (one P level, e.g. ``Strategy.parse("G", frozen=True)``) gives an
-    inference-only engine. ``comm`` picks the algorithm of world-scope collectives;
-    ``reduce_dtype`` the precision of gradient reductions (fp32 accumulation is fixed).
+    inference-only engine. ``comm`` picks the algorithm of world-scope collectives (``auto``:
+    one per collective, by ``comm/auto.py``); ``reduce_dtype`` the precision of gradient
+    reductions (fp32 accumulation is fixed).
 
     ``source(name, start, stop)`` gives elements start..stop of the flattened parameter
     ``name`` (as ``model.named_parameters()`` names it), e.g. from files (``TensorFiles``);
