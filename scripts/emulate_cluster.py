@@ -321,8 +321,9 @@ class RayNodes:
         alive = self._wait(_ALIVE_PROBE, self.head, str(self.cluster.nodes), str(RAY_JOIN_S)
                            ).split()
         if len(alive) < self.cluster.nodes:
+            last = len(self.procs) - 1
             raise RuntimeError(f"{len(alive)} of {self.cluster.nodes} Ray nodes joined within "
-                               f"{RAY_JOIN_S:.0f} s; node 1's log: {self._tail(1)}")
+                               f"{RAY_JOIN_S:.0f} s; node {last}'s log: {self._tail(last)}")
         print(f"emulate_cluster: {len(alive)} Ray nodes joined ({', '.join(alive)}), "
               f"{self.cluster.gpus} CPU slots each", file=sys.stderr)
 

@@ -8,7 +8,9 @@ collectives and each builds its own ``Topology``.
 
 On one machine ``init_ray`` starts a private Ray; on a cluster start Ray on every node
 (``ray start --head`` on one, ``ray start --address=HEAD:6379`` on the others) and set
-``ray.address=auto``: the same code then places bundles node by node.
+``ray.address=auto`` (a driver whose environment names the cluster in RAY_ADDRESS, as a Ray job's
+does, joins it without): the same code then places bundles node by node, and each worker binds
+gloo to its node's Ray address (``worker.bind_gloo``).
 """
 
 from __future__ import annotations
