@@ -85,14 +85,14 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
 
 
 def main() -> None:
-    from rlhf_paro.comm import ALGORITHM_NAMES
+    from rlhf_paro.comm.meter import ALGORITHM_CHOICES
     from rlhf_paro.sharding import all_strategies
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategies", default=",".join(s.name for s in all_strategies()))
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=2)
-    parser.add_argument("--comm", default="native", choices=ALGORITHM_NAMES)
+    parser.add_argument("--comm", default="native", choices=ALGORITHM_CHOICES)
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)

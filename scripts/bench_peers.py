@@ -63,6 +63,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# The model, built as bench_engine builds it (this script's folder is on the path when it runs).
+from bench_engine import _model
+
 OPTIM = dict(lr=1e-4)
 MAX_GRAD_NORM = 1.0
 GOALS = {"DeepSpeed": 0.9, "FSDP2": 1.0}  # ours / peer at most this
@@ -134,16 +137,6 @@ class FSDP2:
         self.optimizer.zero_grad()
         self._micro_batches = 0
         return float(norm.full_tensor())  # replicated already: no collective
-
-
-def _model(args: argparse.Namespace) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
-                         intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
-                         num_attention_heads=4, num_key_value_heads=4, use_cache=False)
-    return LlamaForCausalLM(config)
 
 
 def _engine(run: str, args: argparse.Namespace, topo: Any, world_mesh: Any) -> Any:
@@ -297,7 +290,7 @@ def _free_port() -> int:
 
 
 def main() -> None:
-    from rlhf_paro.comm import ALGORITHM_NAMES
+    from rlhf_paro.comm.meter import ALGORITHM_CHOICES
     from rlhf_paro.config import CommConfig
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -306,7 +299,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per run and round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
-    parser.add_argument("--comm", default=CommConfig().algorithm, choices=ALGORITHM_NAMES)
+    parser.add_argument("--comm", default=CommConfig().algorithm, choices=ALGORITHM_CHOICES)
     parser.add_argument("--world", type=int, default=4, help="local ranks (not when launched)")
     parser.add_argument("--group-size", type=int, default=2, help="M (GROUP_SIZE when set)")
     parser.add_argument("--micro", type=int, default=2, help="micro-batches per step (s)")
