@@ -351,7 +351,7 @@ class CommConfig:
 class PPOConfig:
     """Rollout, advantage and loss settings. Batch sizes count sequences over all devices."""
 
-    rollout_batch_size: int = 32  # prompts generated per PPO step
+    rollout_batch_size: int = 32  # prompts generated per PPO step (each rollout.n times)
     mini_batch_size: int = 16  # sequences per optimizer step
     ppo_epochs: int = 1  # passes over the rollout per PPO step
     max_prompt_len: int = 16  # longest prompt in tokens
@@ -362,27 +362,55 @@ class PPOConfig:
     lam: float = 0.95  # GAE lambda: bias (0) versus variance (1) of the advantage estimate
     clip_eps: float = 0.2  # PPO ratio clip
     value_clip_eps: float = 0.2  # how far the critic may move from its rollout-time values
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # per-token KL estimator against ref
-    kl_coef: float = 0.05  # KL penalty coefficient (the start value when adaptive)
-    adaptive_kl: bool = False  # adapt kl_coef towards kl_target (Ziegler et al. 2019)
-    kl_target: float = 6.0  # target KL per sequence of the adaptive controller
-    kl_horizon: int = 10000  # samples over which the controller closes the gap to the target
-    whiten_advantages: bool = True  # normalise advantages over the whole rollout (all devices)
+    whiten_advantages: bool = True  # gae: normalise advantages over the whole rollout
 
     def __post_init__(self) -> None:
         for key in ("rollout_batch_size", "mini_batch_size", "ppo_epochs", "max_prompt_len",
-                    "max_new_tokens", "temperature", "clip_eps", "value_clip_eps", "kl_target",
-                    "kl_horizon"):
+                    "max_new_tokens", "temperature", "clip_eps", "value_clip_eps"):
             _positive(key, getattr(self, key))
         _unit_interval("gamma", self.gamma)
         _unit_interval("lam", self.lam)
         if self.top_k < 0:
             raise ConfigError("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
+
+
+@dataclass
+class AlgorithmConfig:
+    """Which RL algorithm trains the actor: its advantage estimator, where the KL to the
+    reference goes and how the policy loss is aggregated. The names are checked against the
+    registries of ``ppo/core.py`` and ``ppo/algorithms.py`` when the run is resolved
+    (``algorithms.resolve``): this module stays free of the math."""
+
+    # gae (PPO with a critic), grpo, dr_grpo, rloo or reinforce_pp (critic-free).
+    adv_estimator: str = "gae"
+    kl_estimator: str = "k1"  # per-token KL estimator against ref: k1, k2 or k3
+    # KL coefficient (the start value when adaptive); 0 with kl_in_loss off: no ref model.
+    kl_coef: float = 0.05
+    # The KL as a loss term of the actor (GRPO) instead of a penalty in the token rewards.
+    kl_in_loss: bool = False
+    adaptive_kl: bool = False  # adapt kl_coef towards kl_target (Ziegler et al. 2019)
+    kl_target: float = 6.0  # target KL per sequence of the adaptive controller
+    kl_horizon: int = 10000  # samples over which the controller closes the gap to the target
+    # token_mean, seq_mean_token_sum or seq_mean_token_mean (None: the estimator's own).
+    loss_agg_mode: str | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("kl_target", "kl_horizon"):
+            _positive(key, getattr(self, key))
         if self.kl_coef < 0:
             raise ConfigError("kl_coef", f"must be >= 0, got {self.kl_coef}")
-        if self.rollout_batch_size % self.mini_batch_size:
-            raise ConfigError("mini_batch_size", f"{self.mini_batch_size} must divide "
-                              f"ppo.rollout_batch_size={self.rollout_batch_size}")
+
+
+@dataclass
+class RolloutConfig:
+    """How rollouts are sampled."""
+
+    # Responses sampled per prompt; they form a group on one rank (the group baseline of grpo,
+    # dr_grpo and rloo needs at least 2).
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        _positive("n", self.n)
 
 
 RESUME_CHOICES = ("auto", "none")
@@ -539,6 +567,8 @@ class Config:
     cluster: ClusterConfig = field(default_factory=lambda: ClusterConfig(num_devices=1))
     comm: CommConfig = field(default_factory=CommConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -551,11 +581,10 @@ class Config:
                                        "model directory) or actor.config (an inline config)")
         for role in ROLES:
             model = self.model(role)
-            if role == "critic" and model.path is None and model.config is None and \
-                    self.reward.path is not None:
-                # A reward model's score head starts the value head (as OpenRLHF does).
-                model.path = self.reward.path
-            if model.path is None and model.config is None and model.function is None:
+            # The critic's source depends on the algorithm (a critic-free run has none):
+            # ``ppo/algorithms.resolve`` sets it.
+            if role != "critic" and model.path is None and model.config is None and \
+                    model.function is None:
                 model.path, model.config = self.actor.path, copy.deepcopy(self.actor.config)
             if model.backend == "deepspeed":
                 self._check_deepspeed(role, model)
@@ -571,12 +600,11 @@ class Config:
         if self.ppo.rollout_batch_size % n:
             raise ConfigError("ppo.rollout_batch_size", f"{self.ppo.rollout_batch_size} must be "
                               f"a multiple of cluster.num_devices={n}")
-        for role in TRAINED_ROLES:
-            per_step = n * self.model(role).micro_batch_size
-            if self.ppo.mini_batch_size % per_step:
-                raise ConfigError("ppo.mini_batch_size", f"{self.ppo.mini_batch_size} must be a "
-                                  f"multiple of cluster.num_devices x {role}.micro_batch_size = "
-                                  f"{n} x {self.model(role).micro_batch_size}")
+        samples = self.ppo.rollout_batch_size * self.rollout.n
+        if samples % self.ppo.mini_batch_size:
+            raise ConfigError("ppo.mini_batch_size", f"{self.ppo.mini_batch_size} must divide "
+                              f"the samples of a step, ppo.rollout_batch_size x rollout.n = "
+                              f"{samples}")
         if self.task.prompt_len > self.ppo.max_prompt_len:
             raise ConfigError("task.prompt_len", f"{self.task.prompt_len} exceeds "
                               f"ppo.max_prompt_len={self.ppo.max_prompt_len}")
@@ -614,6 +642,15 @@ class Config:
         if role not in ROLES:
             raise ValueError(f"unknown model role {role!r}; allowed: {', '.join(ROLES)}")
         return getattr(self, role)
+
+    def check_micro_batches(self, role: str) -> None:
+        """A trained ``role``'s micro-batches tile each device's share of a mini-batch (checked
+        for the roles a run trains, ``ppo/algorithms.resolve``)."""
+        n, micro = self.cluster.num_devices, self.model(role).micro_batch_size
+        if self.ppo.mini_batch_size % (n * micro):
+            raise ConfigError("ppo.mini_batch_size", f"{self.ppo.mini_batch_size} must be a "
+                              f"multiple of cluster.num_devices x {role}.micro_batch_size = "
+                              f"{n} x {micro}")
 
     def grad_accum_steps(self, role: str) -> int:
         """Micro-batches per optimizer step on one device (the paper's s) of a trained role."""

@@ -78,10 +78,10 @@ def test_plan_help(capsys):
 
 # Keys with values no junk below can satisfy (optional keys, whose null is valid, are left out).
 POSITIVE_INTS = ["trainer.steps", "ppo.rollout_batch_size", "actor.micro_batch_size",
-                 "cluster.num_devices", "task.num_symbols", "ppo.kl_horizon", "critic.lora.r"]
+                 "cluster.num_devices", "task.num_symbols", "algorithm.kl_horizon", "critic.lora.r"]
 NUMBERS = ["actor.optim.lr", "ppo.gamma", "ppo.lam", "critic.optim.eps", "task.reward_lr"]
-BOOLS = ["actor.gradient_checkpointing", "ppo.adaptive_kl", "logger.progress", "actor.lora.enabled"]
-CHOICES = ["actor.precision", "comm.algorithm", "ppo.kl_estimator", "logger.wandb.mode",
+BOOLS = ["actor.gradient_checkpointing", "algorithm.adaptive_kl", "logger.progress", "actor.lora.enabled"]
+CHOICES = ["actor.precision", "comm.algorithm", "logger.wandb.mode",
            "cluster.device", "actor.strategy", "critic.strategy", "ref.strategy"]
 INLINE_SIZES = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "max_position_embeddings"]
@@ -152,7 +152,7 @@ def test_every_bad_override_exits_2_with_one_line_and_writes_nothing(jobs, capsy
 @pytest.mark.parametrize("good", [
     [],
     [*INLINE, "+actor.config.rms_norm_eps=1e-5", "~actor.config.num_key_value_heads"],
-    ["~ppo.kl_coef", "ppo.mini_batch_size=${ppo.rollout_batch_size}"],
+    ["~algorithm.kl_coef", "ppo.mini_batch_size=${ppo.rollout_batch_size}"],
     [*INLINE, "actor.config.hidden_act=gelu", "critic.strategy=zero3", "ref.strategy=IGG"],
     ["actor.strategy=auto", "conf=ppo_tiny", "logger.wandb.tags=[a, b]", "logger.wandb.name=7"],
 ])

@@ -6,9 +6,10 @@ import sys
 import pytest
 
 from rlhf_paro.config import (
-    CONF_DIR, ConfigError, PPOConfig, available_confs, build_config, cli_errors, load_config,
+    CONF_DIR, ConfigError, AlgorithmConfig, available_confs, build_config, cli_errors, load_config,
     split_sweep,
 )
+from rlhf_paro.ppo import algorithms
 from tests.confs import INLINE
 
 
@@ -25,11 +26,15 @@ def test_default_conf_is_ppo_tiny_with_four_strategies_on_two_groups_of_two():
     assert (cfg.cluster.num_devices, cfg.cluster.group_size, cfg.cluster.num_groups) == (4, 2, 2)
     assert [cfg.model(r).strategy for r in ("actor", "critic", "reward", "ref")] == \
         ["IGG", "NIG", "I", "G"]
-    # ref names no model: it is the actor's (the demo's SFT); the critic starts from the reward.
-    assert cfg.ref.path == cfg.actor.path and cfg.critic.path == cfg.reward.path
+    # ref names no model: it is the actor's (the demo's SFT); the critic starts from the reward
+    # once the algorithm (gae) says there is one.
+    assert cfg.ref.path == cfg.actor.path and cfg.critic.path is None
+    assert algorithms.resolve(cfg).critic.path == cfg.reward.path
     inline = load_config(INLINE)  # without paths, the inline config is inherited, as a copy
     assert inline.ref.config == inline.actor.config and inline.ref.config is not inline.actor.config
-    assert inline.critic.config == inline.actor.config == inline.reward.config
+    critic = algorithms.resolve(inline).critic
+    assert critic.config == inline.actor.config == inline.reward.config
+    assert critic.config is not inline.actor.config
     # 32 sequences per step / 4 devices / 4 per micro-batch = 2 micro-batches.
     assert cfg.grad_accum_steps("actor") == 2
 
@@ -61,7 +66,7 @@ def test_ppo_tiny_gives_the_values_of_the_default_run():
         (1e-3, (0.9, 0.95), 3e-3)
     assert (cfg.actor.micro_batch_size, cfg.reward.micro_batch_size, cfg.actor.lora.r) == (4, 8, 8)
     assert (cfg.ppo.rollout_batch_size, cfg.ppo.mini_batch_size, cfg.ppo.ppo_epochs) == (64, 32, 2)
-    assert (cfg.ppo.kl_coef, cfg.ppo.adaptive_kl, cfg.ppo.max_prompt_len) == (0.01, False, 8)
+    assert (cfg.algorithm.kl_coef, cfg.algorithm.adaptive_kl, cfg.ppo.max_prompt_len) == (0.01, False, 8)
     assert (cfg.trainer.steps, cfg.trainer.seed, cfg.trainer.output_dir) == \
         (50, 0, "outputs/ppo_tiny")
     assert (cfg.cluster.device, cfg.cluster.memory_gb, cfg.comm.algorithm) == ("cpu", None, "auto")
@@ -73,8 +78,8 @@ def test_llama7b_builds_on_ppo_tiny():
     tiny, llama = load_config(["conf=ppo_tiny"]), load_config(["conf=ppo_llama7b"])
     assert (llama.cluster.num_devices, llama.cluster.group_size) == (16, 8)
     assert llama.actor.config["hidden_size"] == 4096 and llama.actor.optim.lr == 5e-7
-    assert (llama.actor.optim.betas, llama.ppo.kl_coef, llama.ppo.lam) == \
-        (tiny.actor.optim.betas, tiny.ppo.kl_coef, tiny.ppo.lam)  # from ppo_tiny
+    assert (llama.actor.optim.betas, llama.algorithm.kl_coef, llama.ppo.lam) == \
+        (tiny.actor.optim.betas, tiny.algorithm.kl_coef, tiny.ppo.lam)  # from ppo_tiny
     assert (llama.ppo.mini_batch_size, llama.trainer.steps, llama.ray.address) == \
         (512, 1000, "auto")
 
@@ -82,11 +87,11 @@ def test_llama7b_builds_on_ppo_tiny():
 def test_add_delete_and_interpolate():
     cfg = load_config([*INLINE, "+actor.config.rms_norm_eps=1e-5",
                        "~actor.config.num_key_value_heads",
-                       "~ppo.kl_coef", "ppo.mini_batch_size=${ppo.rollout_batch_size}",
+                       "~algorithm.kl_coef", "ppo.mini_batch_size=${ppo.rollout_batch_size}",
                        "trainer.output_dir=runs/seed${trainer.seed}", "trainer.seed=3"])
     assert cfg.actor.config["rms_norm_eps"] == 1e-5
     assert "num_key_value_heads" not in cfg.actor.config
-    assert cfg.ppo.kl_coef == PPOConfig.kl_coef  # the schema's default, not ppo_tiny's 0.01
+    assert cfg.algorithm.kl_coef == AlgorithmConfig.kl_coef  # the schema's default, not ppo_tiny's 0.01
     assert cfg.ppo.mini_batch_size == 64
     assert cfg.trainer.output_dir == "runs/seed3"  # resolved after every override
 
