@@ -30,10 +30,9 @@ def prepare(cfg: Config, conf: str) -> Config:
         require_ray(cfg.ray.address)
     # Everything below needs transformers; a bad command line has failed before it.
     from rlhf_paro import models, plan, runs
+    from rlhf_paro.ppo import algorithms
 
-    from rlhf_paro.ppo.data import with_critic_default
-
-    cfg = with_critic_default(cfg)
+    cfg = algorithms.resolve(cfg)
     vocab_sizes = runs.check_inputs(cfg)
     models.check_model_configs(cfg, vocab_sizes)
     return plan.resolve_auto(cfg, vocab_sizes)

@@ -67,9 +67,9 @@ def strategies_and_fit(overrides: list[str]) -> tuple[dict[str, str], bool | Non
     whether the four fit ``cluster.memory_gb`` (None: no budget set)."""
     from rlhf_paro.config import ConfigError, load_config
     from rlhf_paro.plan import configured_strategies, make_plan, resolve_auto
-    from rlhf_paro.ppo.data import with_critic_default
+    from rlhf_paro.ppo import algorithms
 
-    cfg = with_critic_default(load_config(overrides))
+    cfg = algorithms.resolve(load_config(overrides))
     try:
         cfg = resolve_auto(cfg)
     except ConfigError:  # auto found nothing that fits; the job will say so itself

@@ -1,0 +1,130 @@
+"""Algorithms as data: the models a run needs, its advantage estimator, its loss terms, its keys.
+
+``algorithm.adv_estimator`` names an ``Algorithm``; everything above the math reads the run's
+models from ``roles(cfg)`` (the trainer starts those worker groups and no others, the planner
+plans them, metrics, report, checkpoints and exports iterate over them):
+
+    gae            actor, critic, reward, ref   PPO: GAE on the critic's values
+    grpo           actor, reward, ref           group-normalised outcome reward
+    dr_grpo        actor, reward, ref           group-centred outcome, token sums / budget
+    rloo           actor, reward, ref           leave-one-out group baseline
+    reinforce_pp   actor, reward, ref           return-to-go whitened over the global batch
+
+``ref`` is dropped when nothing reads it: ``algorithm.kl_coef=0`` (a fixed coefficient of 0
+stays 0, adaptive or not). The estimator itself is the function of the same name registered in
+``ppo/core.py``; an estimator registered there without a spec here runs critic-free with the
+token-mean loss (``spec``), so adding one is one registered function.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+from rlhf_paro.config import ROLES, Config, ConfigError
+from rlhf_paro.ppo import core
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """What a registered advantage estimator asks of a run."""
+
+    name: str  # the algorithm.adv_estimator value and the estimator's name in ppo/core.py
+    critic: bool = False  # trains a value model, whose values the estimator reads
+    # The baseline comes from the other samples of the prompt: needs rollout.n >= 2.
+    group_baseline: bool = False
+    loss_agg_mode: str = "token_mean"  # the policy loss's aggregation unless the config says
+    # Dr. GRPO: each sequence's token sum is divided by the response budget (ppo.max_new_tokens),
+    # a constant, instead of by the sequence's length.
+    token_sum_norm: bool = False
+
+
+ALGORITHMS: dict[str, Algorithm] = {}
+
+
+def register_algorithm(spec: Algorithm) -> Algorithm:
+    ALGORITHMS[spec.name] = spec
+    return spec
+
+
+register_algorithm(Algorithm("gae", critic=True))
+register_algorithm(Algorithm("grpo", group_baseline=True))
+register_algorithm(Algorithm("dr_grpo", group_baseline=True, loss_agg_mode="seq_mean_token_sum",
+                             token_sum_norm=True))
+register_algorithm(Algorithm("rloo", group_baseline=True))
+register_algorithm(Algorithm("reinforce_pp"))
+
+
+def spec(cfg: Config) -> Algorithm:
+    """The run's algorithm; ``ConfigError`` for an estimator ``ppo/core.py`` does not know."""
+    name = cfg.algorithm.adv_estimator
+    if name not in core.ADV_ESTIMATORS:
+        raise ConfigError("algorithm.adv_estimator", f"got {name!r}; allowed: "
+                                                     f"{', '.join(core.ADV_ESTIMATORS)}")
+    return ALGORITHMS.get(name, Algorithm(name))
+
+
+def uses_ref(cfg: Config) -> bool:
+    """Whether anything reads the reference policy: the KL, in the reward or in the loss."""
+    return cfg.algorithm.kl_coef > 0
+
+
+def roles(cfg: Config) -> tuple[str, ...]:
+    """The models this run builds, in ``ROLES`` order."""
+    algo = spec(cfg)
+    return tuple(role for role in ROLES
+                 if (role != "critic" or algo.critic) and (role != "ref" or uses_ref(cfg)))
+
+
+def trained_roles(cfg: Config) -> tuple[str, ...]:
+    return tuple(role for role in roles(cfg) if role in ("actor", "critic"))
+
+
+def loss_agg_mode(cfg: Config) -> str:
+    return cfg.algorithm.loss_agg_mode or spec(cfg).loss_agg_mode
+
+
+def resolve(cfg: Config) -> Config:
+    """``cfg`` checked against the algorithm it names, with the critic's source set where the
+    algorithm trains one; idempotent. One-line ``ConfigError`` for a combination that cannot run:
+    a critic given to a critic-free algorithm, a group baseline with one sample per prompt,
+    names the math does not know."""
+    from rlhf_paro.ppo.data import with_critic_default
+
+    algo, alg = spec(cfg), cfg.algorithm
+    if alg.kl_estimator not in core.KL_ESTIMATORS:
+        raise ConfigError("algorithm.kl_estimator", f"got {alg.kl_estimator!r}; allowed: "
+                                                    f"{', '.join(core.KL_ESTIMATORS)}")
+    if alg.loss_agg_mode is not None and alg.loss_agg_mode not in core.LOSS_AGG_MODES:
+        raise ConfigError("algorithm.loss_agg_mode", f"got {alg.loss_agg_mode!r}; allowed: "
+                                                     f"null, {', '.join(core.LOSS_AGG_MODES)}")
+    if alg.kl_in_loss and alg.kl_coef == 0:
+        raise ConfigError("algorithm.kl_in_loss", "a KL loss term with algorithm.kl_coef=0 "
+                                                  "adds nothing; allowed: kl_coef > 0, or "
+                                                  "kl_in_loss=false")
+    if alg.kl_in_loss and alg.adaptive_kl:
+        raise ConfigError("algorithm.adaptive_kl", "the adaptive controller steers the KL "
+                                                   "penalty in the reward; allowed: false with "
+                                                   "kl_in_loss=true")
+    if algo.group_baseline and cfg.rollout.n < 2:
+        raise ConfigError("rollout.n", f"{algo.name} takes its baseline from the other "
+                                       f"samples of a prompt; allowed: 2 or more, got "
+                                       f"{cfg.rollout.n}")
+    critic = cfg.critic
+    if not algo.critic:
+        if critic.path is not None or critic.config is not None:
+            raise ConfigError("critic", f"algorithm.adv_estimator={algo.name} trains no "
+                                        "critic; allowed: no critic.path or critic.config "
+                                        "(unset them with ~critic.path), or "
+                                        "adv_estimator=gae")
+    elif critic.path is None and critic.config is None:
+        # A reward model's score head starts the value head (as OpenRLHF does), else the actor.
+        path, config = ((cfg.reward.path, None) if cfg.reward.path is not None else
+                        (cfg.actor.path, copy.deepcopy(cfg.actor.config)))
+        cfg = dataclasses.replace(cfg, critic=dataclasses.replace(critic, path=path,
+                                                                  config=config))
+    for role in trained_roles(cfg):
+        cfg.check_micro_batches(role)
+    return with_critic_default(cfg) if algo.critic else cfg
+
