@@ -42,11 +42,13 @@ COMM_PHASES = (*TRAINING_PHASES, "generate")
 MEMORY_KEYS = ("params", "grads", "optim", "host_params", "host_grads", "host_optim")
 OFFLOAD_KEYS = ("d2h_bytes", "h2d_bytes", "transfers")
 LOOP_KEYS = (
-    "ppo/reward_mean", "ppo/task_score", "ppo/kl", "ppo/kl_coef", "ppo/advantage_mean",
-    "ppo/return_mean", "ppo/response_length",
+    "ppo/reward_mean", "ppo/task_score", "ppo/advantage_mean", "ppo/return_mean",
+    "ppo/response_length",
     "timing_s/generate", "timing_s/make_experience", "timing_s/train", "timing_s/step",
     "perf/samples_per_s",
 )
+# Loop keys of a run with a reference policy (ppo/algorithms.py drops ref when no KL is used).
+KL_KEYS = ("ppo/kl", "ppo/kl_coef")
 
 
 def model_keys(role: str) -> list[str]:
@@ -61,9 +63,11 @@ def model_keys(role: str) -> list[str]:
     return keys
 
 
-def required_keys() -> list[str]:
-    """Every key docs/design.md, "Metrics", promises in every row of metrics.jsonl."""
-    return [k for role in ROLES for k in model_keys(role)] + list(LOOP_KEYS)
+def required_keys(roles: tuple[str, ...] = ROLES) -> list[str]:
+    """Every key docs/design.md, "Metrics", promises in every row of metrics.jsonl of a run of
+    the models ``roles`` (``ppo/algorithms.roles``)."""
+    keys = [k for role in roles for k in model_keys(role)] + list(LOOP_KEYS)
+    return keys + list(KL_KEYS) * ("ref" in roles)
 
 
 @dataclass
@@ -170,7 +174,8 @@ class MetricsLogger:
             self._wandb.log({"step": step, **row})
         self._bar.set_postfix_str(
             f"score={row['ppo/task_score']:.3f} reward={row['ppo/reward_mean']:.2f} "
-            f"kl={row['ppo/kl']:.3f} {row['timing_s/step']:.1f}s", refresh=False)
+            + (f"kl={row['ppo/kl']:.3f} " if "ppo/kl" in row else "")
+            + f"{row['timing_s/step']:.1f}s", refresh=False)
         self._bar.update(1)
 
     def close(self) -> None:

@@ -52,21 +52,26 @@ class Prompts:
         else:
             self.stream.seek(state["epoch"], state["left"])
 
-    def next(self, num: int) -> tuple[list[Any], list[Any] | None]:
-        """(per-rank prompts, per-rank rows or None) for ``num`` prompts."""
+    def next(self, num: int, n: int = 1) -> tuple[list[Any], list[Any] | None]:
+        """(per-rank prompts, per-rank rows or None) for ``num`` prompts, each ``n`` times in a
+        row (``rollout.n``: its group of samples). A prompt's copies go to one rank, so a group
+        baseline needs no exchange between ranks; each rank gets ``num / N`` whole groups."""
         num_ranks = self.cfg.cluster.num_devices
         if not self.files:
-            return list(self.task.sample_prompts(num, self.rng).chunk(num_ranks)), None
-        return self.split(self.stream.next(num))
+            prompts = self.task.sample_prompts(num, self.rng).repeat_interleave(n, dim=0)
+            return list(prompts.chunk(num_ranks)), None
+        return self.split(self.stream.next(num), n)
 
-    def split(self, prompts: data.PromptSet) -> tuple[list[Any], list[Any]]:
-        """Pad the whole batch to one width, then cut it in contiguous per-rank slices."""
+    def split(self, prompts: data.PromptSet, n: int = 1) -> tuple[list[Any], list[Any]]:
+        """Pad the whole batch to one width, then cut it in contiguous per-rank slices, each
+        prompt ``n`` times in a row."""
         num_ranks = self.cfg.cluster.num_devices
         ids, mask = data.left_pad(prompts.ids, self.tokenizer.pad_token_id)
         size = -(-len(prompts) // num_ranks)
         batches, rows = [], []
         for r in range(num_ranks):
-            index = list(range(r * size, min(len(prompts), (r + 1) * size)))
+            index = [i for i in range(r * size, min(len(prompts), (r + 1) * size))
+                     for _ in range(n)]
             part = prompts.rows(index)
             batches.append({"input_ids": ids[index], "attention_mask": mask[index]})
             rows.append({"texts": part.texts, "columns": part.columns})
@@ -98,10 +103,11 @@ def evaluate(models: dict[str, Any], prompts: Prompts, step: int, wait: Wait
 
 def export(models: dict[str, Any], output_dir: str, wait: Wait, step: int | None = None
            ) -> Path:
-    """The actor (and, at the end, the critic) in Hugging Face format: ``hf/actor`` and
-    ``hf/critic``, or ``hf/step_<k>/actor`` during the run."""
+    """The actor (and, at the end, the critic of a run that has one) in Hugging Face format:
+    ``hf/actor`` and ``hf/critic``, or ``hf/step_<k>/actor`` during the run."""
     root = Path(output_dir) / "hf" / (f"step_{step}" if step is not None else "")
-    roles = ("actor",) if step is not None else ("actor", "critic")
+    roles = ("actor",) if step is not None else tuple(r for r in ("actor", "critic")
+                                                      if r in models)
     wait(**{role: models[role].call("export", directory=str(root / role)) for role in roles})
     return root
 

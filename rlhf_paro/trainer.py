@@ -1,10 +1,13 @@
-"""The PPO loop, driven from one process; the four models run as Ray actor groups.
+"""The RL loop, driven from one process; the run's models run as Ray actor groups.
 
-One step (every remote call goes to all N ranks of a model at once, each with its own slice):
+The models are those the algorithm needs (``ppo/algorithms.py``, ``roles``): PPO's four (actor,
+critic, reward, ref), three for a critic-free estimator such as GRPO, two when no KL reads a
+reference. One step (every remote call goes to all N ranks of a model at once, each with its
+own slice):
 
-    prompts --slice--> actor.generate                      (P gathered once: phase "generate")
+    prompts x rollout.n --slice--> actor.generate          (P gathered once: phase "generate")
     rollout[r] -> actor.old_logprobs | ref.logprobs | critic.values | reward.score  (concurrent)
-    actor.make_experience: KL penalty, token rewards, GAE, advantages whitened over all ranks
+    actor.make_experience: token rewards, the algorithm's advantages (core.advantages)
     actor.train | critic.train: PPO epochs, mini-batches of s micro-batches    (concurrent)
     KL controller update; per-model reports -> one metrics row
 
@@ -38,10 +41,9 @@ from rlhf_paro.actors.group import (
 )
 from rlhf_paro.actors.ref import RefWorker
 from rlhf_paro.actors.reward import RewardWorker
-from rlhf_paro.config import RAY_ADDRESS_ALLOWED, ROLES, TRAINED_ROLES, Config, ConfigError
+from rlhf_paro.config import RAY_ADDRESS_ALLOWED, Config, ConfigError
 from rlhf_paro.metrics import MetricsLogger, model_metrics
-from rlhf_paro.ppo import core
-from rlhf_paro.ppo.data import with_critic_default
+from rlhf_paro.ppo import algorithms, core
 from rlhf_paro.ppo.rewards import RewardFunctionError
 from rlhf_paro.ppo.task import task_from_config
 
@@ -60,10 +62,10 @@ class RunError(RuntimeError):
 
 
 class PPOTrainer:
-    """Places the four models on the devices and runs PPO steps."""
+    """Places the run's models on the devices and runs RL steps."""
 
     def __init__(self, cfg: Config) -> None:
-        cfg = with_critic_default(cfg)
+        cfg = algorithms.resolve(cfg)
         num_devices, use_gpu = cfg.cluster.num_devices, cfg.cluster.device == "cuda"
         try:
             init_ray(cfg.ray.address, cfg.ray.num_cpus, num_devices)
@@ -76,14 +78,14 @@ class PPOTrainer:
         self.placement, bundles = make_placement_group(num_devices, use_gpu)
         self.models = {role: ModelGroup(WORKERS[role], role, cfg, self.placement, bundles,
                                         use_gpu)
-                       for role in ROLES}
-        # The four models join their process groups and build their engines at once.
+                       for role in algorithms.roles(cfg)}
+        # The models join their process groups and build their engines at once.
         self.pids = self.wait(**{role: group.rendezvous() for role, group in self.models.items()})
         # From data.train_files, or made by the task.
         self.prompts = runs.Prompts(cfg, task_from_config(cfg))
-        ppo = cfg.ppo
-        self.kl_ctl = core.kl_controller(ppo.kl_coef, ppo.adaptive_kl, ppo.kl_target,
-                                         ppo.kl_horizon)
+        alg = cfg.algorithm
+        self.kl_ctl = core.kl_controller(alg.kl_coef, alg.adaptive_kl, alg.kl_target,
+                                         alg.kl_horizon)
         # Longest run of optimizer steps skipped in a row that each trained model saw in the
         # last step.
         self.skip_runs: dict[str, int] = {}
@@ -185,14 +187,14 @@ class PPOTrainer:
 
     def _digests(self, directory: Path, names: list[str]) -> dict[str, tuple[int, str]]:
         """(bytes, SHA-256) of each file, shared among all workers (each flushes its share)."""
-        num_ranks = self.cfg.cluster.num_devices
-        shares = [names[k::len(ROLES) * num_ranks] for k in range(len(ROLES) * num_ranks)]
+        num_ranks, num_models = self.cfg.cluster.num_devices, len(self.models)
+        shares = [names[k::num_models * num_ranks] for k in range(num_models * num_ranks)]
         results = self.wait(**{
             role: group.call("digest", [[str(directory / n) for n in share]
                                         for share in shares[m * num_ranks:(m + 1) * num_ranks]])
             for m, (role, group) in enumerate(self.models.items())})
         found = [d for role in self.models for per_rank in results[role] for d in per_rank]
-        ordered = [n for m in range(len(ROLES)) for share in
+        ordered = [n for m in range(num_models) for share in
                    shares[m * num_ranks:(m + 1) * num_ranks] for n in share]
         return dict(zip(ordered, found))
 
@@ -242,50 +244,56 @@ class PPOTrainer:
         if output_dir in directory.resolve().parents:
             self.wandb_id = state["wandb_id"]
 
-    # -- one PPO step -------------------------------------------------------------------------
+    # -- one step ------------------------------------------------------------------------------
     def step(self, step: int) -> dict[str, float]:
-        """PPO step ``step``: its metrics row."""
-        actor, critic, ref, reward = (self.models[r] for r in ("actor", "critic", "ref", "reward"))
+        """Step ``step``: its metrics row."""
+        actor, reward = self.models["actor"], self.models["reward"]
+        critic, ref = self.models.get("critic"), self.models.get("ref")
+        absent = [None] * self.cfg.cluster.num_devices
         start = time.perf_counter()
 
         # Sliced here, before anything is sent: each rank receives only its own prompts.
-        prompts, rows = self.prompts.next(self.cfg.ppo.rollout_batch_size)
+        prompts, rows = self.prompts.next(self.cfg.ppo.rollout_batch_size, self.cfg.rollout.n)
         rollouts, gen_stats = zip(*actor.call("generate", prompts, num_returns=2))
         gen = _sum(self.wait(actor=list(gen_stats))["actor"])
         generated = time.perf_counter()
 
         old = actor.call("old_logprobs")
-        ref_logp = ref.call("logprobs", rollouts)
-        values = critic.call("values", rollouts)
+        ref_logp = ref.call("logprobs", rollouts) if ref else absent
+        values = critic.call("values", rollouts) if critic else absent
         scores = (reward.call("score", rollouts) if rows is None else
                   reward.call("score", rollouts, rows, step=step))
+        kl_coef = self.kl_ctl.value
         targets, exp_stats = zip(*actor.call("make_experience", ref_logp, values, scores,
-                                             kl_coef=self.kl_ctl.value, num_returns=2))
+                                             kl_coef=kl_coef, num_returns=2))
         exp = _sum(self.wait(actor=list(exp_stats))["actor"])
         if rows is not None:
             gen.update(_sum(self.wait(reward=reward.call("score_sums"))["reward"]))
         self.wait(actor=old)
         experienced = time.perf_counter()
 
-        self.wait(actor=actor.call("train", step=step),
-                  critic=critic.call("train", list(targets), step=step))
+        training = {"actor": actor.call("train", step=step, kl_coef=kl_coef)}
+        if critic:
+            training["critic"] = critic.call("train", list(targets), step=step)
+        self.wait(**training)
         trained = time.perf_counter()
 
         reports = self.wait(**{role: group.call("report") for role, group in self.models.items()})
         row: dict[str, float] = {}
         for role, per_rank in reports.items():
             row.update(model_metrics(role, per_rank))
-        self.skip_runs = {role: max(r.skip_run for r in reports[role]) for role in TRAINED_ROLES}
+        self.skip_runs = {role: max(r.skip_run for r in reports[role])
+                          for role in algorithms.trained_roles(self.cfg)}
 
-        kl = exp["kl"] / exp["count"]  # per sequence, summed over its tokens
-        kl_coef = self.kl_ctl.value
-        self.kl_ctl.update(kl, int(exp["count"]))
         done = time.perf_counter()
+        if ref:
+            kl = exp["kl"] / exp["count"]  # per sequence, summed over its tokens
+            self.kl_ctl.update(kl, int(exp["count"]))
+            row.update({"ppo/kl": kl, "ppo/kl_coef": kl_coef})
+        row.update(reward_extras(gen))
         row.update({
             "ppo/reward_mean": exp["reward"] / exp["count"],
             "ppo/task_score": gen["task_score"] / gen["count"],
-            "ppo/kl": kl,
-            "ppo/kl_coef": kl_coef,
             "ppo/advantage_mean": exp["advantage"] / exp["tokens"],
             "ppo/return_mean": exp["return"] / exp["tokens"],
             "ppo/response_length": gen["response_length"] / gen["count"],
@@ -311,10 +319,20 @@ def run_info(cfg: Config) -> dict[str, Any]:
         "num_devices": cfg.cluster.num_devices,
         "group_size": cfg.cluster.group_size,
         "comm": cfg.comm.algorithm,
-        "strategies": {role: cfg.model(role).strategy for role in ROLES},
+        "algorithm": cfg.algorithm.adv_estimator,
+        "strategies": {role: cfg.model(role).strategy for role in algorithms.roles(cfg)},
         "config": cfg.to_dict(),
     }
 
 
 def _sum(dicts: list[dict[str, float]]) -> dict[str, float]:
-    return {k: sum(d[k] for d in dicts) for k in dicts[0]}
+    """Key by key sums over ranks; a key some ranks lack (a reward extra) counts 0 there."""
+    keys = dict.fromkeys(k for d in dicts for k in d)
+    return {k: sum(d.get(k, 0.0) for d in dicts) for k in keys}
+
+
+def reward_extras(sums: dict[str, float]) -> dict[str, float]:
+    """``reward/<name>``: the mean of a reward function's extra ``name`` over the samples that
+    have it, from the reward workers' ``reward/<name>`` sums and ``reward/<name>:count``."""
+    return {key: total / sums[f"{key}:count"] for key, total in sums.items()
+            if key.startswith("reward/") and ":" not in key and sums.get(f"{key}:count")}

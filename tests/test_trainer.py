@@ -20,10 +20,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import pytest
 
@@ -52,12 +53,15 @@ class Run(NamedTuple):
     rows: list[dict]
     exit_s: float  # seconds from the kill (or from the start) to the driver's exit
     left: list[str]  # processes of the run still alive after it exited
+    watched: list[str] = []  # what ``watch`` found while the run went on
 
 
 def _train(out: Path, *args: str, cache: Path, nan_loss: str | None = None,
-           kill_after_step: int | None = None) -> Run:
+           kill_after_step: int | None = None,
+           watch: Callable[[str], list[str]] | None = None) -> Run:
     """``python -m rlhf_paro.train`` on the tiny job; with ``kill_after_step``, SIGKILL actor
-    rank 1 once that step's row is logged (its pid from the run's workers.json)."""
+    rank 1 once that step's row is logged (its pid from the run's workers.json); ``watch(mark)``
+    is called every half second while the run goes on, and what it returns is collected."""
     mark = uuid.uuid4().hex
     env = {**os.environ, MARK: mark}
     env.pop(NAN_LOSS_ENV, None)
@@ -67,6 +71,14 @@ def _train(out: Path, *args: str, cache: Path, nan_loss: str | None = None,
         [sys.executable, "-m", "rlhf_paro.train", *SMALL, f"task.cache_dir={cache}",
          f"trainer.output_dir={out}", *args], env=env, cwd=out.parent,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watched: list[str] = []
+    if watch is not None:
+        def sample() -> None:
+            while proc.poll() is None:
+                watched.extend(watch(mark))
+                time.sleep(0.5)
+
+        threading.Thread(target=sample, daemon=True).start()
     start = time.monotonic()
     if kill_after_step is not None:
         while proc.poll() is None and kill_after_step not in _steps(out):
@@ -76,7 +88,8 @@ def _train(out: Path, *args: str, cache: Path, nan_loss: str | None = None,
     stdout, stderr = proc.communicate(timeout=900)
     exit_s = time.monotonic() - start
     time.sleep(2)  # what a shutdown stops has had time to go
-    return Run(out, proc.returncode, stdout, stderr, _rows(out), exit_s, _marked(mark))
+    return Run(out, proc.returncode, stdout, stderr, _rows(out), exit_s, _marked(mark),
+               sorted(set(watched)))
 
 
 def _rows(out: Path) -> list[dict]:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_paro.actors.worker import Batch, TrainedWorker, Worker
-from rlhf_paro.ppo import core
+from rlhf_paro.ppo import algorithms, core
 from rlhf_paro.ppo.data import actor_tokenizer, tokenizer_dir
 from rlhf_paro.ppo.task import join, response_mask, task_from_config
 
@@ -73,41 +73,59 @@ class ActorWorker(TrainedWorker):
             self._old_logp = self.in_micro_batches(rollout, lambda rows: logprobs(self, rows))
 
     @torch.no_grad()
-    def make_experience(self, ref_logp: torch.Tensor, values: torch.Tensor, score: torch.Tensor,
-                        kl_coef: float) -> tuple[Batch, dict[str, float]]:
-        """KL-shaped token rewards, GAE and advantages whitened over the whole rollout batch.
+    def make_experience(self, ref_logp: torch.Tensor | None, values: torch.Tensor | None,
+                        score: torch.Tensor, kl_coef: float) -> tuple[Batch, dict[str, float]]:
+        """Token rewards (the KL penalty in them unless ``algorithm.kl_in_loss``), then the
+        advantages of the run's estimator (``ppo/algorithms.py``, ``core.advantages``).
 
-        Returns the critic's targets and this rank's sums for the driver's means.
+        ``ref_logp``: None in a run without a reference; ``values``: None without a critic.
+        A rank's rollout holds whole groups of ``rollout.n`` samples (``runs.Prompts.next``), so
+        group baselines need nothing from other ranks; batch-wide normalisations sum their
+        moments over ranks. Returns the critic's targets and this rank's sums for the driver.
         """
-        ppo = self.cfg.ppo
+        ppo, alg = self.cfg.ppo, self.cfg.algorithm
         mask = self._rollout["action_mask"]
-        kl = core.kl_estimate(self._old_logp, ref_logp, ppo.kl_estimator) * mask
-        rewards = core.token_rewards(score, kl, mask, kl_coef)
-        advantages, returns = core.gae(rewards, values, mask, ppo.gamma, ppo.lam)
-        self._advantages = advantages
-        if ppo.whiten_advantages:
-            # Moments summed over ranks: the same result as whitening the unsplit batch.
-            moments = self.all_reduce_sum(core.masked_moments(advantages, mask))
-            self._advantages = core.masked_whiten(advantages, mask, moments)
+        kl = torch.zeros_like(mask, dtype=torch.float32)
+        if ref_logp is not None:
+            kl = core.kl_estimate(self._old_logp, ref_logp, alg.kl_estimator) * mask
+        self._ref_logp = ref_logp if alg.kl_in_loss else None
+        rewards = core.token_rewards(score, kl, mask, 0.0 if alg.kl_in_loss else kl_coef)
+        groups = torch.arange(len(mask)).div(self.cfg.rollout.n, rounding_mode="floor")
+        self._advantages, returns = core.advantages(alg.adv_estimator, core.AdvantageInputs(
+            rewards=rewards, mask=mask, group=groups, values=values, gamma=ppo.gamma,
+            lam=ppo.lam, whiten=ppo.whiten_advantages, sum_over_ranks=self.all_reduce_sum))
         stats = {"count": float(mask.shape[0]), "tokens": float(mask.sum()),
                  "reward": float(score.sum()), "kl": float(kl.sum()),
-                 "advantage": float((advantages * mask).sum()),
+                 "advantage": float((self._advantages * mask).sum()),
                  "return": float((returns * mask).sum())}
         return {"returns": returns}, stats
 
-    def train(self, step: int) -> None:
-        """The PPO update of PPO step ``step`` on this rank's rollout."""
-        rollout, ppo = self._rollout, self.cfg.ppo
+    def train(self, step: int, kl_coef: float) -> None:
+        """The policy update of step ``step`` on this rank's rollout: the clipped surrogate,
+        aggregated as the algorithm says, plus ``kl_coef`` times the KL loss term when
+        ``algorithm.kl_in_loss``."""
+        rollout, ppo, alg = self._rollout, self.cfg.ppo, self.cfg.algorithm
+        agg = algorithms.loss_agg_mode(self.cfg)
+        # Dr. GRPO divides each sequence's token sum by the response budget, a constant.
+        norm = ppo.max_new_tokens if algorithms.spec(self.cfg).token_sum_norm else None
 
-        def micro_loss(idx: torch.Tensor, num_tokens: float) -> tuple[torch.Tensor, dict]:
+        def micro_loss(idx: torch.Tensor, divisor: float) -> tuple[torch.Tensor, dict]:
             rows = {k: v[idx] for k, v in rollout.items()}
+            mask = rows["action_mask"].to(self.device)
+            logp = logprobs(self, rows, train=True)
             loss, stats = core.policy_loss(
-                logprobs(self, rows, train=True), self._old_logp[idx].to(self.device),
-                self._advantages[idx].to(self.device), rows["action_mask"].to(self.device),
-                ppo.clip_eps, num_tokens)
-            return loss, {"actor/clipfrac": stats["clipfrac"], "approx_kl": stats["approx_kl"]}
+                logp, self._old_logp[idx].to(self.device),
+                self._advantages[idx].to(self.device), mask, ppo.clip_eps, divisor, agg=agg,
+                token_sum_norm=norm)
+            metrics = {"actor/clipfrac": stats["clipfrac"], "approx_kl": stats["approx_kl"]}
+            if self._ref_logp is not None:
+                kl_loss, kl_stats = core.kl_loss(logp, self._ref_logp[idx].to(self.device), mask,
+                                                 alg.kl_estimator, agg, divisor, norm)
+                loss = loss + kl_coef * kl_loss
+                metrics["actor/kl_loss"] = kl_stats["kl"]
+            return loss, metrics
 
-        self.ppo_update(rollout["action_mask"], micro_loss, step)
+        self.ppo_update(rollout["action_mask"], micro_loss, step, agg)
 
 
 def logprobs(worker: Worker, rows: Batch, train: bool = False) -> torch.Tensor:

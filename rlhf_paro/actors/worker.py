@@ -37,7 +37,7 @@ import transformers
 from rlhf_paro import models
 from rlhf_paro.actors import checkpoint
 from rlhf_paro.metrics import RankReport
-from rlhf_paro.ppo import data
+from rlhf_paro.ppo import core, data
 from rlhf_paro.sharding import Strategy, Topology, shard
 
 Batch = dict[str, Any]
@@ -179,7 +179,8 @@ class Worker:
     def save_checkpoint(self, directory: str) -> None:
         """This rank's engine state into ``directory/<role>/``, its own state into
         ``directory/workers/``."""
-        self.engine.save_checkpoint(os.path.join(directory, self.role))
+        if self.engine is not None:  # a reward function has no state but its generators
+            self.engine.save_checkpoint(os.path.join(directory, self.role))
         checkpoint.write_json(checkpoint.worker_file(directory, self.role, self.rank),
                               {"num_ranks": self.num_ranks, "rng": checkpoint.rng_state(),
                                **self.counters()})
@@ -188,7 +189,8 @@ class Worker:
         """Undo ``save_checkpoint``; the engine reads the slices this rank owns under this
         strategy. The generators come back only on as many ranks as wrote them: on other N,
         each rank keeps its own fresh seed."""
-        self.engine.load_checkpoint(os.path.join(directory, self.role))
+        if self.engine is not None:
+            self.engine.load_checkpoint(os.path.join(directory, self.role))
         path = checkpoint.worker_file(directory, self.role, self.rank)
         if not path.is_file():  # more ranks than wrote the checkpoint: counters are global
             path = checkpoint.worker_file(directory, self.role, 0)
@@ -275,20 +277,21 @@ class TrainedWorker(Worker):
 
     def ppo_update(self, mask: torch.Tensor,
                    micro_loss: Callable[[torch.Tensor, float], tuple[torch.Tensor, dict]],
-                   step: int) -> None:
+                   step: int, agg: str = "token_mean") -> None:
         """``ppo.ppo_epochs`` passes over this rank's rollout; one optimizer step per mini-batch.
 
-        ``micro_loss(indices, num_tokens)`` returns the loss of one micro-batch (rows
-        ``indices`` of the rollout) and its metrics; ``num_tokens`` makes it a share of the
-        global mini-batch's token-mean (see ``ppo/core.py``). ``step`` is the PPO step.
+        ``micro_loss(indices, divisor)`` returns the loss of one micro-batch (rows ``indices``
+        of the rollout) and its metrics; ``divisor`` makes it a share of the global
+        mini-batch's aggregate ``agg`` (``core.aggregate``: the global count of tokens or
+        sequences over ranks x micro-batches). ``step`` is the PPO step.
         """
         seq_len = self._rollout["sequences"].shape[1]
         poisoned = os.environ.get(NAN_LOSS_ENV) == f"{self.role}:{self.rank}:{step}"
         for _ in range(self.cfg.ppo.ppo_epochs):
-            for mini, num_tokens in self._mini_batches(mask):
+            for mini, divisor in self._mini_batches(mask, agg):
                 for idx in micro_batches(mini, self.model_cfg.micro_batch_size):
                     with self.timed("train", len(idx) * seq_len):
-                        loss, stats = micro_loss(idx, num_tokens)
+                        loss, stats = micro_loss(idx, divisor)
                         if poisoned:
                             loss = loss * float("nan")
                         self.engine.backward(loss)
@@ -316,12 +319,13 @@ class TrainedWorker(Worker):
                              directory, tokenizer, self.model_cfg.lora.merge_on_export)
         dist.barrier()
 
-    def _mini_batches(self, mask: torch.Tensor) -> list[tuple[torch.Tensor, float]]:
-        """This rank's shuffled mini-batches, each with ``num_tokens``: the global mini-batch's
-        valid tokens (summed over ranks) / (ranks * micro-batches per step)."""
+    def _mini_batches(self, mask: torch.Tensor, agg: str) -> list[tuple[torch.Tensor, float]]:
+        """This rank's shuffled mini-batches, each with its divisor: the global mini-batch's
+        count under ``agg`` (valid tokens or sequences, summed over ranks) / (ranks *
+        micro-batches per step)."""
         size = self.cfg.ppo.mini_batch_size // self.num_ranks
         minis = micro_batches(torch.randperm(mask.shape[0]), size)
-        local = torch.tensor([float(mask[m].sum()) for m in minis], dtype=torch.float64)
+        local = torch.tensor([core.agg_count(mask[m], agg) for m in minis], dtype=torch.float64)
         total = self.all_reduce_sum(local)
         per_micro = self.num_ranks * self.engine.grad_accum_steps
         return [(m, float(t) / per_micro) for m, t in zip(minis, total)]

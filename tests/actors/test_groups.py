@@ -1,0 +1,58 @@
+"""rollout.n: the samples of a prompt form a group that lands whole on one rank, and the actor's
+baseline for a sample uses exactly the other samples of its group."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_paro import runs
+from rlhf_paro.actors.actor import ActorWorker
+from rlhf_paro.config import load_config
+from rlhf_paro.ppo.task import task_from_config
+from tests.confs import INLINE
+
+GRPO = [*INLINE, "algorithm.adv_estimator=grpo", "algorithm.kl_coef=0", "rollout.n=4",
+        "ppo.rollout_batch_size=8", "ppo.mini_batch_size=32", "actor.micro_batch_size=4",
+        "cluster.num_devices=2", "cluster.group_size=1"]
+
+
+def test_each_rank_gets_whole_groups_of_one_prompt():
+    cfg = load_config(GRPO)
+    prompts = runs.Prompts(cfg, task_from_config(cfg))
+    per_rank, rows = prompts.next(8, n=4)
+    assert rows is None and [len(p) for p in per_rank] == [16, 16]
+    seen = []
+    for part in per_rank:
+        groups = part.view(4, 4, -1)  # 4 groups of 4 samples on this rank
+        assert all(torch.equal(g[0], g[k]) for g in groups for k in range(4))
+        seen += [tuple(g[0].tolist()) for g in groups]
+    # The prompts of the step are those an n=1 stream draws, each once.
+    again = runs.Prompts(cfg, task_from_config(cfg))
+    plain = torch.cat(again.next(8, n=1)[0])
+    assert seen == [tuple(row.tolist()) for row in plain]
+
+
+def test_the_actors_group_baseline_uses_exactly_its_group():
+    cfg = load_config(GRPO)
+    actor = ActorWorker(cfg, "actor", 0, 2)
+    # 3 groups of 4 samples on this rank, responses of different lengths.
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]] * 3, dtype=torch.float32)
+    score = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 2.0, 4.0, 0.0, 0.0, 0.0, 0.0, 1.0])
+    actor._rollout = {"action_mask": mask}
+    actor._old_logp = torch.zeros_like(mask)
+    _, stats = actor.make_experience(None, None, score, kl_coef=0.0)
+    advantages = actor._advantages
+    for g in range(3):
+        rows = slice(4 * g, 4 * g + 4)
+        s = score[rows]
+        # GRPO: (score - group mean) / (group's unbiased std + eps), on every valid token.
+        expected = (s - s.mean()) / (s.std() + 1e-6)
+        got = (advantages[rows] * mask[rows]).sum(1) / mask[rows].sum(1)
+        torch.testing.assert_close(got, expected)
+    # Moving one sample's score changes its own group's advantages only.
+    score[0] = 3.0
+    actor._old_logp = torch.zeros_like(mask)
+    actor.make_experience(None, None, score, kl_coef=0.0)
+    assert not torch.allclose(actor._advantages[:4], advantages[:4])
+    assert torch.equal(actor._advantages[4:], advantages[4:])
+    assert stats["count"] == 12.0

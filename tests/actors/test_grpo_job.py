@@ -1,0 +1,85 @@
+"""GRPO through the command line a user runs: three models (no critic anywhere), several samples
+per prompt, and a kill and resume that continue exactly.
+
+    straight   conf=grpo_tiny, 4 steps from scratch, a checkpoint every 2 steps
+    killed     the same in its own directory; actor rank 1 is SIGKILLed once step 2 is logged
+    resumed    trainer.resume=auto in killed's directory: goes on from its step_2 to step 4
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlhf_paro.actors import checkpoint
+from rlhf_paro.metrics import required_keys
+from tests.test_trainer import MARK, Run, _compared, _train
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+N = 2
+# A small grpo_tiny: 4 prompts x 4 samples a step, two ranks, one optimizer step a step.
+SMALL = ["conf=grpo_tiny", f"cluster.num_devices={N}", "cluster.group_size=1",
+         "task.model.hidden_size=32", "task.model.intermediate_size=64", "task.sft_steps=10",
+         "task.train_prompts=64", "task.val_prompts=8", "ppo.rollout_batch_size=4",
+         "ppo.mini_batch_size=16", "actor.micro_batch_size=4", "ref.micro_batch_size=8",
+         "trainer.eval_every=0", "trainer.save_every=2"]
+ROLES = ("actor", "reward", "ref")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Run]:
+    root = tmp_path_factory.mktemp("grpo")
+    cache = root / "cache"
+    straight = _train(root / "straight", *SMALL, "trainer.steps=4", cache=cache,
+                      watch=_critic_processes)
+    assert straight.returncode == 0, straight.stderr
+    killed = _train(root / "killed", *SMALL, "trainer.steps=4", cache=cache, kill_after_step=2)
+    resumed = _train(root / "killed", *SMALL, "trainer.steps=4", cache=cache)
+    return {"straight": straight, "killed": killed, "resumed": resumed}
+
+
+def _critic_processes(mark: str) -> list[str]:
+    """Processes of the run whose command line names a critic worker (Ray titles each worker
+    process after its actor class)."""
+    from tests.test_trainer import _marked
+
+    return [cmd for cmd in _marked(mark) if "Critic" in cmd]
+
+
+def test_three_models_run_and_no_critic_worker_ever_exists(runs):
+    straight = runs["straight"]
+    assert set(json.loads((straight.out / "workers.json").read_text())) == set(ROLES)
+    assert straight.watched == [], straight.watched  # sampled while the run went on
+    for row in straight.rows:
+        assert not any(k.startswith("critic/") for k in row)
+        missing = set(required_keys(ROLES)) - set(row)
+        assert not missing, sorted(missing)
+    # 4 prompts x rollout.n = 4 samples each step.
+    assert all(r["ppo/task_score"] >= 0 for r in straight.rows)
+    run = json.loads((straight.out / "run.json").read_text())
+    assert set(run["strategies"]) == set(ROLES) and run["algorithm"] == "grpo"
+    # No critic in the checkpoint, and none exported.
+    step_4 = checkpoint.checkpoint_dir(straight.out, 4)
+    assert sorted(p.name for p in step_4.iterdir() if p.is_dir()) == ["actor", "ref", "workers"]
+    assert not (straight.out / "hf" / "critic").exists()
+    assert (straight.out / "hf" / "actor" / "config.json").is_file()
+
+
+def test_a_killed_grpo_run_resumes_exactly(runs):
+    straight, killed, resumed = runs["straight"], runs["killed"], runs["resumed"]
+    assert killed.returncode == 1 and killed.left == []
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from {checkpoint.checkpoint_dir(resumed.out, 2)}: step 2 of 4" \
+        in resumed.stdout
+    assert [r["step"] for r in resumed.rows] == [0, 1, 2, 3]
+    # The same arithmetic in the same order as the straight run: the fp32 bound of
+    # tests/test_trainer.py (1e-6 relative).
+    for step in range(4):
+        expected, got = _compared(straight.rows[step]), _compared(resumed.rows[step])
+        assert set(got) == set(expected) and "ppo/kl" in got
+        assert got == pytest.approx(expected, rel=1e-6, abs=0), step
