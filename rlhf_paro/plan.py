@@ -10,7 +10,9 @@ and sent on intra- and inter-group links (Table 3), and ``sharding/steptime.py``
 time: compute at ``cluster.tflops``, every collective of the strategy's schedule on the links'
 bandwidths and latencies (``cluster.*_gbps``, ``cluster.*_latency_us``), what the engine
 hides behind compute, and the activation memory of a micro-batch. Strategies are the 14
-triples for actor and critic, the three P levels for reward and ref.
+triples for actor and critic, the three P levels for reward and ref. The models are the run's
+(``ppo/algorithms.roles``): PPO's four, three without a critic (grpo, rloo, ...), one fewer
+without ref (``algorithm.kl_coef=0``).
 
 [Note: what a PPO step costs]
 Per PPO step on one device: every model runs its inference forwards over the device's share of
@@ -19,20 +21,23 @@ once for generation, and actor and critic each run (rollout / mini-batch) x epoc
 steps of s micro-batches. The predicted time is the sum of those (the models run one after
 another); generation's decoding is the same for every strategy and is left out.
 
-[Note: all four models share a device]
-Every device holds the states (P + G + OS) of all four models; only the model that is running
-holds activations, gathered parameters and gradient buffers. A combination fits when the four
-states plus the largest of those peaks stay within ``memory_gb`` x (1 - ``activation_reserve``).
-The planner searches every combination (14 x 14 x 3 x 3) for the least predicted time that
-fits; where ``<role>.max_micro_batch_size`` allows, each model takes the largest micro-batch
-the memory left by the four states holds (fewer micro-batches, fewer collectives). A strategy is
-marked as fitting when some combination that contains it fits.
+[Note: the run's models share a device]
+Every device holds the states (P + G + OS) of all the run's models; only the model that is
+running holds activations, gathered parameters and gradient buffers. A combination fits when
+their states plus the largest of those peaks stay within ``memory_gb`` x (1 -
+``activation_reserve``). The planner searches every combination (14 x 14 x 3 x 3 for PPO's four
+models, 14 x 3 x 3 without a critic) for the least predicted time that fits; where
+``<role>.max_micro_batch_size`` allows, each model takes the largest micro-batch the memory left
+by the states holds (fewer micro-batches, fewer collectives). A strategy is marked as fitting
+when some combination that contains it fits. A run without a critic leaves the states a critic
+would hold to the others: the printout says how much, from the critic PPO would build
+(``algorithm.adv_estimator=gae``) at its leanest strategy.
 
 [Note: setup peak]
-The four models set up at the same time, each rank reading only its shards from the model's
+The run's models set up at the same time, each rank reading only its shards from the model's
 files one unit at a time; a model then holds at most its P + G + OS plus its largest unit
 gathered (``cost.setup_memory``, the engine's [Note: setup memory]). A fitting combination's
-four setup peaks must also fit in ``memory_gb`` (no activations exist yet, so the reserve is
+setup peaks must also fit in ``memory_gb`` (no activations exist yet, so the reserve is
 free then).
 
 [Note: offload]
@@ -43,7 +48,7 @@ resident states on the device are what its offload leaves there, and under ``par
 back on top of them while it runs (in its peak). The table prints, for every strategy, the
 device bytes between phases under each offload mode the role takes (``none``, ``opt``,
 ``par``), whatever the conf picks; P, G, OS, sum, peak and setup follow the conf's mode. The
-planner's one-model-at-a-time view ([Note: all four models share a device]) is kinder to
+planner's one-model-at-a-time view ([Note: the run's models share a device]) is kinder to
 ``params`` than the trainer is: ref, reward and critic score a rollout at the same time, so
 their parameters are on the device together then.
 """
@@ -58,8 +63,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from rlhf_paro import cli
-from rlhf_paro.config import (FROZEN_ROLES, OFFLOAD_ALLOWED, ROLES, TRAINED_ROLES, Config,
-                              ConfigError)
+from rlhf_paro.config import FROZEN_ROLES, OFFLOAD_ALLOWED, TRAINED_ROLES, Config, ConfigError
 from rlhf_paro.sharding.strategy import Level, Strategy, all_strategies
 
 if TYPE_CHECKING:
@@ -69,6 +73,8 @@ GIB = 2 ** 30
 # The planner table's offload columns: device bytes between phases under each mode.
 OFFLOAD_COLUMNS = {"none": "none", "optimizer": "opt", "params": "par"}
 GB = 1e9
+# A count of the run's models in words ("the three hold ..."); ROLES has four.
+_COUNT = ("no", "one", "two", "three", "four")
 
 
 @dataclass(frozen=True)
@@ -94,7 +100,7 @@ class Option:
     intra_bytes: float  # sent per PPO step, at the configured micro-batch
     inter_bytes: float
     # Micro-batch size -> prediction, for every size the model may take (the configured one
-    # first); see [Note: all four models share a device].
+    # first); see [Note: the run's models share a device].
     by_micro: dict[int, Timed] = field(default_factory=dict)
     setup_bytes: int = 0  # held at most while setting up: P + G + OS + one unit gathered
     # [Note: offload] Under the conf's <role>.offload: host bytes per device, and each mode the
@@ -158,11 +164,13 @@ class Choice:
 
 @dataclass
 class Plan:
-    models: dict[str, ModelPlan]
-    budget_bytes: float  # per device, for the four models' states and the running one's peak
-    device_bytes: float  # per device, for the four models' setup peaks ([Note: setup peak])
+    models: dict[str, ModelPlan]  # the run's models (``algorithms.roles``), in ROLES order
+    budget_bytes: float  # per device, for the models' states and the running one's peak
+    device_bytes: float  # per device, for the models' setup peaks ([Note: setup peak])
     best: dict[str, Choice] | None  # least predicted time that fits; None when nothing fits
     fits: dict[str, set[Strategy]]  # per model, the strategies of some fitting combination
+    # A run without a critic: the critic PPO would build, only to say what its absence frees.
+    absent_critic: ModelPlan | None = None
 
 
 def frozen_strategies() -> list[Strategy]:
@@ -318,80 +326,108 @@ def _search(models: dict[str, ModelPlan], budget: float, device: float,
             fixed: dict[str, Strategy]
             ) -> tuple[dict[str, Choice] | None, dict[str, set[Strategy]]]:
     """Least-time fitting combination (ties: less memory), and each model's fitting options."""
-    choices = [[models[r].option(fixed[r])] if r in fixed else models[r].options for r in ROLES]
+    roles = tuple(models)
+    choices = [[models[r].option(fixed[r])] if r in fixed else models[r].options for r in roles]
     best, best_key = None, None
-    fits: dict[str, set[Strategy]] = {r: set() for r in ROLES}
+    fits: dict[str, set[Strategy]] = {r: set() for r in roles}
     for combo in itertools.product(*choices):
         states = sum(o.memory_bytes for o in combo)
         picked = [o.best_within(budget - states) for o in combo]
         if any(p is None for p in picked) or sum(o.setup_bytes for o in combo) > device:
             continue
-        for role, option in zip(ROLES, combo):
+        for role, option in zip(roles, combo):
             fits[role].add(option.strategy)
         key = (round(sum(t.seconds for _, t in picked), 6), states)
         if best_key is None or key < best_key:
             best_key = key
-            best = {role: Choice(o, b) for role, o, (b, _) in zip(ROLES, combo, picked)}
+            best = {role: Choice(o, b) for role, o, (b, _) in zip(roles, combo, picked)}
     return best, fits
 
 
 def make_plan(cfg: Config, vocab_sizes: dict[str, int] | None = None,
               fixed: dict[str, Strategy] | None = None) -> Plan:
-    """Plan all four models; ``fixed`` pins the strategies of some of them; ``vocab_sizes``:
-    ``ppo.data.vocab_sizes`` (read here when not given)."""
+    """Plan the run's models (``algorithms.roles``); ``fixed`` pins the strategies of some of
+    them; ``vocab_sizes``: ``ppo.data.vocab_sizes`` (read here when not given)."""
+    from rlhf_paro.ppo import algorithms
+
+    # Idempotent; the critic's source is the algorithm's, set here for callers that did not.
+    cfg = algorithms.resolve(cfg)
     if vocab_sizes is None:
         from rlhf_paro.ppo.data import vocab_sizes as read_vocab_sizes
 
         vocab_sizes = read_vocab_sizes(cfg)
-    models = {role: model_plan(cfg, role, vocab_sizes[role]) for role in ROLES}
+    models = {role: model_plan(cfg, role, vocab_sizes[role]) for role in algorithms.roles(cfg)}
     budget, device = _budget(cfg, cfg.cluster.activation_reserve), _budget(cfg, 0.0)
     best, fits = _search(models, budget, device, fixed or {})
-    return Plan(models, budget, device, best, fits)
+    return Plan(models, budget, device, best, fits, _absent_critic(cfg, vocab_sizes))
+
+
+def _absent_critic(cfg: Config, vocab_sizes: dict[str, int]) -> ModelPlan | None:
+    """The critic PPO would build for this run (``algorithm.adv_estimator=gae``); None when the
+    run has a critic, or when PPO could not run this conf's critic section."""
+    from rlhf_paro.ppo import algorithms
+
+    if "critic" in algorithms.roles(cfg):
+        return None
+    gae = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm,
+                                                                 adv_estimator="gae"))
+    try:
+        gae = algorithms.resolve(gae)
+    except ConfigError:  # e.g. its unused micro-batch does not tile the mini-batch
+        return None
+    return model_plan(gae, "critic", vocab_sizes["critic"])
 
 
 def configured_strategies(cfg: Config) -> dict[str, Strategy]:
-    """The strategies the conf sets (roles left at ``auto`` are absent)."""
+    """The strategies the conf sets for the run's models (roles left at ``auto`` are absent)."""
+    from rlhf_paro.ppo import algorithms
+
     return {role: Strategy.parse(cfg.model(role).strategy, frozen=role in FROZEN_ROLES)
-            for role in ROLES if cfg.model(role).strategy != "auto"}
+            for role in algorithms.roles(cfg) if cfg.model(role).strategy != "auto"}
 
 
 def _choose(cfg: Config, vocab_sizes: dict[str, int] | None) -> dict[str, Choice] | None:
+    from rlhf_paro.ppo import algorithms
+
+    roles = algorithms.roles(cfg)
     fixed = configured_strategies(cfg)
-    if len(fixed) == len(ROLES) and not any(cfg.model(r).max_micro_batch_size for r in ROLES):
+    if len(fixed) == len(roles) and not any(cfg.model(r).max_micro_batch_size for r in roles):
         return None  # nothing to choose
     plan = make_plan(cfg, vocab_sizes, fixed)
     if plan.best is None:
-        auto = [r for r in ROLES if r not in fixed] or list(ROLES)
-        raise ConfigError(f"{auto[0]}.strategy", "auto found no strategy with which all four "
-                          f"models fit in cluster.memory_gb={cfg.cluster.memory_gb}; allowed: "
-                          "more devices or memory, or see python -m rlhf_paro.plan")
+        auto = [r for r in roles if r not in fixed] or list(roles)
+        raise ConfigError(f"{auto[0]}.strategy", "auto found no strategy with which all "
+                          f"{_COUNT[len(roles)]} models fit in cluster.memory_gb="
+                          f"{cfg.cluster.memory_gb}; allowed: more devices or memory, or see "
+                          "python -m rlhf_paro.plan")
     return plan.best
 
 
 def choose_strategies(cfg: Config, vocab_sizes: dict[str, int] | None = None
                       ) -> dict[str, Strategy]:
-    """A strategy for every role: the conf's where it sets one, the planner's for ``auto``.
+    """A strategy for each of the run's models: the conf's where it sets one, the planner's for
+    ``auto``.
 
-    The ``auto`` roles get the least predicted PPO-step time such that all four models fit in
+    The ``auto`` roles get the least predicted PPO-step time such that the run's models fit in
     ``cluster.memory_gb``; raises ``ConfigError`` when no choice fits.
     """
     best = _choose(cfg, vocab_sizes)
     if best is None:
         return configured_strategies(cfg)
-    return {role: best[role].strategy for role in ROLES}
+    return {role: choice.strategy for role, choice in best.items()}
 
 
 def resolve_auto(cfg: Config, vocab_sizes: dict[str, int] | None = None) -> Config:
-    """``cfg`` with every ``auto`` strategy replaced by the planner's choice, and every
-    micro-batch that ``max_micro_batch_size`` lets grow set to the planner's size."""
+    """``cfg`` with every ``auto`` strategy of the run's models replaced by the planner's
+    choice, and every micro-batch that ``max_micro_batch_size`` lets grow set to the planner's
+    size (a model the run does not build keeps its section as it is)."""
     best = _choose(cfg, vocab_sizes)
     if best is None:
         return cfg
     resolved = dataclasses.replace(cfg)
-    for role in ROLES:
+    for role, choice in best.items():
         setattr(resolved, role, dataclasses.replace(
-            cfg.model(role), strategy=best[role].strategy.name,
-            micro_batch_size=best[role].micro_batch))
+            cfg.model(role), strategy=choice.strategy.name, micro_batch_size=choice.micro_batch))
     return resolved
 
 
@@ -428,13 +464,27 @@ def _why(plan: Plan, role: str) -> str:
     if extra <= 0:  # offload=params: the same resident states, but more brought back to run
         extra = fastest.configured.peak_bytes - t.peak_bytes
         return (f"{head}; {fastest.strategy} would take {fastest.seconds:.4g} s but needs "
-                f"{extra / GIB:+.2f} GiB more while it runs: the four would not fit")
+                f"{extra / GIB:+.2f} GiB more while it runs: the {_COUNT[len(plan.models)]} "
+                "would not fit")
     return (f"{head}; {fastest.strategy} would take {fastest.seconds:.4g} s but holds "
-            f"{extra / GIB:+.2f} GiB of states: the four would not fit")
+            f"{extra / GIB:+.2f} GiB of states: the {_COUNT[len(plan.models)]} would not fit")
+
+
+def _absent_critic_line(cfg: Config, plan: Plan, mem_unit: str, mem_scale: float) -> str:
+    """What a run without a critic leaves to its models: the states of the critic PPO would
+    build, at its leanest strategy (of those that fit the device alone, if any does)."""
+    critic = plan.absent_critic
+    fitting = _alone(plan, critic)
+    leanest = min(fitting or critic.options, key=lambda o: (o.memory_bytes, round(o.seconds, 6)))
+    return (f"no critic (algorithm.adv_estimator={cfg.algorithm.adv_estimator}): frees "
+            f"{leanest.memory_bytes / mem_scale:.2f} {mem_unit} per device that a critic under "
+            f"{leanest.strategy} (its leanest strategy{' that fits' if fitting else ''}) would "
+            f"hold; the {_COUNT[len(plan.models)]} models use it")
 
 
 def format_plan(cfg: Config, plan: Plan) -> str:
     c = cfg.cluster
+    roles = tuple(plan.models)
     budget = "unlimited" if math.isinf(plan.budget_bytes) else (
         f"{plan.budget_bytes / GIB:.1f} GiB of {c.memory_gb:g} GiB (reserve "
         f"{c.activation_reserve:.0%} beyond modelled activations and buffers)")
@@ -444,9 +494,11 @@ def format_plan(cfg: Config, plan: Plan) -> str:
         f"{c.inter_gbps:g} GB/s + {c.inter_latency_us:g} us inter; {c.tflops:g} TFLOP/s; "
         f"comm {cfg.comm.algorithm}",
         f"memory per device: {budget}",
-        f"PPO step: rollout {cfg.ppo.rollout_batch_size}, mini-batch {cfg.ppo.mini_batch_size}, "
-        f"{cfg.ppo.ppo_epochs} epoch(s); traffic is bytes one device sends per PPO step, time "
-        "is predicted per PPO step (generation's decoding left out)",
+        f"PPO step: rollout {cfg.ppo.rollout_batch_size}, "
+        f"mini-batch {cfg.ppo.mini_batch_size}, {cfg.ppo.ppo_epochs} epoch(s); models "
+        f"{', '.join(roles)} (algorithm.adv_estimator={cfg.algorithm.adv_estimator}); traffic "
+        "is bytes one device sends per PPO step, time is predicted per PPO step (generation's "
+        "decoding left out)",
         "P, G, OS, sum, peak and setup are device bytes under each model's offload; columns "
         + "/".join(OFFLOAD_COLUMNS.values()) + ": device bytes between the model's phases under "
         + "/".join(OFFLOAD_COLUMNS) + " ('-': not for this model)",
@@ -456,8 +508,7 @@ def format_plan(cfg: Config, plan: Plan) -> str:
     big = max(o.memory_bytes for m in plan.models.values() for o in m.options) >= GIB
     mem_unit, mem_scale = ("GiB", GIB) if big else ("MiB", 2 ** 20)
     net_unit, net_scale = ("GB", GB) if big else ("MB", 1e6)
-    for role in ROLES:
-        model = plan.models[role]
+    for role, model in plan.models.items():
         m_cfg = cfg.model(role)
         steps = f", s={cfg.grad_accum_steps(role)}" if role in TRAINED_ROLES else ""
         alone = _alone(plan, model)
@@ -504,8 +555,11 @@ def format_plan(cfg: Config, plan: Plan) -> str:
                          f"{cfg.ppo.rollout_batch_size // c.num_devices} prompts at once, "
                          "not counted in any peak")
     lines.append("")
+    if plan.absent_critic is not None:
+        lines.append(_absent_critic_line(cfg, plan, mem_unit, mem_scale))
+    count = _COUNT[len(roles)]
     if plan.best is None:
-        leanest = sum(min(o.memory_bytes for o in plan.models[r].options) for r in ROLES)
+        leanest = sum(min(o.memory_bytes for o in m.options) for m in plan.models.values())
         lines.append(f"no combination fits: the leanest states need {leanest / GIB:.1f} GiB "
                      "per device; add devices or memory, or use LoRA for the actor")
     else:
@@ -513,15 +567,15 @@ def format_plan(cfg: Config, plan: Plan) -> str:
         peak = max(ch.timed.peak_bytes for ch in plan.best.values())
         total = sum(ch.seconds for ch in plan.best.values())
         room = "" if math.isinf(plan.budget_bytes) else \
-            (f"; the four hold {states / GIB:.1f} GiB of states, {(states + peak) / GIB:.1f} "
+            (f"; the {count} hold {states / GIB:.1f} GiB of states, {(states + peak) / GIB:.1f} "
              f"GiB at the peak, of {plan.budget_bytes / GIB:.1f} GiB")
         lines.append(f"recommended ({total:.4g} s per PPO step predicted{room}):")
-        lines += [f"  {role:<7}{_why(plan, role)}" for role in ROLES]
+        lines += [f"  {role:<7}{_why(plan, role)}" for role in roles]
         setup = sum(ch.option.setup_bytes for ch in plan.best.values())
-        lines.append(f"setup peak: {setup / mem_scale:.2f} {mem_unit} per device while the four "
-                     "models set up at once (each its P + G + OS and one unit gathered)")
-        if len(configured) == len(ROLES):
-            picked = [plan.models[r].option(configured[r]) for r in ROLES]
+        lines.append(f"setup peak: {setup / mem_scale:.2f} {mem_unit} per device while the "
+                     f"{count} models set up at once (each its P + G + OS and one unit gathered)")
+        if len(configured) == len(roles):
+            picked = [plan.models[r].option(configured[r]) for r in roles]
             states = sum(o.memory_bytes for o in picked)
             fits = all(o.best_within(plan.budget_bytes - states) for o in picked)
             seconds = sum(o.seconds for o in picked)
@@ -536,17 +590,21 @@ def format_plan(cfg: Config, plan: Plan) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     cli.main(sys.argv[1:] if argv is None else argv, prog="rlhf_paro.plan", about=_ABOUT,
-             prepare=_check_models, execute=lambda cfg, _: print(format_plan(cfg, make_plan(cfg))))
+             prepare=_prepare, execute=lambda cfg, _: print(format_plan(cfg, make_plan(cfg))))
 
 
 # --help: the first paragraph of the module docstring.
 _ABOUT = __doc__.split("\n\n")[0]
 
 
-def _check_models(cfg: Config, conf: str) -> Config:
+def _prepare(cfg: Config, conf: str) -> Config:
+    """The run's config, its algorithm resolved first (which models, the critic's source), and
+    its model sections checked."""
     from rlhf_paro.models import check_model_configs
+    from rlhf_paro.ppo import algorithms
     from rlhf_paro.ppo.data import vocab_sizes
 
+    cfg = algorithms.resolve(cfg)
     check_model_configs(cfg, vocab_sizes(cfg))
     return cfg
 

@@ -1,4 +1,5 @@
-"""The planner: Table 2 memory for Llama-2-7B, fitting four models on a device, strategy=auto."""
+"""The planner: Table 2 memory for Llama-2-7B, fitting the run's models on a device (four, three
+without a critic), strategy=auto."""
 
 import math
 
@@ -6,9 +7,10 @@ import pytest
 
 from rlhf_paro.config import ROLES, ConfigError, load_config
 from rlhf_paro.plan import (
-    GIB, choose_strategies, main, make_plan, model_plan, resolve_auto,
+    GIB, choose_strategies, format_plan, main, make_plan, model_plan, resolve_auto,
 )
 from rlhf_paro.sharding.strategy import Strategy
+from tests.confs import INLINE
 
 PSI = 6_738_415_616  # Llama-2-7B
 N, M, K = 16, 8, 12  # 2 nodes x 8 GPUs; K = 12 bytes of optimizer state per bf16 parameter
@@ -94,8 +96,6 @@ def test_recommendation_fits_the_device_and_beats_every_other_fitting_choice(lla
 
 
 def test_recommendation_is_explained_in_predicted_times(llama, llama_plan):
-    from rlhf_paro.plan import format_plan
-
     out = format_plan(llama, llama_plan)
     chosen = llama_plan.best["actor"]
     assert f"actor  {chosen.strategy}: {chosen.seconds:.4g} s/PPO step predicted" in out
@@ -243,7 +243,47 @@ def test_configured_offload_is_what_the_planner_fits():
             # Parked between phases; back on the device (in its peak) while it runs.
             assert o.memory_bytes == 0 and o.host_bytes == plain.params_bytes
             assert o.configured.peak_bytes == plain.configured.peak_bytes + plain.params_bytes
-    from rlhf_paro.plan import format_plan
-
     assert f"offload=params: {plan.best['ref'].strategy} also holds" in format_plan(
         load_config(tight + offloads), plan)
+
+
+# The default run with inline models, critic-free: GRPO takes its baseline from 4 samples a prompt.
+GRPO = [*INLINE, "algorithm.adv_estimator=grpo", "rollout.n=4"]
+VOCAB = dict.fromkeys(ROLES, 19)
+
+
+def test_a_critic_free_run_plans_three_models_and_says_what_the_critic_would_hold(capsys):
+    main(GRPO)
+    out = capsys.readouterr().out
+    plan = make_plan(load_config(GRPO), vocab_sizes=VOCAB)
+    assert tuple(plan.models) == tuple(plan.best) == ("actor", "reward", "ref")
+    assert "critic: Psi" not in out and "  critic " not in out
+    assert out.count("<- recommended") == 3 and "while the three models set up" in out
+    # The critic the same conf would build under PPO, planned there with the other three: the
+    # line gives its leanest strategy's device bytes (memory unlimited, so every option fits).
+    ppo = make_plan(load_config(GRPO[:-2]), vocab_sizes=VOCAB)
+    leanest = min(ppo.models["critic"].options, key=lambda o: o.memory_bytes)
+    assert leanest.strategy == Strategy.parse("GGG")  # everything sharded over all 4 devices
+    assert (f"no critic (algorithm.adv_estimator=grpo): frees "
+            f"{leanest.memory_bytes / 2 ** 20:.2f} MiB per device that a critic under GGG (its "
+            "leanest strategy that fits) would hold; the three models use it") in out
+    # A run with a critic prints no such line.
+    assert ppo.absent_critic is None
+
+
+def test_auto_chooses_only_for_the_run_s_models():
+    autos = ["actor.strategy=auto", "critic.strategy=auto", "reward.strategy=auto",
+             "ref.strategy=auto"]
+    cfg = load_config([*GRPO, *autos])
+    assert set(choose_strategies(cfg, VOCAB)) == {"actor", "reward", "ref"}
+    resolved = resolve_auto(cfg, VOCAB)
+    assert "auto" not in (resolved.actor.strategy, resolved.reward.strategy,
+                          resolved.ref.strategy)
+    assert resolved.critic.strategy == "auto"  # no critic is built: left as the conf has it
+    # Without a KL nothing reads ref: two models.
+    no_kl = load_config([*GRPO, *autos, "algorithm.kl_coef=0"])
+    assert set(choose_strategies(no_kl, VOCAB)) == {"actor", "reward"}
+    plan = make_plan(no_kl, vocab_sizes=VOCAB)
+    assert tuple(plan.models) == ("actor", "reward")
+    assert "while the two models set up" in format_plan(no_kl, plan)
+
