@@ -16,10 +16,11 @@ without ref (``algorithm.kl_coef=0``).
 
 [Note: what a PPO step costs]
 Per PPO step on one device: every model runs its inference forwards over the device's share of
-the rollout (rollout / N sequences, in micro-batches), the actor also gathers its parameters
-once for generation, and actor and critic each run (rollout / mini-batch) x epochs optimizer
-steps of s micro-batches. The predicted time is the sum of those (the models run one after
-another); generation's decoding is the same for every strategy and is left out.
+the step's samples (``ppo.rollout_batch_size`` x ``rollout.n`` sequences, / N per device, in
+micro-batches), the actor also gathers its parameters once for generation, and the trained
+models each run (samples / mini-batch) x epochs optimizer steps of s micro-batches. The
+predicted time is the sum of those (the models run one after another); generation's decoding
+is the same for every strategy and is left out.
 
 [Note: the run's models share a device]
 Every device holds the states (P + G + OS) of all the run's models; only the model that is
@@ -198,8 +199,19 @@ def micro_batch_sizes(cfg: Config, role: str) -> list[int]:
             if role in FROZEN_ROLES or cfg.ppo.mini_batch_size % (n * b) == 0]
 
 
+def _samples_per_device(cfg: Config) -> int:
+    # Each prompt is sampled rollout.n times, its group on one rank.
+    return cfg.ppo.rollout_batch_size * cfg.rollout.n // cfg.cluster.num_devices
+
+
+def _optimizer_steps(cfg: Config) -> int:
+    """A trained model's optimizer steps per PPO step: its mini-batches over the samples."""
+    samples = cfg.ppo.rollout_batch_size * cfg.rollout.n
+    return samples // cfg.ppo.mini_batch_size * cfg.ppo.ppo_epochs
+
+
 def _inference_passes(cfg: Config, micro_batch: int) -> int:
-    return math.ceil(cfg.ppo.rollout_batch_size // cfg.cluster.num_devices / micro_batch)
+    return math.ceil(_samples_per_device(cfg) / micro_batch)
 
 
 def _workload(cfg: Config, role: str, units: list, vocab_size: int) -> Workload:
@@ -224,15 +236,14 @@ def _workload(cfg: Config, role: str, units: list, vocab_size: int) -> Workload:
 
 
 def _kv_cache_bytes(cfg: Config, vocab_size: int) -> float:
-    """The actor's key/value cache while it generates for all its prompts at once."""
+    """The actor's key/value cache while it generates all its samples at once."""
     from rlhf_paro.models import hf_config
     from rlhf_paro.sharding.cost import bytes_per_element
 
     hf = hf_config("actor", cfg.actor, vocab_size)
     kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
     width = kv_heads * (hf.hidden_size // hf.num_attention_heads)
-    tokens = (cfg.ppo.rollout_batch_size // cfg.cluster.num_devices
-              * (cfg.ppo.max_prompt_len + cfg.ppo.max_new_tokens))
+    tokens = _samples_per_device(cfg) * (cfg.ppo.max_prompt_len + cfg.ppo.max_new_tokens)
     return 2 * hf.num_hidden_layers * width * tokens * bytes_per_element(cfg.actor.precision)
 
 
@@ -255,8 +266,7 @@ def _timed(cfg: Config, role: str, strategy: Strategy, w: Workload, b: int,
         seconds += gather_seconds(strategy, w, topo, m, algorithm)
         peak = max(peak, mem.gathered)
     if role in TRAINED_ROLES:
-        optimizer_steps = (cfg.ppo.rollout_batch_size // cfg.ppo.mini_batch_size
-                           * cfg.ppo.ppo_epochs)
+        optimizer_steps = _optimizer_steps(cfg)
         num_micro = cfg.ppo.mini_batch_size // cfg.cluster.num_devices // b
         step = step_time(strategy, w, topo, m, b, num_micro, algorithm)
         seconds += optimizer_steps * step.total
@@ -286,7 +296,7 @@ def model_plan(cfg: Config, role: str, vocab_size: int) -> ModelPlan:
     n, m, precision = cfg.cluster.num_devices, cfg.cluster.group_size, model_cfg.precision
     algorithm = cfg.comm.algorithm
     trained = role in TRAINED_ROLES
-    optimizer_steps = (cfg.ppo.rollout_batch_size // cfg.ppo.mini_batch_size) * cfg.ppo.ppo_epochs
+    optimizer_steps = _optimizer_steps(cfg)
     passes = _inference_passes(cfg, model_cfg.micro_batch_size) + (role == "actor")
     inference = {}  # P level -> per-step bytes of the inference forwards, shared by triples
     for level in Level:
@@ -494,7 +504,7 @@ def format_plan(cfg: Config, plan: Plan) -> str:
         f"{c.inter_gbps:g} GB/s + {c.inter_latency_us:g} us inter; {c.tflops:g} TFLOP/s; "
         f"comm {cfg.comm.algorithm}",
         f"memory per device: {budget}",
-        f"PPO step: rollout {cfg.ppo.rollout_batch_size}, "
+        f"PPO step: rollout {cfg.ppo.rollout_batch_size} prompts x {cfg.rollout.n} samples, "
         f"mini-batch {cfg.ppo.mini_batch_size}, {cfg.ppo.ppo_epochs} epoch(s); models "
         f"{', '.join(roles)} (algorithm.adv_estimator={cfg.algorithm.adv_estimator}); traffic "
         "is bytes one device sends per PPO step, time is predicted per PPO step (generation's "
@@ -552,8 +562,7 @@ def format_plan(cfg: Config, plan: Plan) -> str:
         if model.kv_cache_bytes:
             lines.append(f"  generation also holds a key/value cache of "
                          f"{model.kv_cache_bytes / mem_scale:.1f} {mem_unit} for the device's "
-                         f"{cfg.ppo.rollout_batch_size // c.num_devices} prompts at once, "
-                         "not counted in any peak")
+                         f"{_samples_per_device(cfg)} samples at once, not counted in any peak")
     lines.append("")
     if plan.absent_critic is not None:
         lines.append(_absent_critic_line(cfg, plan, mem_unit, mem_scale))

@@ -287,3 +287,19 @@ def test_auto_chooses_only_for_the_run_s_models():
     assert tuple(plan.models) == ("actor", "reward")
     assert "while the two models set up" in format_plan(no_kl, plan)
 
+
+def test_rollout_n_multiplies_the_samples_a_step_costs():
+    # 128 prompts sampled once and 64 sampled twice are the same 128 sequences: every model's
+    # forwards, the trained models' optimizer steps (128 / 32 mini-batch x 2 epochs) and the
+    # actor's key/value cache are the same.
+    once = make_plan(load_config([*INLINE, "ppo.rollout_batch_size=128"]), vocab_sizes=VOCAB)
+    twice = make_plan(load_config([*INLINE, "rollout.n=2"]), vocab_sizes=VOCAB)
+    half = make_plan(load_config(INLINE), vocab_sizes=VOCAB)  # 64 sequences
+    assert twice.models["actor"].kv_cache_bytes == once.models["actor"].kv_cache_bytes == \
+        2 * half.models["actor"].kv_cache_bytes
+    for role in ROLES:
+        for a, b, c in zip(once.models[role].options, twice.models[role].options,
+                           half.models[role].options):
+            assert (b.seconds, b.intra_bytes, b.inter_bytes) == \
+                (a.seconds, a.intra_bytes, a.inter_bytes)
+            assert b.seconds > c.seconds  # n counts: twice the samples take longer
