@@ -3,7 +3,9 @@
 Reads ``metrics.jsonl`` (and ``run.json`` for the title) and draws, on one page: the learning
 curves (task score and reward, KL and its coefficient), where the time of a step goes, each
 model's throughput, each model's P/G/OS bytes per device, and each model's bytes on intra- and
-inter-group links per phase. Training runs it at the end; it also works on a run in progress.
+inter-group links per phase. The models are the run's (``run_roles``): four for PPO, fewer
+without a critic or a reference model. Training runs it at the end; it also works on a run in
+progress.
 """
 
 from __future__ import annotations
@@ -52,6 +54,14 @@ def _strategy(run: dict, role: str) -> str:
     return str(run.get("strategies", {}).get(role, "?"))
 
 
+def run_roles(run: dict, rows: list[dict]) -> tuple[str, ...]:
+    """The run's models in ``ROLES`` order: those ``run.json`` gives a strategy (the trainer
+    writes the run's models only), else those whose memory the rows report."""
+    present = run.get("strategies") or {
+        role for role in ROLES if any(f"{role}/mem/params_bytes" in row for row in rows)}
+    return tuple(role for role in ROLES if role in present)
+
+
 def draw(output_dir: str, path: str | None = None) -> str:
     """Draw the dashboard of the run in ``output_dir``; returns the PNG's path."""
     rows = read_jsonl(os.path.join(output_dir, "metrics.jsonl"))
@@ -59,6 +69,16 @@ def draw(output_dir: str, path: str | None = None) -> str:
         raise ValueError(f"{output_dir}/metrics.jsonl has no rows yet")
     run_path = os.path.join(output_dir, "run.json")
     run = json.load(open(run_path)) if os.path.exists(run_path) else {}
+    fig = figure(rows, run)
+    path = path or os.path.join(output_dir, "dashboard.png")
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def figure(rows: list[dict], run: dict) -> plt.Figure:
+    """The dashboard of the metrics rows ``rows`` of the run ``run`` (run.json's contents)."""
+    roles = run_roles(run, rows)
     steps = _series(rows, "step")
     window = max(1, len(rows) // 8)
 
@@ -68,19 +88,15 @@ def draw(output_dir: str, path: str | None = None) -> str:
     grid = fig.add_gridspec(2, 3, hspace=0.45, wspace=0.32, left=0.05, right=0.98, top=0.87,
                             bottom=0.09, width_ratios=[1, 1, 1.25])
     fig.suptitle(_title(run, rows), fontsize=13, fontweight="bold", x=0.05, ha="left")
-    fig.text(0.05, 0.925, _subtitle(run, rows), fontsize=9.5, color="#444", ha="left")
+    fig.text(0.05, 0.925, _subtitle(run, rows, roles), fontsize=9.5, color="#444", ha="left")
 
     _learning(fig.add_subplot(grid[0, 0]), rows, steps, window)
     _kl(fig.add_subplot(grid[0, 1]), rows, steps)
     _timing(fig.add_subplot(grid[0, 2]), rows, steps)
-    _throughput(fig.add_subplot(grid[1, 0]), rows, steps, run, window)
-    _memory(fig.add_subplot(grid[1, 1]), rows, run)
-    _traffic(fig, grid[1, 2], rows, run)
-
-    path = path or os.path.join(output_dir, "dashboard.png")
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    _throughput(fig.add_subplot(grid[1, 0]), rows, steps, run, window, roles)
+    _memory(fig.add_subplot(grid[1, 1]), rows, run, roles)
+    _traffic(fig, grid[1, 2], rows, run, roles)
+    return fig
 
 
 def _title(run: dict, rows: list[dict]) -> str:
@@ -88,14 +104,14 @@ def _title(run: dict, rows: list[dict]) -> str:
     return f"{name}: PPO, {len(rows)} steps"
 
 
-def _subtitle(run: dict, rows: list[dict]) -> str:
+def _subtitle(run: dict, rows: list[dict], roles: tuple[str, ...]) -> str:
     parts = []
     if "num_devices" in run:
         n, m = run["num_devices"], run.get("group_size", run["num_devices"])
         parts.append(f"{n} devices = {n // m} groups x {m}")
     if "comm" in run:
         parts.append(f"collectives: {run['comm']}")
-    parts.append("strategies (P G OS): " + ", ".join(f"{r} {_strategy(run, r)}" for r in ROLES))
+    parts.append("strategies (P G OS): " + ", ".join(f"{r} {_strategy(run, r)}" for r in roles))
     parts.append(f"{np.nansum(_series(rows, 'timing_s/step')):.0f} s of steps")
     return "   |   ".join(parts)
 
@@ -124,9 +140,17 @@ def _learning(ax, rows, steps, window) -> None:
 
 
 def _kl(ax, rows, steps) -> None:
+    length = np.nanmean(_series(rows, "ppo/response_length")[-max(1, len(rows) // 8):])
+    ax.set_title(f"Policy drift (responses now {length:.1f} tokens long)")
+    kl = _series(rows, "ppo/kl")
+    if not np.isfinite(kl).any():  # algorithm.kl_coef=0: no reference model, no KL
+        ax.text(0.5, 0.5, "no reference model: no KL", ha="center", va="center",
+                transform=ax.transAxes, color="#888")
+        ax.set_axis_off()
+        return
     coef = _series(rows, "ppo/kl_coef")
     fixed = np.nanmax(coef) == np.nanmin(coef)
-    ax.plot(steps, _series(rows, "ppo/kl"), color="#c44e52", lw=1.8,
+    ax.plot(steps, kl, color="#c44e52", lw=1.8,
             label="KL(policy || ref)" + (f", coefficient fixed at {coef[0]:g}" if fixed else ""))
     ax.set_ylabel("KL per response (nats)", color="#c44e52")
     ax.set_xlabel("PPO step")
@@ -137,8 +161,6 @@ def _kl(ax, rows, steps) -> None:
         twin.set_ylabel("KL coefficient", color="#555")
         twin.spines["right"].set_visible(True)
         lines = lines + twin.get_lines()
-    length = np.nanmean(_series(rows, "ppo/response_length")[-max(1, len(rows) // 8):])
-    ax.set_title(f"Policy drift (responses now {length:.1f} tokens long)")
     ax.legend(lines, [ln.get_label() for ln in lines], loc="upper left", frameon=False)
     ax.grid(alpha=0.25)
 
@@ -155,8 +177,8 @@ def _timing(ax, rows, steps) -> None:
     ax.grid(alpha=0.25)
 
 
-def _throughput(ax, rows, steps, run, window) -> None:
-    for role in ROLES:
+def _throughput(ax, rows, steps, run, window, roles) -> None:
+    for role in roles:
         y = _series(rows, f"{role}/tokens_per_s")
         ax.plot(steps, smooth(y, window), color=COLORS[role], lw=2,
                 label=f"{role} ({_strategy(run, role)}): {np.nanmean(y):,.0f}")
@@ -170,24 +192,24 @@ def _throughput(ax, rows, steps, run, window) -> None:
     ax.grid(alpha=0.25, which="both")
 
 
-def _memory(ax, rows, run) -> None:
+def _memory(ax, rows, run, roles) -> None:
     last = rows[-1]
-    y = np.arange(len(ROLES))[::-1]
-    left = np.zeros(len(ROLES))
+    y = np.arange(len(roles))[::-1]
+    left = np.zeros(len(roles))
     for state, color in STATE_COLORS.items():
-        values = np.array([last[f"{r}/mem/{state}_bytes"] for r in ROLES], dtype=float)
+        values = np.array([last[f"{r}/mem/{state}_bytes"] for r in roles], dtype=float)
         ax.barh(y, values, left=left, color=color, label={"params": "P (parameters)",
                 "grads": "G (gradients)", "optim": "OS (optimizer state)"}[state], height=0.6)
         left += values
-    for yi, role, total in zip(y, ROLES, left):
+    for yi, role, total in zip(y, roles, left):
         peak = last[f"{role}/mem/peak_bytes"]
         # Offloaded states (rows of runs before offload have no host keys).
         host = sum(last.get(f"{role}/mem/host_{state}_bytes", 0) for state in STATE_COLORS)
         offloaded = f", host {human_bytes(host)}" if host else ""
         ax.text(total, yi, f"  {human_bytes(total)}  (process peak {human_bytes(peak)}"
                 f"{offloaded})", va="center", fontsize=8.5, color="#333")
-    ax.set_yticks(y, [f"{r}\n{_strategy(run, r)}" for r in ROLES])
-    for tick, role in zip(ax.get_yticklabels(), ROLES):
+    ax.set_yticks(y, [f"{r}\n{_strategy(run, r)}" for r in roles])
+    for tick, role in zip(ax.get_yticklabels(), roles):
         tick.set_color(COLORS[role])
         tick.set_fontweight("bold")
     ax.set_xlim(0, left.max() * 1.9 if left.max() > 0 else 1)
@@ -196,18 +218,18 @@ def _memory(ax, rows, run) -> None:
     ax.legend(loc="lower right", frameon=False, fontsize=8.5)
 
 
-def _traffic(fig, cell, rows, run) -> None:
+def _traffic(fig, cell, rows, run, roles) -> None:
     """Two heatmaps (intra, inter): bytes per step, all ranks of the model, by phase."""
     # Phases in the order the metrics list them, those with no traffic at all left out.
     keys = [k.split("/") for k in rows[-1] if k.endswith("_bytes") and k.count("/") == 3]
     phases = [p for p in dict.fromkeys(k[2] for k in keys if k[1] == "comm")
-              if any(r.get(f"{m}/comm/{p}/{link}_bytes", 0) for r in rows for m in ROLES
+              if any(r.get(f"{m}/comm/{p}/{link}_bytes", 0) for r in rows for m in roles
                      for link in ("intra", "inter"))] or ["forward"]
     sub = cell.subgridspec(1, 2, wspace=0.05)
     tables = {}
     for link in ("intra", "inter"):
         tables[link] = np.array([[np.mean([r.get(f"{m}/comm/{p}/{link}_bytes", 0) for r in rows])
-                                  for p in phases] for m in ROLES])
+                                  for p in phases] for m in roles])
     positive = np.concatenate([t[t > 0] for t in tables.values()])
     norm = LogNorm(positive.min(), positive.max()) if positive.size else None
     cmaps = {"intra": plt.get_cmap("Blues"), "inter": plt.get_cmap("Oranges")}
@@ -221,9 +243,9 @@ def _traffic(fig, cell, rows, run) -> None:
             ax.text(j, i, human_bytes(value) if value > 0 else "\u00b7", ha="center",
                     va="center", fontsize=8, color="white" if dark else "#222" if value else "#bbb")
         ax.set_xticks(range(len(phases)), phases, rotation=30, ha="right")
-        ax.set_yticks(range(len(ROLES)), [f"{r} {_strategy(run, r)}" for r in ROLES]
+        ax.set_yticks(range(len(roles)), [f"{r} {_strategy(run, r)}" for r in roles]
                       if k == 0 else [])
-        for tick, role in zip(ax.get_yticklabels(), ROLES):
+        for tick, role in zip(ax.get_yticklabels(), roles):
             tick.set_color(COLORS[role])
             tick.set_fontweight("bold")
         where = "inside a group" if link == "intra" else "across groups"

@@ -3,22 +3,29 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
-from rlhf_paro.metrics import COMM_PHASES, ROLES, required_keys
-from rlhf_paro.report import draw, human_bytes
+import matplotlib.pyplot as plt
+import pytest
+from matplotlib.text import Text
+
+from rlhf_paro.metrics import COMM_PHASES, ROLES, read_jsonl, required_keys
+from rlhf_paro.report import draw, figure, human_bytes, run_roles
+
+STRATEGIES = {"actor": "IGG", "critic": "NIG", "reward": "I", "ref": "G"}
 
 
-def _write_run(path, steps: int = 6) -> None:
+def _write_run(path, steps: int = 6, roles: tuple[str, ...] = ROLES) -> None:
     path.mkdir()
     (path / "run.json").write_text(json.dumps({
         "name": "t", "num_devices": 4, "group_size": 2, "comm": "native",
-        "strategies": {"actor": "IGG", "critic": "NIG", "reward": "I", "ref": "G"}}))
+        "strategies": {role: STRATEGIES[role] for role in roles}}))
     with open(path / "metrics.jsonl", "w") as f:
         for step in range(steps):
-            row = {k: 1.0 + step for k in required_keys()}
-            for role in ROLES:
+            row = {k: 1.0 + step for k in required_keys(roles)}
+            for role in roles:
                 for phase in COMM_PHASES:
                     row[f"{role}/comm/{phase}/intra_bytes"] = 1000.0 * (phase == "forward")
                     row[f"{role}/comm/{phase}/inter_bytes"] = 0.0
@@ -29,6 +36,24 @@ def test_dashboard_is_a_png(tmp_path):
     _write_run(tmp_path / "run")
     path = draw(str(tmp_path / "run"))
     with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("roles", [("actor", "reward", "ref"), ("actor", "reward")])
+def test_a_run_without_critic_or_ref_draws_only_its_models(tmp_path, roles):
+    _write_run(tmp_path / "run", roles=roles)
+    rows = read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run_roles(run, rows) == roles
+    assert run_roles({}, rows) == roles  # a run.json without strategies: the rows' models
+    fig = figure(rows, run)
+    text = " ".join(t.get_text() for t in fig.findobj(Text))
+    plt.close(fig)
+    # Every panel names the run's models and no other ("reference" is not the word "ref").
+    assert set(re.findall(r"\w+", text)) & set(ROLES) == set(roles)
+    # No reference model: no KL keys in the rows, and the KL panel says so.
+    assert ("no reference model: no KL" in text) == ("ref" not in roles)
+    with open(draw(str(tmp_path / "run")), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
