@@ -22,6 +22,11 @@ divided by N*s (the mean number of valid tokens per micro-batch). The N*s factor
 step's gradient is the gradient of the global token-mean whatever way tokens are spread over ranks
 and micro-batches. ``num_tokens=None`` divides by this micro-batch's own valid tokens, which equals
 the global token-mean only when every micro-batch holds the same number of valid tokens.
+That is ``token_mean``, the default aggregation. The sequence modes (``seq_mean_token_sum``,
+``seq_mean_token_mean``) are the same argument one level up: each sequence contributes one number
+(its token sum or token mean), a micro-batch adds its sequences' numbers and divides by the step's
+sequences / (N*s) (``agg_count`` says what a rank counts), and the step is the mean over all
+sequences of the global mini-batch under any split.
 Statistics that normalise (``masked_whiten``) take global moments (sums and a count) that the
 caller all-reduces, so they are exact under any split too.
 """
@@ -186,23 +191,69 @@ def masked_whiten(x: Tensor, mask: Tensor, moments: Tensor | None = None, shift_
     return whitened * mask
 
 
-def _token_divisor(mask: Tensor, num_tokens: float | None) -> Tensor | float:
-    if num_tokens is None:
-        return mask.sum().clamp(min=1)
-    if num_tokens <= 0:
-        raise ValueError(f"num_tokens must be positive, got {num_tokens}")
-    return num_tokens
+LOSS_AGG_MODES = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+
+
+def _check_agg(agg: str) -> None:
+    if agg not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss aggregation {agg!r}; allowed: {', '.join(LOSS_AGG_MODES)}")
+
+
+def agg_count(mask: Tensor, agg: str) -> float:
+    """What a rank counts towards the divisor of ``aggregate``: its valid tokens (``token_mean``)
+    or its sequences, the rows with at least one valid token (the ``seq_*`` modes). The divisor
+    of a micro-batch is this count summed over the step's ranks and micro-batches, / (N*s)."""
+    _check_agg(agg)
+    if agg == "token_mean":
+        return float(mask.sum())
+    return float((mask.sum(-1) > 0).sum())
+
+
+def aggregate(per_token: Tensor, mask: Tensor, agg: str, divisor: float | None = None,
+              token_sum_norm: float | None = None) -> Tensor:
+    """Reduce a (B, T) per-token loss to this micro-batch's share of the step's loss.
+
+    - ``token_mean``: sum over valid tokens / ``divisor``. Invariant: with ``divisor`` = the
+      step's valid tokens / (N*s), the mean of the N*s micro-batch losses is the token-mean over
+      the global mini-batch, whatever the split.
+    - ``seq_mean_token_sum``: sum over sequences of the sequence's token sum (divided by
+      ``token_sum_norm``, Dr. GRPO's constant response budget, when given) / ``divisor``.
+      Invariant: with ``divisor`` = the step's sequences / (N*s), the mean of the N*s
+      micro-batch losses is the mean over all sequences of the global mini-batch.
+    - ``seq_mean_token_mean``: sum over sequences of the sequence's token mean / ``divisor``.
+      Invariant: as for ``seq_mean_token_sum``.
+
+    ``divisor=None`` uses this micro-batch's own ``agg_count``, exact only when one micro-batch
+    is the whole step (see the module note).
+    """
+    _check_agg(agg)
+    if token_sum_norm is not None and agg != "seq_mean_token_sum":
+        raise ValueError(f"token_sum_norm applies to seq_mean_token_sum only, not to {agg!r}")
+    if divisor is None:
+        divisor = max(agg_count(mask, agg), 1.0)
+    elif divisor <= 0:
+        raise ValueError(f"the loss divisor (num_tokens) must be positive, got {divisor}")
+    if agg == "token_mean":
+        return masked_sum(per_token, mask) / divisor
+    seq = (per_token * mask).sum(-1)
+    if agg == "seq_mean_token_mean":
+        seq = seq / mask.sum(-1).clamp(min=1)
+    elif token_sum_norm is not None:
+        seq = seq / token_sum_norm
+    return seq.sum() / divisor
 
 
 def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_eps: float,
-                num_tokens: float | None = None) -> tuple[Tensor, dict[str, float]]:
+                num_tokens: float | None = None, agg: str = "token_mean",
+                token_sum_norm: float | None = None) -> tuple[Tensor, dict[str, float]]:
     """Clipped surrogate objective (Schulman et al. 2017, eq. 7), as a loss to minimise.
 
     logp: (B, T) log-probs under the current policy (with grad); old_logp: (B, T) under the policy
     that sampled the rollout; advantages: (B, T). Per token
     ``max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))`` with ``ratio = exp(logp - old_logp)``,
-    aggregated as ``masked_sum / num_tokens`` (see the module note: with ``num_tokens`` = the step's
-    valid tokens / (ranks * micro-batches) the step is the token-mean over the global mini-batch).
+    reduced by ``aggregate(per_token, mask, agg, num_tokens, token_sum_norm)``: ``num_tokens`` is
+    the divisor of the mode (for ``token_mean`` the step's valid tokens / (ranks * micro-batches),
+    and the step is the token-mean over the global mini-batch; see the module note).
 
     Metrics are token-means over this micro-batch's valid tokens plus ``num_tokens`` (its valid
     token count): combine micro-batches and ranks by weighting with that count.
@@ -212,7 +263,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
     per_token = torch.maximum(unclipped, clipped)
-    loss = masked_sum(per_token, mask) / _token_divisor(mask, num_tokens)
+    loss = aggregate(per_token, mask, agg, num_tokens, token_sum_norm)
     with torch.no_grad():
         valid = mask.sum().clamp(min=1)
         metrics = {
@@ -226,8 +277,10 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip_eps: float,
-               num_tokens: float | None = None) -> tuple[Tensor, dict[str, float]]:
-    """Clipped value loss ``0.5 * max((V - R)^2, (V_clip - R)^2)``, aggregated like ``policy_loss``.
+               num_tokens: float | None = None, agg: str = "token_mean"
+               ) -> tuple[Tensor, dict[str, float]]:
+    """Clipped value loss ``0.5 * max((V - R)^2, (V_clip - R)^2)``, reduced like ``policy_loss``
+    (``aggregate`` with ``agg`` and ``num_tokens`` as its divisor).
 
     values: (B, T) current critic values (with grad); old_values: (B, T) values at rollout time;
     returns: (B, T) GAE returns. ``V_clip = old_values + clip(values - old_values, -eps, eps)``, the
@@ -238,7 +291,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     unclipped = (values - returns).square()
     clipped = (clipped_values - returns).square()
     per_token = 0.5 * torch.maximum(unclipped, clipped)
-    loss = masked_sum(per_token, mask) / _token_divisor(mask, num_tokens)
+    loss = aggregate(per_token, mask, agg, num_tokens)
     with torch.no_grad():
         valid = mask.sum().clamp(min=1)
         metrics = {
@@ -248,6 +301,24 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
             "num_tokens": float(mask.sum()),
         }
     return loss, metrics
+
+
+def kl_loss(logp: Tensor, ref_logp: Tensor, mask: Tensor, kind: str, agg: str = "token_mean",
+            divisor: float | None = None) -> tuple[Tensor, dict[str, float]]:
+    """The KL to the reference as a loss term (GRPO's, Shao et al. 2024 eq. 3-4, with any
+    registered estimator, k3 there), instead of a penalty in the reward.
+
+    logp: (B, T) log-probs under the current policy (with grad, which flows through the
+    estimator); ref_logp: (B, T) under the reference. Per token ``kl_estimate(logp, ref_logp,
+    kind)``, reduced by ``aggregate(per_token, mask, agg, divisor)``, so it has that mode's
+    data-parallel invariant; the caller scales it by its coefficient and adds it to the policy
+    loss. Metrics: ``kl``, the token-mean over this micro-batch.
+    """
+    per_token = kl_estimate(logp, ref_logp, kind)
+    loss = aggregate(per_token, mask, agg, divisor)
+    with torch.no_grad():
+        kl = float(masked_sum(per_token, mask) / mask.sum().clamp(min=1))
+    return loss, {"kl": kl}
 
 
 class FixedKLController:

@@ -97,6 +97,55 @@ def test_value_loss_clips_hand_values():
     assert metrics["vf_clipfrac"] == pytest.approx(0.5)
 
 
+def test_aggregation_modes_hand_values():
+    # Row 0 has valid terms 1, 2, 3; row 1 has 4; the padded 100s must not count.
+    #   token_mean:          (1 + 2 + 3 + 4) / 4 tokens = 2.5; with divisor 5: 10 / 5 = 2
+    #   seq_mean_token_sum:  (6 + 4) / 2 sequences = 5; with token_sum_norm 3: (6/3 + 4/3) / 2 = 5/3
+    #   seq_mean_token_mean: (6/3 + 4/1) / 2 sequences = 3
+    x, mask = t([[1.0, 2.0, 3.0], [4.0, 100.0, 100.0]]), t([[1, 1, 1], [1, 0, 0]])
+    assert core.aggregate(x, mask, "token_mean").item() == pytest.approx(2.5)
+    assert core.aggregate(x, mask, "token_mean", divisor=5.0).item() == pytest.approx(2.0)
+    assert core.aggregate(x, mask, "seq_mean_token_sum").item() == pytest.approx(5.0)
+    assert core.aggregate(x, mask, "seq_mean_token_sum", token_sum_norm=3.0).item() == \
+        pytest.approx(5 / 3)
+    assert core.aggregate(x, mask, "seq_mean_token_mean").item() == pytest.approx(3.0)
+    assert core.agg_count(mask, "token_mean") == 4
+    for agg in ("seq_mean_token_sum", "seq_mean_token_mean"):
+        assert core.agg_count(mask, agg) == 2
+    with pytest.raises(ValueError, match="seq_mean_token_sum only"):
+        core.aggregate(x, mask, "token_mean", token_sum_norm=3.0)
+
+
+def test_kl_loss_k3_gradient_is_closed_form():
+    # k3 = e^r - 1 - r with r = ref - logp, so d k3 / d logp = -(e^r - 1) = 1 - e^r; the token-mean
+    # loss spreads that over the valid tokens: grad = mask * (1 - e^r) / valid tokens.
+    mask, rand = _rollout(seed=3)
+    logp, ref_logp = rand().requires_grad_(True), rand()
+    loss, metrics = core.kl_loss(logp, ref_logp, mask, "k3")
+    (grad,) = torch.autograd.grad(loss, logp)
+    e_r = (ref_logp - logp.detach()).exp()
+    count = mask.sum()
+    # Autograd multiplies the same e^r by -1 and by 1/count: a few roundings of terms below
+    # 1 + e^r, so within 8 * u * max(1 + e^r) / count (u = 2^-53).
+    bound = 8 * 2.0 ** -53 * float((1 + e_r).max() / count)
+    torch.testing.assert_close(grad, mask * (1 - e_r) / count, rtol=0, atol=bound)
+    k3 = e_r - 1 - (ref_logp - logp.detach())
+    assert metrics["kl"] == pytest.approx(float((mask * k3).sum() / count))
+
+
+def test_unknown_names_are_rejected_naming_the_allowed_ones():
+    mask = t([[1, 1, 0]])
+    allowed = "allowed: token_mean, seq_mean_token_sum, seq_mean_token_mean"
+    with pytest.raises(ValueError, match=allowed):
+        core.aggregate(mask, mask, "seq_sum")
+    with pytest.raises(ValueError, match=allowed):
+        core.agg_count(mask, "seq_sum")
+    with pytest.raises(ValueError, match=allowed):
+        core.policy_loss(mask, mask, mask, mask, clip_eps=0.2, agg="seq_sum")
+    with pytest.raises(ValueError, match="k1, k2, k3"):
+        core.kl_loss(mask, mask, mask, "k4")
+
+
 def test_adaptive_kl_controller_follows_ziegler():
     # beta *= 1 + clip(KL/target - 1, -0.2, 0.2) * n / horizon, with n/horizon = 0.1.
     ctl = core.AdaptiveKLController(0.1, target=6.0, horizon=10000)
@@ -168,35 +217,46 @@ def test_rowwise_functions_are_invariant_to_the_split():
     torch.testing.assert_close(torch.cat([p[1] for p in parts]), ret)
 
 
-@pytest.mark.parametrize("which", ["policy", "value"])
-def test_losses_are_global_token_mean_under_any_split(which):
-    """Each micro-batch divides its masked sum by (global valid tokens / num micro-batches); the
-    engine averages over ranks and micro-batches. The result, loss and gradient, equals the
-    full-batch token-mean although the micro-batches hold different numbers of valid tokens."""
+# Every loss with every aggregation mode (and Dr. GRPO's constant for the token sums of the policy).
+LOSS_CASES = [(which, agg, None) for which in ("policy", "value", "kl")
+              for agg in core.LOSS_AGG_MODES] + [("policy", "seq_mean_token_sum", 6.0)]
+
+
+@pytest.mark.parametrize("which,agg,token_sum_norm", LOSS_CASES)
+def test_losses_aggregate_globally_under_any_split(which, agg, token_sum_norm):
+    """Each micro-batch divides by (global agg_count / number of micro-batches); the engine
+    averages over ranks and micro-batches. The result, loss and gradient, equals the full-batch
+    aggregate although the micro-batches hold different numbers of sequences and tokens."""
     mask, rand = _rollout(seed=1)
-    old, adv_or_ret = rand(), rand()
-    current = (old + 0.3 * rand()).requires_grad_(True)
+    # tanh keeps every input in (-1, 1), which bounds the per-token terms below (see tolerance).
+    old, other = rand().tanh(), rand().tanh()
+    current = (old + 0.3 * rand().tanh()).requires_grad_(True)
 
-    def loss_fn(cur, o, a, m, num_tokens=None):
-        if which == "policy":
-            return core.policy_loss(cur, o, a, m, clip_eps=0.2, num_tokens=num_tokens)[0]
-        return core.value_loss(cur, o, a, m, clip_eps=0.2, num_tokens=num_tokens)[0]
+    def loss_fn(cur, o, a, m, divisor=None):
+        if which == "policy":  # a: advantages
+            return core.policy_loss(cur, o, a, m, 0.2, divisor, agg, token_sum_norm)[0]
+        if which == "value":  # a: returns
+            return core.value_loss(cur, o, a, m, 0.2, divisor, agg)[0]
+        return core.kl_loss(cur, o, m, "k3", agg, divisor)[0]  # o: the reference's log-probs
 
-    full = loss_fn(current, old, adv_or_ret, mask)
+    full = loss_fn(current, old, other, mask)
     (full_grad,) = torch.autograd.grad(full, current)
 
     num_micro = len(SPLITS)  # N * s over all fake ranks
-    divisor = mask.sum().item() / num_micro
-    losses = [loss_fn(c, o, a, m, num_tokens=divisor)
-              for c, o, a, m in _split(current, old, adv_or_ret, mask)]
+    divisor = core.agg_count(mask, agg) / num_micro
+    losses = [loss_fn(c, o, a, m, divisor) for c, o, a, m in _split(current, old, other, mask)]
     averaged = torch.stack(losses).mean()  # what the engine's gradient averaging amounts to
     (split_grad,) = torch.autograd.grad(averaged, current)
-    torch.testing.assert_close(averaged, full)
-    torch.testing.assert_close(split_grad, full_grad)
+    # Tolerance: per-token terms are below 10 (|A| * ratio <= e^0.3; 0.5 * (V - R)^2 <= 0.5 * 2.3^2;
+    # k3 <= e^2.3), so a sequence's term is below T * 10 = 60. Both sides add the same n = 48
+    # float64 terms in other orders, each within (n - 1) * u * 60 = 3.1e-13 (u = 2^-53) of the exact
+    # value; a gradient entry is one token's derivative (below 10) scaled by the same divisor up
+    # to a few roundings, within ~1e-14. Hence 1e-12 absolute, and no relative slack.
+    torch.testing.assert_close(averaged, full, rtol=0, atol=1e-12)
+    torch.testing.assert_close(split_grad, full_grad, rtol=0, atol=1e-12)
 
-    # Dividing each micro-batch by its own token count would weight short micro-batches more.
-    local = torch.stack([loss_fn(c, o, a, m)
-                         for c, o, a, m in _split(current, old, adv_or_ret, mask)])
+    # Dividing each micro-batch by its own count would weight short micro-batches more.
+    local = torch.stack([loss_fn(c, o, a, m) for c, o, a, m in _split(current, old, other, mask)])
     assert not torch.allclose(local.mean(), full)
 
 
