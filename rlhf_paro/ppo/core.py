@@ -11,7 +11,11 @@ Policy Optimization Algorithms", eq. 7 for the clipped surrogate), GAE is Schulm
 ("High-Dimensional Continuous Control Using Generalized Advantage Estimation", eq. 16), the KL
 penalty and its adaptive coefficient are Ziegler et al. 2019 ("Fine-Tuning Language Models from
 Human Preferences", section 2.2), the k1/k2/k3 estimators are Schulman's "Approximating KL
-Divergence" note.
+Divergence" note. The critic-free advantage estimators: GRPO is Shao et al. 2024 ("DeepSeekMath",
+section 4.1.2, outcome supervision; its eq. 3-4 also put the KL in the loss, ``kl_loss``), Dr. GRPO
+is Liu et al. 2025 ("Understanding R1-Zero-Like Training: A Critical Perspective"), RLOO is
+Ahmadian et al. 2024 ("Back to Basics: Revisiting REINFORCE Style Optimization for Learning from
+Human Feedback in LLMs") after Kool et al. 2019, REINFORCE++ is Hu 2025.
 
 [Note: loss aggregation and data parallelism]
 Losses are the token-mean over the whole mini-batch of the optimizer step, across all data-parallel
@@ -28,12 +32,14 @@ That is ``token_mean``, the default aggregation. The sequence modes (``seq_mean_
 sequences / (N*s) (``agg_count`` says what a rank counts), and the step is the mean over all
 sequences of the global mini-batch under any split.
 Statistics that normalise (``masked_whiten``) take global moments (sums and a count) that the
-caller all-reduces, so they are exact under any split too.
+caller all-reduces, so they are exact under any split too; the group estimators need no
+collective because a group never spans ranks.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -189,6 +195,140 @@ def masked_whiten(x: Tensor, mask: Tensor, moments: Tensor | None = None, shift_
     if not shift_mean:
         whitened = whitened + mean
     return whitened * mask
+
+
+def _no_collective(x: Tensor) -> Tensor:
+    return x
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What every advantage estimator reads; one rank's part of the rollout batch."""
+
+    # (B, T) token rewards (``token_rewards``: the score on the last valid token, minus
+    # ``kl_coef * kl`` on every valid token when the KL is in the reward); zero on padding.
+    rewards: Tensor
+    # (B, T) 0/1.
+    mask: Tensor
+    # (B,) int64: samples of one prompt share an id, in any order; a group is always whole in one
+    # call (never split over ranks), so group statistics need no collective.
+    group: Tensor
+    # (B, T) critic values; only ``gae`` reads them.
+    values: Tensor | None = None
+    gamma: float = 1.0
+    lam: float = 1.0
+    # ``gae`` only: whiten the advantages over the whole (global) batch.
+    whiten: bool = True
+    # Sums a small float64 tensor over the data-parallel ranks (an all-reduce); the identity in
+    # one process. The whitening estimators pass their moments through it.
+    sum_over_ranks: Callable[[Tensor], Tensor] = _no_collective
+
+
+AdvantageEstimator = Callable[[AdvantageInputs], tuple[Tensor, Tensor]]
+ADV_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+
+
+def register_adv_estimator(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
+    """Register ``f(inputs) -> (advantages, returns)``, both (B, T) and zero on padding, under
+    ``name``. Advantages are constants of the loss, so the registered function runs without
+    autograd."""
+
+    def wrap(fn: AdvantageEstimator) -> AdvantageEstimator:
+        ADV_ESTIMATORS[name] = torch.no_grad()(fn)
+        return fn
+
+    return wrap
+
+
+def advantages(name: str, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    """``(advantages, returns)`` of the estimator registered as ``name``, both (B, T), zero on
+    padding. ``returns`` is what a critic would regress to (each estimator says what it gives);
+    only ``gae``'s are trained on, the others are logged."""
+    try:
+        estimator = ADV_ESTIMATORS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown advantage estimator {name!r}; allowed: {', '.join(sorted(ADV_ESTIMATORS))}"
+        ) from None
+    return estimator(inputs)
+
+
+def _return_to_go(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    # G_t = sum_{k >= t} gamma^(k - t) r_k is GAE with V = 0 and lam = 1 (then delta_t = r_t).
+    return gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)[0]
+
+
+@register_adv_estimator("gae")
+def _adv_gae(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    # ``gae``, then whitened with moments summed over ranks: the slices of the full-batch result.
+    # Returns are the unwhitened advantages + values, the critic's target.
+    if inputs.values is None:
+        raise ValueError("advantage estimator 'gae' needs critic values (AdvantageInputs.values)")
+    adv, returns = gae(inputs.rewards, inputs.values, inputs.mask, inputs.gamma, inputs.lam)
+    if inputs.whiten:
+        moments = inputs.sum_over_ranks(masked_moments(adv, inputs.mask))
+        adv = masked_whiten(adv, inputs.mask, moments)
+    return adv, returns
+
+
+@register_adv_estimator("reinforce_pp")
+def _adv_reinforce_pp(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    # REINFORCE++ (Hu 2025): the discounted return-to-go of the token rewards (the KL penalty
+    # included when it is in the reward), whitened over all valid tokens of the global batch with
+    # moments summed over ranks, so each rank's slice is that of the unsplit batch. Returns are
+    # the return-to-go before whitening.
+    returns = _return_to_go(inputs.rewards, inputs.mask, inputs.gamma)
+    moments = inputs.sum_over_ranks(masked_moments(returns, inputs.mask))
+    return masked_whiten(returns, inputs.mask, moments), returns
+
+
+def _group_outcomes(inputs: AdvantageInputs, name: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(r, mean, size, index)`` for outcome supervision: r (B,) the sum of each sample's token
+    rewards; mean and size (G,) its group's mean outcome and number of samples; index (B,) the
+    sample's group in 0..G-1 (ids may come in any order)."""
+    if inputs.group.shape != inputs.rewards.shape[:1]:
+        raise ValueError(f"group must be (B,) = {tuple(inputs.rewards.shape[:1])}, "
+                         f"got {tuple(inputs.group.shape)}")
+    r = (inputs.rewards * inputs.mask).sum(-1)
+    _, index = torch.unique(inputs.group, return_inverse=True)
+    size = torch.bincount(index).to(r.dtype)
+    if bool((size < 2).any()):
+        raise ValueError(f"advantage estimator {name!r} needs at least 2 samples per group "
+                         f"(rollout.n >= 2); a group has {int(size.min())}")
+    mean = torch.zeros_like(size).index_add_(0, index, r) / size
+    return r, mean, size, index
+
+
+def _outcome_result(adv: Tensor, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    # One advantage per sample on each of its valid tokens; returns are the undiscounted
+    # return-to-go of the token rewards (the outcome estimators ignore gamma).
+    return adv[:, None] * inputs.mask, _return_to_go(inputs.rewards, inputs.mask, 1.0)
+
+
+@register_adv_estimator("grpo")
+def _adv_grpo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    # GRPO (Shao et al. 2024, section 4.1.2): A_i = (r_i - mean(group)) / (std(group) + 1e-6) with
+    # the unbiased (Bessel) std of the group's outcomes.
+    r, mean, size, index = _group_outcomes(inputs, "grpo")
+    centred = r - mean[index]
+    var = torch.zeros_like(size).index_add_(0, index, centred.square()) / (size - 1)
+    return _outcome_result(centred / (var.sqrt()[index] + 1e-6), inputs)
+
+
+@register_adv_estimator("dr_grpo")
+def _adv_dr_grpo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    # Dr. GRPO (Liu et al. 2025): A_i = r_i - mean(group), without GRPO's division by the std (its
+    # other change, no per-sequence length normalisation, is the ``seq_mean_token_sum`` loss).
+    r, mean, _, index = _group_outcomes(inputs, "dr_grpo")
+    return _outcome_result(r - mean[index], inputs)
+
+
+@register_adv_estimator("rloo")
+def _adv_rloo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    # RLOO (Ahmadian et al. 2024, Kool et al. 2019): A_i = r_i - mean of the other n - 1 samples of
+    # the group, which is n / (n - 1) * (r_i - mean(group)).
+    r, mean, size, index = _group_outcomes(inputs, "rloo")
+    return _outcome_result(size[index] / (size[index] - 1) * (r - mean[index]), inputs)
 
 
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
