@@ -11,7 +11,11 @@ Policy Optimization Algorithms", eq. 7 for the clipped surrogate), GAE is Schulm
 ("High-Dimensional Continuous Control Using Generalized Advantage Estimation", eq. 16), the KL
 penalty and its adaptive coefficient are Ziegler et al. 2019 ("Fine-Tuning Language Models from
 Human Preferences", section 2.2), the k1/k2/k3 estimators are Schulman's "Approximating KL
-Divergence" note.
+Divergence" note. The critic-free advantage estimators: GRPO is Shao et al. 2024 ("DeepSeekMath",
+section 4.1.2, outcome supervision; its eq. 3-4 also put the KL in the loss, ``kl_loss``), Dr. GRPO
+is Liu et al. 2025 ("Understanding R1-Zero-Like Training: A Critical Perspective"), RLOO is
+Ahmadian et al. 2024 ("Back to Basics: Revisiting REINFORCE Style Optimization for Learning from
+Human Feedback in LLMs") after Kool et al. 2019, REINFORCE++ is Hu 2025.
 
 [Note: loss aggregation and data parallelism]
 Losses are the token-mean over the whole mini-batch of the optimizer step, across all data-parallel
@@ -22,13 +26,20 @@ divided by N*s (the mean number of valid tokens per micro-batch). The N*s factor
 step's gradient is the gradient of the global token-mean whatever way tokens are spread over ranks
 and micro-batches. ``num_tokens=None`` divides by this micro-batch's own valid tokens, which equals
 the global token-mean only when every micro-batch holds the same number of valid tokens.
+That is ``token_mean``, the default aggregation. The sequence modes (``seq_mean_token_sum``,
+``seq_mean_token_mean``) are the same argument one level up: each sequence contributes one number
+(its token sum or token mean), a micro-batch adds its sequences' numbers and divides by the step's
+sequences / (N*s) (``agg_count`` says what a rank counts), and the step is the mean over all
+sequences of the global mini-batch under any split.
 Statistics that normalise (``masked_whiten``) take global moments (sums and a count) that the
-caller all-reduces, so they are exact under any split too.
+caller all-reduces, so they are exact under any split too; the group estimators need no
+collective because a group never spans ranks.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -186,23 +197,203 @@ def masked_whiten(x: Tensor, mask: Tensor, moments: Tensor | None = None, shift_
     return whitened * mask
 
 
-def _token_divisor(mask: Tensor, num_tokens: float | None) -> Tensor | float:
-    if num_tokens is None:
-        return mask.sum().clamp(min=1)
-    if num_tokens <= 0:
-        raise ValueError(f"num_tokens must be positive, got {num_tokens}")
-    return num_tokens
+def _no_collective(x: Tensor) -> Tensor:
+    return x
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What every advantage estimator reads; one rank's part of the rollout batch."""
+
+    # (B, T) token rewards (``token_rewards``: the score on the last valid token, minus
+    # ``kl_coef * kl`` on every valid token when the KL is in the reward); zero on padding.
+    rewards: Tensor
+    # (B, T) 0/1.
+    mask: Tensor
+    # (B,) int64: samples of one prompt share an id, in any order; a group is always whole in one
+    # call (never split over ranks), so group statistics need no collective.
+    group: Tensor
+    # (B, T) critic values; only ``gae`` reads them.
+    values: Tensor | None = None
+    gamma: float = 1.0
+    lam: float = 1.0
+    # ``gae`` only: whiten the advantages over the whole (global) batch.
+    whiten: bool = True
+    # Sums a small float64 tensor over the data-parallel ranks (an all-reduce); the identity in
+    # one process. The whitening estimators pass their moments through it.
+    sum_over_ranks: Callable[[Tensor], Tensor] = _no_collective
+
+
+AdvantageEstimator = Callable[[AdvantageInputs], tuple[Tensor, Tensor]]
+ADV_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+
+
+def register_adv_estimator(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
+    """Register ``f(inputs) -> (advantages, returns)``, both (B, T) and zero on padding, under
+    ``name``. Advantages are constants of the loss, so the registered function runs without
+    autograd."""
+
+    def wrap(fn: AdvantageEstimator) -> AdvantageEstimator:
+        ADV_ESTIMATORS[name] = torch.no_grad()(fn)
+        return fn
+
+    return wrap
+
+
+def advantages(name: str, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    """``(advantages, returns)`` of the estimator registered as ``name``, both (B, T), zero on
+    padding. ``returns`` is what a critic would regress to (each estimator says what it gives);
+    only ``gae``'s are trained on, the others are logged."""
+    try:
+        estimator = ADV_ESTIMATORS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown advantage estimator {name!r}; allowed: {', '.join(sorted(ADV_ESTIMATORS))}"
+        ) from None
+    return estimator(inputs)
+
+
+def _return_to_go(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    # G_t = sum_{k >= t} gamma^(k - t) r_k is GAE with V = 0 and lam = 1 (then delta_t = r_t).
+    return gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)[0]
+
+
+@register_adv_estimator("gae")
+def _adv_gae(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    # ``gae``, then whitened with moments summed over ranks: the slices of the full-batch result.
+    # Returns are the unwhitened advantages + values, the critic's target.
+    if inputs.values is None:
+        raise ValueError("advantage estimator 'gae' needs critic values (AdvantageInputs.values)")
+    adv, returns = gae(inputs.rewards, inputs.values, inputs.mask, inputs.gamma, inputs.lam)
+    if inputs.whiten:
+        moments = inputs.sum_over_ranks(masked_moments(adv, inputs.mask))
+        adv = masked_whiten(adv, inputs.mask, moments)
+    return adv, returns
+
+
+@register_adv_estimator("reinforce_pp")
+def _adv_reinforce_pp(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    # REINFORCE++ (Hu 2025): the discounted return-to-go of the token rewards (the KL penalty
+    # included when it is in the reward), whitened over all valid tokens of the global batch with
+    # moments summed over ranks, so each rank's slice is that of the unsplit batch. Returns are
+    # the return-to-go before whitening.
+    returns = _return_to_go(inputs.rewards, inputs.mask, inputs.gamma)
+    moments = inputs.sum_over_ranks(masked_moments(returns, inputs.mask))
+    return masked_whiten(returns, inputs.mask, moments), returns
+
+
+def _group_outcomes(inputs: AdvantageInputs, name: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(r, mean, size, index)`` for outcome supervision: r (B,) the sum of each sample's token
+    rewards; mean and size (G,) its group's mean outcome and number of samples; index (B,) the
+    sample's group in 0..G-1 (ids may come in any order)."""
+    if inputs.group.shape != inputs.rewards.shape[:1]:
+        raise ValueError(f"group must be (B,) = {tuple(inputs.rewards.shape[:1])}, "
+                         f"got {tuple(inputs.group.shape)}")
+    r = (inputs.rewards * inputs.mask).sum(-1)
+    _, index = torch.unique(inputs.group, return_inverse=True)
+    size = torch.bincount(index).to(r.dtype)
+    if bool((size < 2).any()):
+        raise ValueError(f"advantage estimator {name!r} needs at least 2 samples per group "
+                         f"(rollout.n >= 2); a group has {int(size.min())}")
+    mean = torch.zeros_like(size).index_add_(0, index, r) / size
+    return r, mean, size, index
+
+
+def _outcome_result(adv: Tensor, inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    # One advantage per sample on each of its valid tokens; returns are the undiscounted
+    # return-to-go of the token rewards (the outcome estimators ignore gamma).
+    return adv[:, None] * inputs.mask, _return_to_go(inputs.rewards, inputs.mask, 1.0)
+
+
+@register_adv_estimator("grpo")
+def _adv_grpo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    # GRPO (Shao et al. 2024, section 4.1.2): A_i = (r_i - mean(group)) / (std(group) + 1e-6) with
+    # the unbiased (Bessel) std of the group's outcomes.
+    r, mean, size, index = _group_outcomes(inputs, "grpo")
+    centred = r - mean[index]
+    var = torch.zeros_like(size).index_add_(0, index, centred.square()) / (size - 1)
+    return _outcome_result(centred / (var.sqrt()[index] + 1e-6), inputs)
+
+
+@register_adv_estimator("dr_grpo")
+def _adv_dr_grpo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    # Dr. GRPO (Liu et al. 2025): A_i = r_i - mean(group), without GRPO's division by the std (its
+    # other change, no per-sequence length normalisation, is the ``seq_mean_token_sum`` loss).
+    r, mean, _, index = _group_outcomes(inputs, "dr_grpo")
+    return _outcome_result(r - mean[index], inputs)
+
+
+@register_adv_estimator("rloo")
+def _adv_rloo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    # RLOO (Ahmadian et al. 2024, Kool et al. 2019): A_i = r_i - mean of the other n - 1 samples of
+    # the group, which is n / (n - 1) * (r_i - mean(group)).
+    r, mean, size, index = _group_outcomes(inputs, "rloo")
+    return _outcome_result(size[index] / (size[index] - 1) * (r - mean[index]), inputs)
+
+
+LOSS_AGG_MODES = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+
+
+def _check_agg(agg: str) -> None:
+    if agg not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss aggregation {agg!r}; allowed: {', '.join(LOSS_AGG_MODES)}")
+
+
+def agg_count(mask: Tensor, agg: str) -> float:
+    """What a rank counts towards the divisor of ``aggregate``: its valid tokens (``token_mean``)
+    or its sequences, the rows with at least one valid token (the ``seq_*`` modes). The divisor
+    of a micro-batch is this count summed over the step's ranks and micro-batches, / (N*s)."""
+    _check_agg(agg)
+    if agg == "token_mean":
+        return float(mask.sum())
+    return float((mask.sum(-1) > 0).sum())
+
+
+def aggregate(per_token: Tensor, mask: Tensor, agg: str, divisor: float | None = None,
+              token_sum_norm: float | None = None) -> Tensor:
+    """Reduce a (B, T) per-token loss to this micro-batch's share of the step's loss.
+
+    - ``token_mean``: sum over valid tokens / ``divisor``. Invariant: with ``divisor`` = the
+      step's valid tokens / (N*s), the mean of the N*s micro-batch losses is the token-mean over
+      the global mini-batch, whatever the split.
+    - ``seq_mean_token_sum``: sum over sequences of the sequence's token sum (divided by
+      ``token_sum_norm``, Dr. GRPO's constant response budget, when given) / ``divisor``.
+      Invariant: with ``divisor`` = the step's sequences / (N*s), the mean of the N*s
+      micro-batch losses is the mean over all sequences of the global mini-batch.
+    - ``seq_mean_token_mean``: sum over sequences of the sequence's token mean / ``divisor``.
+      Invariant: as for ``seq_mean_token_sum``.
+
+    ``divisor=None`` uses this micro-batch's own ``agg_count``, exact only when one micro-batch
+    is the whole step (see the module note).
+    """
+    _check_agg(agg)
+    if token_sum_norm is not None and agg != "seq_mean_token_sum":
+        raise ValueError(f"token_sum_norm applies to seq_mean_token_sum only, not to {agg!r}")
+    if divisor is None:
+        divisor = max(agg_count(mask, agg), 1.0)
+    elif divisor <= 0:
+        raise ValueError(f"the loss divisor (num_tokens) must be positive, got {divisor}")
+    if agg == "token_mean":
+        return masked_sum(per_token, mask) / divisor
+    seq = (per_token * mask).sum(-1)
+    if agg == "seq_mean_token_mean":
+        seq = seq / mask.sum(-1).clamp(min=1)
+    elif token_sum_norm is not None:
+        seq = seq / token_sum_norm
+    return seq.sum() / divisor
 
 
 def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_eps: float,
-                num_tokens: float | None = None) -> tuple[Tensor, dict[str, float]]:
+                num_tokens: float | None = None, agg: str = "token_mean",
+                token_sum_norm: float | None = None) -> tuple[Tensor, dict[str, float]]:
     """Clipped surrogate objective (Schulman et al. 2017, eq. 7), as a loss to minimise.
 
     logp: (B, T) log-probs under the current policy (with grad); old_logp: (B, T) under the policy
     that sampled the rollout; advantages: (B, T). Per token
     ``max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))`` with ``ratio = exp(logp - old_logp)``,
-    aggregated as ``masked_sum / num_tokens`` (see the module note: with ``num_tokens`` = the step's
-    valid tokens / (ranks * micro-batches) the step is the token-mean over the global mini-batch).
+    reduced by ``aggregate(per_token, mask, agg, num_tokens, token_sum_norm)``: ``num_tokens`` is
+    the divisor of the mode (for ``token_mean`` the step's valid tokens / (ranks * micro-batches),
+    and the step is the token-mean over the global mini-batch; see the module note).
 
     Metrics are token-means over this micro-batch's valid tokens plus ``num_tokens`` (its valid
     token count): combine micro-batches and ranks by weighting with that count.
@@ -212,7 +403,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
     per_token = torch.maximum(unclipped, clipped)
-    loss = masked_sum(per_token, mask) / _token_divisor(mask, num_tokens)
+    loss = aggregate(per_token, mask, agg, num_tokens, token_sum_norm)
     with torch.no_grad():
         valid = mask.sum().clamp(min=1)
         metrics = {
@@ -226,8 +417,10 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip_eps: float,
-               num_tokens: float | None = None) -> tuple[Tensor, dict[str, float]]:
-    """Clipped value loss ``0.5 * max((V - R)^2, (V_clip - R)^2)``, aggregated like ``policy_loss``.
+               num_tokens: float | None = None, agg: str = "token_mean"
+               ) -> tuple[Tensor, dict[str, float]]:
+    """Clipped value loss ``0.5 * max((V - R)^2, (V_clip - R)^2)``, reduced like ``policy_loss``
+    (``aggregate`` with ``agg`` and ``num_tokens`` as its divisor).
 
     values: (B, T) current critic values (with grad); old_values: (B, T) values at rollout time;
     returns: (B, T) GAE returns. ``V_clip = old_values + clip(values - old_values, -eps, eps)``, the
@@ -238,7 +431,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     unclipped = (values - returns).square()
     clipped = (clipped_values - returns).square()
     per_token = 0.5 * torch.maximum(unclipped, clipped)
-    loss = masked_sum(per_token, mask) / _token_divisor(mask, num_tokens)
+    loss = aggregate(per_token, mask, agg, num_tokens)
     with torch.no_grad():
         valid = mask.sum().clamp(min=1)
         metrics = {
@@ -248,6 +441,24 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
             "num_tokens": float(mask.sum()),
         }
     return loss, metrics
+
+
+def kl_loss(logp: Tensor, ref_logp: Tensor, mask: Tensor, kind: str, agg: str = "token_mean",
+            divisor: float | None = None) -> tuple[Tensor, dict[str, float]]:
+    """The KL to the reference as a loss term (GRPO's, Shao et al. 2024 eq. 3-4, with any
+    registered estimator, k3 there), instead of a penalty in the reward.
+
+    logp: (B, T) log-probs under the current policy (with grad, which flows through the
+    estimator); ref_logp: (B, T) under the reference. Per token ``kl_estimate(logp, ref_logp,
+    kind)``, reduced by ``aggregate(per_token, mask, agg, divisor)``, so it has that mode's
+    data-parallel invariant; the caller scales it by its coefficient and adds it to the policy
+    loss. Metrics: ``kl``, the token-mean over this micro-batch.
+    """
+    per_token = kl_estimate(logp, ref_logp, kind)
+    loss = aggregate(per_token, mask, agg, divisor)
+    with torch.no_grad():
+        kl = float(masked_sum(per_token, mask) / mask.sum().clamp(min=1))
+    return loss, {"kl": kl}
 
 
 class FixedKLController:

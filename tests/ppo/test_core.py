@@ -1,6 +1,8 @@
 """PPO math against hand-computed values, and the data-parallel invariance of every reduction."""
 
 import math
+import statistics
+from dataclasses import replace
 
 import pytest
 import torch
@@ -97,6 +99,167 @@ def test_value_loss_clips_hand_values():
     assert metrics["vf_clipfrac"] == pytest.approx(0.5)
 
 
+def test_aggregation_modes_hand_values():
+    # Row 0 has valid terms 1, 2, 3; row 1 has 4; the padded 100s must not count.
+    #   token_mean:          (1 + 2 + 3 + 4) / 4 tokens = 2.5; with divisor 5: 10 / 5 = 2
+    #   seq_mean_token_sum:  (6 + 4) / 2 sequences = 5; with token_sum_norm 3: (6/3 + 4/3) / 2 = 5/3
+    #   seq_mean_token_mean: (6/3 + 4/1) / 2 sequences = 3
+    x, mask = t([[1.0, 2.0, 3.0], [4.0, 100.0, 100.0]]), t([[1, 1, 1], [1, 0, 0]])
+    assert core.aggregate(x, mask, "token_mean").item() == pytest.approx(2.5)
+    assert core.aggregate(x, mask, "token_mean", divisor=5.0).item() == pytest.approx(2.0)
+    assert core.aggregate(x, mask, "seq_mean_token_sum").item() == pytest.approx(5.0)
+    assert core.aggregate(x, mask, "seq_mean_token_sum", token_sum_norm=3.0).item() == \
+        pytest.approx(5 / 3)
+    assert core.aggregate(x, mask, "seq_mean_token_mean").item() == pytest.approx(3.0)
+    assert core.agg_count(mask, "token_mean") == 4
+    for agg in ("seq_mean_token_sum", "seq_mean_token_mean"):
+        assert core.agg_count(mask, agg) == 2
+    with pytest.raises(ValueError, match="seq_mean_token_sum only"):
+        core.aggregate(x, mask, "token_mean", token_sum_norm=3.0)
+
+
+def test_kl_loss_k3_gradient_is_closed_form():
+    # k3 = e^r - 1 - r with r = ref - logp, so d k3 / d logp = -(e^r - 1) = 1 - e^r; the token-mean
+    # loss spreads that over the valid tokens: grad = mask * (1 - e^r) / valid tokens.
+    mask, rand = _rollout(seed=3)
+    logp, ref_logp = rand().requires_grad_(True), rand()
+    loss, metrics = core.kl_loss(logp, ref_logp, mask, "k3")
+    (grad,) = torch.autograd.grad(loss, logp)
+    e_r = (ref_logp - logp.detach()).exp()
+    count = mask.sum()
+    # Autograd multiplies the same e^r by -1 and by 1/count: a few roundings of terms below
+    # 1 + e^r, so within 8 * u * max(1 + e^r) / count (u = 2^-53).
+    bound = 8 * 2.0 ** -53 * float((1 + e_r).max() / count)
+    torch.testing.assert_close(grad, mask * (1 - e_r) / count, rtol=0, atol=bound)
+    k3 = e_r - 1 - (ref_logp - logp.detach())
+    assert metrics["kl"] == pytest.approx(float((mask * k3).sum() / count))
+
+
+# Outcome supervision on two groups given out of order (ids 7 and 3 interleaved) of three and two
+# samples, right-padded. Token rewards are -0.5 * kl on each valid token plus the score on the last
+# one (the padded kl of 9 must not leak):
+#   row 0, group 7: kl .2 .2 .2, score 1.3  -> -0.1 -0.1  1.2    outcome r =  1
+#   row 1, group 3: kl .6 .2 -,  score 2.4  -> -0.3  2.3   -     outcome r =  2
+#   row 2, group 7: kl .4 .2 -,  score 0.3  -> -0.2  0.2   -     outcome r =  0
+#   row 3, group 3: kl .2 .4 .2, score -0.6 -> -0.1 -0.2 -0.7    outcome r = -1
+#   row 4, group 7: kl .2 -  -,  score 2.1  ->  2.0   -    -     outcome r =  2
+GROUP = torch.tensor([7, 3, 7, 3, 7])
+OUTCOME = [1.0, 2.0, 0.0, -1.0, 2.0]
+MASK = t([[1, 1, 1], [1, 1, 0], [1, 1, 0], [1, 1, 1], [1, 0, 0]])
+# Undiscounted return-to-go, what the outcome estimators give as returns.
+RETURN_TO_GO = t([[1.0, 1.1, 1.2], [2.0, 2.3, 0.0], [0.0, 0.2, 0.0], [-1.0, -0.9, -0.7],
+                  [2.0, 0.0, 0.0]])
+
+
+def _hand_rewards():
+    score = t([1.3, 2.4, 0.3, -0.6, 2.1])
+    kl = t([[0.2, 0.2, 0.2], [0.6, 0.2, 9.0], [0.4, 0.2, 9.0], [0.2, 0.4, 0.2], [0.2, 9.0, 9.0]])
+    rewards = core.token_rewards(score, kl, MASK, kl_coef=0.5)
+    torch.testing.assert_close(rewards, t([[-0.1, -0.1, 1.2], [-0.3, 2.3, 0.0], [-0.2, 0.2, 0.0],
+                                           [-0.1, -0.2, -0.7], [2.0, 0.0, 0.0]]))
+    return rewards
+
+
+def _per_sample(values):
+    return t(values)[:, None] * MASK
+
+
+def _whitened(table, mask):
+    # The valid entries' mean and unbiased variance, by the standard library.
+    valid = [x for row, m in zip(table, mask.tolist()) for x, v in zip(row, m) if v]
+    mean, var = statistics.mean(valid), statistics.variance(valid)
+    return (t(table) - mean) / math.sqrt(var + 1e-8) * mask
+
+
+def test_grpo_hand_values():
+    # group 7: r = 1, 0, 2 -> mean 1, deviations 0, -1, 1, unbiased var (0 + 1 + 1) / 2 = 1, std 1;
+    # group 3: r = 2, -1 -> mean 0.5, deviations +-1.5, var (2.25 + 2.25) / 1 = 4.5,
+    # std 1.5 * sqrt 2.
+    adv, ret = core.advantages("grpo", core.AdvantageInputs(_hand_rewards(), MASK, GROUP))
+    s3 = 1.5 * math.sqrt(2) + 1e-6
+    torch.testing.assert_close(adv, _per_sample([0.0, 1.5 / s3, -1 / (1 + 1e-6), -1.5 / s3,
+                                                 1 / (1 + 1e-6)]))
+    torch.testing.assert_close(ret, RETURN_TO_GO)
+
+
+def test_dr_grpo_hand_values():
+    # r - group mean: group 7 (mean 1): 0, -1, 1; group 3 (mean 0.5): 1.5, -1.5. Values left on
+    # padding (9) must not count.
+    rewards = _hand_rewards() + 9.0 * (1 - MASK)
+    adv, ret = core.advantages("dr_grpo", core.AdvantageInputs(rewards, MASK, GROUP))
+    torch.testing.assert_close(adv, _per_sample([0.0, 1.5, -1.0, -1.5, 1.0]))
+    torch.testing.assert_close(ret, RETURN_TO_GO)
+
+
+def test_rloo_is_leave_one_out_baseline():
+    # n / (n - 1) * (r - group mean): group 7, 3/2 * (0, -1, 1); group 3, 2 * (1.5, -1.5).
+    adv, ret = core.advantages("rloo", core.AdvantageInputs(_hand_rewards(), MASK, GROUP))
+    torch.testing.assert_close(adv, _per_sample([0.0, 3.0, -1.5, -3.0, 1.5]))
+    torch.testing.assert_close(ret, RETURN_TO_GO)
+    # The same as r minus the explicit mean of the other samples of the group, e.g. row 2:
+    # 0 - (1 + 2) / 2 = -1.5, row 1: 2 - (-1) = 3.
+    ids = GROUP.tolist()
+    loo = [r - statistics.mean(o for j, o in enumerate(OUTCOME) if ids[j] == ids[i] and j != i)
+           for i, r in enumerate(OUTCOME)]
+    torch.testing.assert_close(adv, _per_sample(loo))
+
+
+def test_reinforce_pp_whitens_discounted_return_to_go():
+    # gamma = 0.5, G_t = r_t + 0.5 * G_{t+1} from the end of each response:
+    #   row 0: G_2 = 1.2, G_1 = -0.1 + 0.6 = 0.5, G_0 = -0.1 + 0.25 = 0.15
+    #   row 1: G_1 = 2.3, G_0 = -0.3 + 1.15 = 0.85
+    #   row 2: G_1 = 0.2, G_0 = -0.2 + 0.1 = -0.1
+    #   row 3: G_2 = -0.7, G_1 = -0.2 - 0.35 = -0.55, G_0 = -0.1 - 0.275 = -0.375
+    #   row 4: G_0 = 2.0
+    # then whitened over the 11 valid tokens of the batch (all groups together).
+    g = [[0.15, 0.5, 1.2], [0.85, 2.3, 0.0], [-0.1, 0.2, 0.0], [-0.375, -0.55, -0.7],
+         [2.0, 0.0, 0.0]]
+    inputs = core.AdvantageInputs(_hand_rewards(), MASK, GROUP, gamma=0.5)
+    adv, ret = core.advantages("reinforce_pp", inputs)
+    torch.testing.assert_close(ret, t(g))
+    torch.testing.assert_close(adv, _whitened(g, MASK))
+
+
+def test_gae_estimator_whitens_gae():
+    # gamma = lam = 1 and V = 0.5 on valid tokens (5 on padding, ignored): the deltas telescope to
+    # A_t = G_t - V_t with the undiscounted return-to-go G, and returns = A + V = G. Whitening
+    # A = G - 0.5 over the 11 valid tokens is whitening G (a shift does not change it).
+    values = 0.5 * MASK + 5.0 * (1 - MASK)
+    inputs = core.AdvantageInputs(_hand_rewards(), MASK, GROUP, values=values, whiten=False)
+    adv, ret = core.advantages("gae", inputs)
+    torch.testing.assert_close(adv, (RETURN_TO_GO - 0.5) * MASK)
+    torch.testing.assert_close(ret, RETURN_TO_GO)
+    adv, ret = core.advantages("gae", replace(inputs, whiten=True))
+    torch.testing.assert_close(adv, _whitened(RETURN_TO_GO.tolist(), MASK))
+    torch.testing.assert_close(ret, RETURN_TO_GO)
+    with pytest.raises(ValueError, match="needs critic values"):
+        core.advantages("gae", replace(inputs, values=None))
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
+def test_group_estimators_refuse_a_group_of_one(name):
+    # Group 5 has one sample: it has no baseline from its peers.
+    inputs = core.AdvantageInputs(t([[1.0], [2.0], [3.0]]), t([[1], [1], [1]]),
+                                  torch.tensor([4, 5, 4]))
+    with pytest.raises(ValueError, match=r"needs at least 2 samples per group \(rollout.n >= 2\)"):
+        core.advantages(name, inputs)
+
+
+def test_unknown_names_are_rejected_naming_the_allowed_ones():
+    mask = t([[1, 1, 0]])
+    allowed = "allowed: token_mean, seq_mean_token_sum, seq_mean_token_mean"
+    with pytest.raises(ValueError, match=allowed):
+        core.aggregate(mask, mask, "seq_sum")
+    with pytest.raises(ValueError, match=allowed):
+        core.agg_count(mask, "seq_sum")
+    with pytest.raises(ValueError, match=allowed):
+        core.policy_loss(mask, mask, mask, mask, clip_eps=0.2, agg="seq_sum")
+    with pytest.raises(ValueError, match="k1, k2, k3"):
+        core.kl_loss(mask, mask, mask, "k4")
+    with pytest.raises(ValueError, match="allowed: dr_grpo, gae, grpo, reinforce_pp, rloo"):
+        core.advantages("ppo", core.AdvantageInputs(_hand_rewards(), MASK, GROUP))
+
+
 def test_adaptive_kl_controller_follows_ziegler():
     # beta *= 1 + clip(KL/target - 1, -0.2, 0.2) * n / horizon, with n/horizon = 0.1.
     ctl = core.AdaptiveKLController(0.1, target=6.0, horizon=10000)
@@ -168,35 +331,46 @@ def test_rowwise_functions_are_invariant_to_the_split():
     torch.testing.assert_close(torch.cat([p[1] for p in parts]), ret)
 
 
-@pytest.mark.parametrize("which", ["policy", "value"])
-def test_losses_are_global_token_mean_under_any_split(which):
-    """Each micro-batch divides its masked sum by (global valid tokens / num micro-batches); the
-    engine averages over ranks and micro-batches. The result, loss and gradient, equals the
-    full-batch token-mean although the micro-batches hold different numbers of valid tokens."""
+# Every loss with every aggregation mode (and Dr. GRPO's constant for the token sums of the policy).
+LOSS_CASES = [(which, agg, None) for which in ("policy", "value", "kl")
+              for agg in core.LOSS_AGG_MODES] + [("policy", "seq_mean_token_sum", 6.0)]
+
+
+@pytest.mark.parametrize("which,agg,token_sum_norm", LOSS_CASES)
+def test_losses_aggregate_globally_under_any_split(which, agg, token_sum_norm):
+    """Each micro-batch divides by (global agg_count / number of micro-batches); the engine
+    averages over ranks and micro-batches. The result, loss and gradient, equals the full-batch
+    aggregate although the micro-batches hold different numbers of sequences and tokens."""
     mask, rand = _rollout(seed=1)
-    old, adv_or_ret = rand(), rand()
-    current = (old + 0.3 * rand()).requires_grad_(True)
+    # tanh keeps every input in (-1, 1), which bounds the per-token terms below (see tolerance).
+    old, other = rand().tanh(), rand().tanh()
+    current = (old + 0.3 * rand().tanh()).requires_grad_(True)
 
-    def loss_fn(cur, o, a, m, num_tokens=None):
-        if which == "policy":
-            return core.policy_loss(cur, o, a, m, clip_eps=0.2, num_tokens=num_tokens)[0]
-        return core.value_loss(cur, o, a, m, clip_eps=0.2, num_tokens=num_tokens)[0]
+    def loss_fn(cur, o, a, m, divisor=None):
+        if which == "policy":  # a: advantages
+            return core.policy_loss(cur, o, a, m, 0.2, divisor, agg, token_sum_norm)[0]
+        if which == "value":  # a: returns
+            return core.value_loss(cur, o, a, m, 0.2, divisor, agg)[0]
+        return core.kl_loss(cur, o, m, "k3", agg, divisor)[0]  # o: the reference's log-probs
 
-    full = loss_fn(current, old, adv_or_ret, mask)
+    full = loss_fn(current, old, other, mask)
     (full_grad,) = torch.autograd.grad(full, current)
 
     num_micro = len(SPLITS)  # N * s over all fake ranks
-    divisor = mask.sum().item() / num_micro
-    losses = [loss_fn(c, o, a, m, num_tokens=divisor)
-              for c, o, a, m in _split(current, old, adv_or_ret, mask)]
+    divisor = core.agg_count(mask, agg) / num_micro
+    losses = [loss_fn(c, o, a, m, divisor) for c, o, a, m in _split(current, old, other, mask)]
     averaged = torch.stack(losses).mean()  # what the engine's gradient averaging amounts to
     (split_grad,) = torch.autograd.grad(averaged, current)
-    torch.testing.assert_close(averaged, full)
-    torch.testing.assert_close(split_grad, full_grad)
+    # Tolerance: per-token terms are below 10 (|A| * ratio <= e^0.3; 0.5 * (V - R)^2 <= 0.5 * 2.3^2;
+    # k3 <= e^2.3), so a sequence's term is below T * 10 = 60. Both sides add the same n = 48
+    # float64 terms in other orders, each within (n - 1) * u * 60 = 3.1e-13 (u = 2^-53) of the exact
+    # value; a gradient entry is one token's derivative (below 10) scaled by the same divisor up
+    # to a few roundings, within ~1e-14. Hence 1e-12 absolute, and no relative slack.
+    torch.testing.assert_close(averaged, full, rtol=0, atol=1e-12)
+    torch.testing.assert_close(split_grad, full_grad, rtol=0, atol=1e-12)
 
-    # Dividing each micro-batch by its own token count would weight short micro-batches more.
-    local = torch.stack([loss_fn(c, o, a, m)
-                         for c, o, a, m in _split(current, old, adv_or_ret, mask)])
+    # Dividing each micro-batch by its own count would weight short micro-batches more.
+    local = torch.stack([loss_fn(c, o, a, m) for c, o, a, m in _split(current, old, other, mask)])
     assert not torch.allclose(local.mean(), full)
 
 
@@ -210,3 +384,58 @@ def test_loss_metrics_combine_by_token_count():
     tokens = sum(p["num_tokens"] for p in parts)
     weighted = sum(p["clipfrac"] * p["num_tokens"] for p in parts) / tokens
     assert weighted == pytest.approx(full["clipfrac"])
+
+
+def _on_fake_ranks(name, parts):
+    """Run estimator ``name`` on each fake rank's inputs as ranks would: the first pass collects
+    what each rank hands to the all-reduce, the second gives every rank their sum."""
+    sent = []
+    for inputs in parts:
+        core.advantages(name, replace(inputs, sum_over_ranks=lambda x: sent.append(x) or x))
+    total = torch.stack(sent).sum(0)
+    return [core.advantages(name, replace(inputs, sum_over_ranks=lambda x: total))
+            for inputs in parts]
+
+
+@pytest.mark.parametrize("name", ["gae", "reinforce_pp"])
+def test_whitening_estimators_equal_the_full_batch_on_fake_ranks(name):
+    mask, rand = _rollout(seed=4)
+    score = torch.randn(mask.shape[0], dtype=torch.float64)
+    rewards = core.token_rewards(score, core.kl_estimate(rand(), rand(), "k3"), mask, 0.1)
+    full = core.AdvantageInputs(rewards, mask, torch.arange(mask.shape[0]), values=rand(),
+                                gamma=0.99, lam=0.95)
+    adv, ret = core.advantages(name, full)
+    rows = [3, 5]  # two fake ranks holding different numbers of rows and tokens
+    parts = [core.AdvantageInputs(r, m, g, values=v, gamma=0.99, lam=0.95)
+             for r, m, g, v in zip(*(x.split(rows) for x in (rewards, mask, full.group,
+                                                            full.values)))]
+    sharded = _on_fake_ranks(name, parts)
+    # The summed moments differ from the full batch's only by the order of <= 48 float64 additions
+    # (relative error <= 48 * u = 5e-15), and the whitened values of order 1 by a few times that.
+    torch.testing.assert_close(torch.cat([a for a, _ in sharded]), adv, rtol=0, atol=1e-12)
+    torch.testing.assert_close(torch.cat([r for _, r in sharded]), ret, rtol=0, atol=1e-12)
+    # A rank whitening with its own moments gets other numbers: the all-reduce matters.
+    assert not torch.allclose(core.advantages(name, parts[1])[0], adv[3:])
+
+
+def _forbidden_all_reduce(x):
+    raise AssertionError("group estimators must not all-reduce: a group never spans ranks")
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
+def test_group_estimators_per_rank_equal_the_full_batch(name):
+    # Four groups of three with shuffled ids; fake rank 0 holds groups 11 and 4, rank 1 groups 8
+    # and 2, each group whole on its rank but its rows not contiguous.
+    group = torch.tensor([11, 4, 11, 8, 2, 4, 8, 2, 11, 2, 4, 8])
+    mask, rand = _rollout(batch=len(group), seed=5)
+    rewards = rand() * mask
+    adv, ret = core.advantages(name, core.AdvantageInputs(rewards, mask, group))
+    for ids in ([11, 4], [8, 2]):
+        rows = torch.isin(group, torch.tensor(ids))
+        local = core.AdvantageInputs(rewards[rows], mask[rows], group[rows],
+                                     sum_over_ranks=_forbidden_all_reduce)
+        rank_adv, rank_ret = core.advantages(name, local)
+        # The same members in the same order give the same group sums; 1e-12 leaves room for
+        # another summation order (<= 6 terms of order 1, error <= 6 * u).
+        torch.testing.assert_close(rank_adv, adv[rows], rtol=0, atol=1e-12)
+        torch.testing.assert_close(rank_ret, ret[rows], rtol=0, atol=1e-12)
