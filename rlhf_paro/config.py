@@ -605,6 +605,7 @@ class Config:
             raise ConfigError("ppo.mini_batch_size", f"{self.ppo.mini_batch_size} must divide "
                               f"the samples of a step, ppo.rollout_batch_size x rollout.n = "
                               f"{samples}")
+        self.check_micro_batches("actor")  # the critic's, where there is one: algorithms.resolve
         if self.task.prompt_len > self.ppo.max_prompt_len:
             raise ConfigError("task.prompt_len", f"{self.task.prompt_len} exceeds "
                               f"ppo.max_prompt_len={self.ppo.max_prompt_len}")

@@ -62,6 +62,10 @@ def hf_config(role: str, model_cfg: ModelConfig, vocab_size: int) -> Any:
     ``vocab_size`` is the task tokenizer's: an inline config without one gets it, and a model
     whose vocabulary is smaller cannot embed the task's tokens.
     """
+    if model_cfg.path is None and model_cfg.config is None:
+        # A critic before ppo/algorithms.resolve: never fall back to a default-sized model.
+        raise ValueError(f"{role} has no model source (path or config); resolve the config "
+                         "first (ppo/algorithms.resolve)")
     transformers = _transformers()
     if model_cfg.path is not None:
         key = f"{role}.path"
@@ -118,7 +122,8 @@ def check_model_configs(cfg: Config, vocab_sizes: dict[str, int]) -> None:
     built: list[dict[str, Any]] = []
     for role in ROLES:
         model_cfg = cfg.model(role)
-        if model_cfg.function is not None:
+        # A reward function, or a critic a critic-free algorithm never builds (no source).
+        if model_cfg.function is not None or (model_cfg.path is None and model_cfg.config is None):
             continue
         config = hf_config(role, model_cfg, vocab_sizes[role])
         if role == "reward" and model_cfg.path is not None:

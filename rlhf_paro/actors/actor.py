@@ -107,7 +107,8 @@ class ActorWorker(TrainedWorker):
         rollout, ppo, alg = self._rollout, self.cfg.ppo, self.cfg.algorithm
         agg = algorithms.loss_agg_mode(self.cfg)
         # Dr. GRPO divides each sequence's token sum by the response budget, a constant.
-        norm = ppo.max_new_tokens if algorithms.spec(self.cfg).token_sum_norm else None
+        norm = (ppo.max_new_tokens if algorithms.spec(self.cfg).token_sum_norm
+                and agg == "seq_mean_token_sum" else None)
 
         def micro_loss(idx: torch.Tensor, divisor: float) -> tuple[torch.Tensor, dict]:
             rows = {k: v[idx] for k, v in rollout.items()}

@@ -444,18 +444,20 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
 
 
 def kl_loss(logp: Tensor, ref_logp: Tensor, mask: Tensor, kind: str, agg: str = "token_mean",
-            divisor: float | None = None) -> tuple[Tensor, dict[str, float]]:
+            divisor: float | None = None, token_sum_norm: float | None = None
+            ) -> tuple[Tensor, dict[str, float]]:
     """The KL to the reference as a loss term (GRPO's, Shao et al. 2024 eq. 3-4, with any
     registered estimator, k3 there), instead of a penalty in the reward.
 
     logp: (B, T) log-probs under the current policy (with grad, which flows through the
     estimator); ref_logp: (B, T) under the reference. Per token ``kl_estimate(logp, ref_logp,
-    kind)``, reduced by ``aggregate(per_token, mask, agg, divisor)``, so it has that mode's
+    kind)``, reduced by ``aggregate(per_token, mask, agg, divisor, token_sum_norm)`` (as the
+    policy loss it joins), so it has that mode's
     data-parallel invariant; the caller scales it by its coefficient and adds it to the policy
     loss. Metrics: ``kl``, the token-mean over this micro-batch.
     """
     per_token = kl_estimate(logp, ref_logp, kind)
-    loss = aggregate(per_token, mask, agg, divisor)
+    loss = aggregate(per_token, mask, agg, divisor, token_sum_norm)
     with torch.no_grad():
         kl = float(masked_sum(per_token, mask) / mask.sum().clamp(min=1))
     return loss, {"kl": kl}

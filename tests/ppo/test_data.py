@@ -11,6 +11,7 @@ import torch
 from rlhf_paro import models
 from rlhf_paro.config import ConfigError, ModelConfig, load_config
 from rlhf_paro.ppo import data, rewards
+from rlhf_paro.ppo.algorithms import resolve
 from rlhf_paro.ppo.task import join, response_mask
 from tests import dist_utils, hf_assets
 
@@ -114,15 +115,15 @@ def test_command_line_keys_replace_the_confs_competing_keys(assets, tmp_path):
                        f"reward.path={assets['rm']}", f"data.train_files={assets['chat']}"])
     assert cfg.actor.config is None and cfg.ref.path == str(assets["llama"])
     assert cfg.reward.function is None and cfg.data.val_files is None
-    # The critic starts from the reward model, whose score head starts the value head.
-    assert cfg.critic.path == str(assets["rm"])
+    # The critic (PPO's) starts from the reward model, whose score head starts the value head.
+    assert cfg.critic.path is None and resolve(cfg).critic.path == str(assets["rm"])
     # A reward model of another tokenizer than the actor's: the critic starts from the actor.
     cfg = load_config([f"conf={conf}", f"actor.path={assets['gpt2']}",
                        f"reward.path={assets['rm']}"])
-    assert cfg.critic.path == str(assets["rm"])
-    assert data.with_critic_default(cfg).critic.path == str(assets["gpt2"])
+    assert resolve(cfg).critic.path == str(assets["gpt2"])
     cfg = load_config([f"conf={conf}", f"actor.path={assets['llama']}"])
-    assert cfg.reward.function.endswith(":length") and cfg.critic.path == str(assets["llama"])
+    assert cfg.reward.function.endswith(":length")
+    assert resolve(cfg).critic.path == str(assets["llama"])
     cfg = load_config([f"actor.path={assets['llama']}",
                        f"data.train_files={assets['train']},{assets['chat']}"])
     assert data.data_files(cfg.data.train_files) == [str(assets["train"]), str(assets["chat"])]

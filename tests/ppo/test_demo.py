@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlhf_paro.ppo import algorithms
 from rlhf_paro.config import ModelConfig, load_config
 from rlhf_paro.models import build_model
 from rlhf_paro.ppo import data, demo, rewards
@@ -34,7 +35,8 @@ def test_the_conf_points_at_the_demo_through_the_users_keys_and_it_is_cached(mad
     assert cfg.data.val_files == str(root / "val.jsonl")
     assert cfg.reward.score_function.endswith("task.py:counting_score")
     # ref is the SFT'd actor; the critic starts from the reward model (same tokenizer).
-    assert cfg.ref.path == cfg.actor.path and cfg.critic.path == cfg.reward.path
+    assert cfg.ref.path == cfg.actor.path
+    assert algorithms.resolve(cfg).critic.path == cfg.reward.path
     stamp = (root / "meta.json").stat().st_mtime_ns
     again = load_config([f"task.cache_dir={cache}", *SMALL])
     assert again.actor.path == cfg.actor.path and (root / "meta.json").stat().st_mtime_ns == stamp
