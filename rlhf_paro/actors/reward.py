@@ -9,6 +9,7 @@ columns of the prompts' rows; no model is built and no process group joined.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -28,17 +29,19 @@ class RewardWorker(Worker):
         self.tokenizer = data.actor_tokenizer(self.cfg) if files else None
         spec = self.model_cfg.function
         self.function = rewards.load_function(spec) if spec else None
+        self.has_model = self.function is None
         score_spec = self.model_cfg.score_function
         self.score_function = (rewards.load_function(score_spec, "reward.score_function")
                                if score_spec else None)
         # The reward model's own tokenizer, when it differs from the actor's.
-        self.reward_tokenizer = data.reward_tokenizer(self.cfg, self.tokenizer) if files else None
+        self.reward_tokenizer = (data.reward_tokenizer(self.cfg, self.tokenizer)
+                                 if files and self.has_model else None)
         if self.reward_tokenizer is not None:
             self.reward_tokenizer.padding_side = "right"
         self._score_sums = {"count": 0.0, "task_score": 0.0}
 
     def setup(self, master_addr: str, master_port: int) -> None:
-        if self.function is None:
+        if self.has_model:
             super().setup(master_addr, master_port)
 
     @torch.no_grad()
@@ -50,25 +53,37 @@ class RewardWorker(Worker):
         if rows is not None:
             prompts, responses = rows["texts"], self._responses(rollout)
         with self.timed("inference", rollout["sequences"].numel()):
-            if self.function is not None:
-                out = torch.tensor(rewards.call_function(
-                    self.function, self.model_cfg.function, step, prompts, responses,
-                    rows["columns"]))
-            else:  # offload=params: parked again once its one phase of the step is over
+            if self.has_model:  # offload=params: parked again once its one phase is over
                 batch = (rollout if self.reward_tokenizer is None
                          else self._encoded(prompts, responses))
                 with self.on_device():
-                    out = self.in_micro_batches(batch, self.forward)
+                    out, extras = self.in_micro_batches(batch, self.forward), {}
+            else:
+                reward = rewards.call_function(self.function, self.model_cfg.function, step,
+                                               prompts, responses, rows["columns"])
+                out, extras = torch.tensor(reward.scores), reward.extras
         if rows is not None:
-            score = out if self.score_function is None else torch.tensor(rewards.call_function(
-                self.score_function, self.model_cfg.score_function, step, prompts, responses,
-                rows["columns"]))
-            self._score_sums = {"count": float(len(score)), "task_score": float(score.sum())}
+            score = out
+            if self.score_function is not None:
+                scored = rewards.call_function(self.score_function, self.model_cfg.score_function,
+                                               step, prompts, responses, rows["columns"])
+                score, extras = torch.tensor(scored.scores), {**extras, **scored.extras}
+            self._score_sums = _score_sums(score, extras)
         return out
 
     def score_sums(self) -> dict[str, float]:
-        """Count and sum of the score (``reward.score_function``, else the reward) of the last
-        rollout scored."""
+        """Sums over the last rollout scored, for the driver to add up over the ranks and divide:
+
+        - ``count``: its sequences; ``task_score``: the sum of their scores
+          (``reward.score_function``'s, else the reward);
+        - for each extra ``<name>`` that the reward function (or the score function)
+          gave for at least one of them (a name both give: the score function's):
+          ``reward/<name>``, its sum over the sequences that have it, and
+          ``reward/<name>:count``, how many have it. Its mean, logged as
+          ``reward/<name>``, is the sum of the first over the ranks over the sum of the second.
+          Ranks score different sequences, so a rank may lack a name that another has: it
+          counts 0 there.
+        """
         return self._score_sums
 
     def _responses(self, rollout: Batch) -> list[str]:
@@ -95,3 +110,12 @@ class RewardWorker(Worker):
         self._time_s.clear()
         self._tokens = 0
         return report
+
+
+def _score_sums(score: torch.Tensor, extras: dict[str, list[float | None]]) -> dict[str, float]:
+    sums = {"count": float(len(score)), "task_score": float(score.sum())}
+    for name, values in extras.items():
+        present = [v for v in values if v is not None]
+        sums[f"reward/{name}"] = math.fsum(present)
+        sums[f"reward/{name}:count"] = float(len(present))
+    return sums
