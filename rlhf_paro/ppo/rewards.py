@@ -1,23 +1,30 @@
-"""Reward functions: ``reward.function=path/to/file.py:name``, run on the reward workers.
+"""Rewards without a model: a Python function (``reward.function=path/to/file.py:name``, run on
+the reward workers) or a reward server (``reward.url``, ``rlhf_paro/reward_server.py``).
 
 The function is ``name(prompts: list[str], responses: list[str], **columns)``: prompts as the
 model saw them, responses decoded without special tokens, and each other column of the prompts'
 dataset rows as a keyword list of the same length. It returns one item per response, as a list,
 a tuple, or a 1-D numpy array or torch tensor. An item is a real number (not a bool), or a dict
 with a numeric ``score`` and optional named numeric extras (``{"score": 1.0, "has_answer": 1.0}``;
-an extra that is None is absent), logged as ``reward/<name>``. Anything else, a value that is
-not finite, or a function that raises stops the run with ``RewardFunctionError``, one line naming
-the function and the step.
+an extra that is None is absent), logged as ``reward/<name>``. A server answers
+``{"rewards": [items]}`` to a POST of ``{"prompts", "responses", "columns"}`` and its items are
+checked by the same rules. Anything else, a value that is not finite, or a function that raises
+stops the run with ``RewardFunctionError``, one line naming the function or server and the step.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import numbers
 import re
 import sys
+import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
+from http.client import HTTPException
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,12 +32,16 @@ from rlhf_paro.config import ConfigError, _check_function_spec
 
 RewardFunction = Callable[..., Any]
 
+# A reward server gets this many attempts when it cannot be reached or answers 5xx; the wait
+# before the next one starts here and doubles, so a restarting server has about a second.
+SERVER_ATTEMPTS = 3
+RETRY_DELAY_S = 0.25
 # Extras become metric names (``reward/<name>``, ``reward/<name>:count``): no separators in them.
 EXTRA_NAME = re.compile(r"[A-Za-z0-9_]+")
 
 
 class RewardFunctionError(RuntimeError):
-    """A reward function failed at a step; ``str()`` is one line."""
+    """A reward function or server failed at a step; ``str()`` is one line."""
 
 
 @dataclass
@@ -74,8 +85,8 @@ def load_function(spec: str, key: str = "reward.function") -> RewardFunction:
 
 def call_function(fn: RewardFunction, spec: str, step: int | None, prompts: list[str],
                   responses: list[str], columns: dict[str, list[Any]]) -> RewardOutput:
-    """``fn``'s rewards, checked (``check_rewards``). ``step`` None: outside a run, and the
-    errors name no step."""
+    """``fn``'s rewards, checked (``check_rewards``). ``step`` None: outside a run (the reward
+    server), and the errors name no step."""
     where = f"reward function {spec}" + (f" at step {step}" if step is not None else "")
     try:
         out = fn(prompts, responses, **columns)
@@ -121,6 +132,63 @@ def check_rewards(out: Any, num_responses: int, where: str) -> RewardOutput:
             extras.setdefault(name, [None] * num_responses)[i] = _finite(
                 number, f"{where}: item {i}'s {name!r}")
     return RewardOutput(scores, extras)
+
+
+def call_server(url: str, step: int, prompts: list[str], responses: list[str],
+                columns: dict[str, list[Any]], timeout_s: float, token: str | None = None
+                ) -> RewardOutput:
+    """The rewards a reward server at ``url`` answers, checked as a function's are.
+
+    POSTs ``{"prompts", "responses", "columns"}`` as JSON (with ``Authorization: Bearer
+    <token>`` when a token is given) and reads ``{"rewards": [items]}``. An unreachable server
+    or an HTTP 5xx is tried again, ``SERVER_ATTEMPTS`` times in all; any other failure stops at
+    once, a timeout included (a server past its time would most likely be again)."""
+    where = f"reward server {url} at step {step}"
+    try:
+        body = json.dumps({"prompts": prompts, "responses": responses, "columns": columns})
+    except (TypeError, ValueError) as err:
+        raise RewardFunctionError(f"{where}: the prompts' columns do not go as JSON: "
+                                  f"{_described(err)}") from None
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(url, data=body.encode(), headers=headers, method="POST")
+    for attempt in range(1, SERVER_ATTEMPTS + 1):
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+                text = answer.read()
+            break
+        except urllib.error.HTTPError as err:
+            with err:  # the failed answer's connection
+                if err.code in (401, 403):
+                    why = ("refused the token" if token else
+                           "wants a token; set reward.token_env to the variable holding it")
+                    raise RewardFunctionError(f"{where}: HTTP {err.code}: the server {why}"
+                                              ) from None
+                problem = f"HTTP {err.code}: {_error_text(err)}"
+            if err.code < 500:
+                raise RewardFunctionError(f"{where}: {problem}") from None
+        except TimeoutError:
+            raise RewardFunctionError(f"{where}: timed out after {timeout_s:g} s") from None
+        except urllib.error.URLError as err:
+            if isinstance(err.reason, TimeoutError):
+                raise RewardFunctionError(f"{where}: timed out after {timeout_s:g} s") from None
+            problem = f"unreachable ({_one_line(str(err.reason))})"
+        except (HTTPException, OSError) as err:  # the connection broke during the answer
+            problem = f"unreachable ({_described(err)})"
+        if attempt < SERVER_ATTEMPTS:
+            time.sleep(RETRY_DELAY_S * 2 ** (attempt - 1))
+    else:
+        raise RewardFunctionError(f"{where}: {SERVER_ATTEMPTS} attempts failed, the last: "
+                                  f"{problem}")
+    try:
+        answer = json.loads(text)
+    except ValueError as err:
+        raise RewardFunctionError(f"{where}: the answer is not JSON ({err})") from None
+    if not isinstance(answer, dict) or "rewards" not in answer:
+        raise RewardFunctionError(f"{where}: the answer has no 'rewards'; expected "
+                                  '{"rewards": [one item per response]}')
+    return check_rewards(answer["rewards"], len(responses), where)
 
 
 # --- checking items -------------------------------------------------------------------------
@@ -177,3 +245,17 @@ def _one_line(text: str, limit: int = 300) -> str:
 def _described(err: BaseException) -> str:
     message = _one_line(str(err))
     return f"{type(err).__name__}: {message}" if message else type(err).__name__
+
+
+def _error_text(err: urllib.error.HTTPError) -> str:
+    """What a failed answer says: its JSON ``error`` (as ``reward_server`` sends), else its
+    first line, else the status's name."""
+    try:
+        body = err.read(64 * 1024).decode(errors="replace")
+    except (HTTPException, OSError):
+        body = ""
+    try:
+        said = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        said = body
+    return _one_line(str(said or "")) or str(err.reason)
