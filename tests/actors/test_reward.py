@@ -52,11 +52,10 @@ def server(assets):
         server.server_close()
 
 
-def worker(assets, url: str, **reward) -> RewardWorker:
-    cfg = Config(actor=ModelConfig(path=str(assets["llama"])),
-                 reward=ModelConfig(url=url, token_env=TOKEN_ENV, **reward),
-                 data=DataConfig(train_files=str(assets["train"])))
-    return RewardWorker(cfg, "reward", 0, 1)
+def config(assets, url: str, **reward) -> Config:
+    return Config(actor=ModelConfig(path=str(assets["llama"])),
+                  reward=ModelConfig(url=url, token_env=TOKEN_ENV, **reward),
+                  data=DataConfig(train_files=str(assets["train"])))
 
 
 def rollout(assets) -> tuple[dict[str, torch.Tensor], dict]:
@@ -77,7 +76,7 @@ def test_a_server_reward_joins_no_group_and_sums_its_extras_for_the_metrics(asse
                                                                            monkeypatch):
     monkeypatch.setenv(TOKEN_ENV, "tok")
     monkeypatch.setattr(Worker, "setup", lambda *args: pytest.fail("joined a process group"))
-    reward = worker(assets, server)
+    reward = RewardWorker(config(assets, server), "reward", 0, 1)
     reward.setup("127.0.0.1", 29500)
     assert reward.engine is None and not dist.is_initialized()
     batch, rows = rollout(assets)
@@ -91,7 +90,8 @@ def test_a_server_reward_joins_no_group_and_sums_its_extras_for_the_metrics(asse
 def test_the_score_function_gives_task_score_and_its_extras_win_a_shared_name(assets, server,
                                                                               monkeypatch):
     monkeypatch.setenv(TOKEN_ENV, "tok")
-    reward = worker(assets, server, score_function=f"{assets['fns']}:first_word")
+    cfg = config(assets, server, score_function=f"{assets['fns']}:first_word")
+    reward = RewardWorker(cfg, "reward", 0, 1)
     batch, rows = rollout(assets)
     torch.testing.assert_close(reward.score(batch, rows, step=1), torch.tensor([2., 1., 3., 1.]))
     # Two responses start with "c"; every item of the score function says start -1.
@@ -102,9 +102,7 @@ def test_the_score_function_gives_task_score_and_its_extras_win_a_shared_name(as
 def test_a_token_variable_missing_where_the_worker_runs_is_one_config_error(assets, server,
                                                                            monkeypatch):
     monkeypatch.setenv(TOKEN_ENV, "tok")
-    cfg = Config(actor=ModelConfig(path=str(assets["llama"])),
-                 reward=ModelConfig(url=server, token_env=TOKEN_ENV),
-                 data=DataConfig(train_files=str(assets["train"])))
+    cfg = config(assets, server)
     monkeypatch.delenv(TOKEN_ENV)  # set where the run started, not on the worker's node
     with pytest.raises(ConfigError, match=f"^reward.token_env: the environment variable "
                                           f"{TOKEN_ENV} is not set on the reward worker's node"):
