@@ -32,10 +32,12 @@ import dataclasses
 import difflib
 import inspect
 import math
+import os
 import re
 import sys
 import types
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal, NamedTuple
@@ -229,6 +231,15 @@ class ModelConfig:
     # Reward only: ``file.py:name`` like ``function``, logged as ppo/task_score and
     # eval/score_mean and never trained on (None: the reward itself is the score).
     score_function: str | None = None
+    # Reward only: a reward server (http:// or https://) that gets each step's decoded prompts,
+    # responses and columns and answers their rewards (``python -m rlhf_paro.reward_server``);
+    # no model, like ``function``.
+    url: str | None = None
+    # Reward only: seconds the reward server has to answer before the run stops.
+    timeout_s: float = 60.0
+    # Reward only: the NAME of an environment variable holding the reward server's bearer
+    # token; the token itself stays out of the config, which is printed and saved.
+    token_env: str | None = None
 
     def __post_init__(self) -> None:
         _positive("micro_batch_size", self.micro_batch_size)
@@ -246,6 +257,7 @@ class ModelConfig:
                                           "(path or config), not both; unset one with ~")
         for key in ("function", "score_function"):
             _check_function_spec(key, getattr(self, key))
+        _check_reward_server(self)
         if self.tokenizer is not None and not Path(self.tokenizer).expanduser().is_dir():
             raise ConfigError("tokenizer", f"no directory at {self.tokenizer!r}; allowed: a "
                                            "local tokenizer directory, never downloaded")
@@ -265,6 +277,32 @@ def _check_function_spec(key: str, spec: str | None) -> None:
         raise ConfigError(key, f"got {spec!r}; allowed: path/to/file.py:function_name")
     if not Path(file).expanduser().is_file():
         raise ConfigError(key, f"no file {file!r}; allowed: an existing .py file")
+
+
+def _check_reward_server(model: ModelConfig) -> None:
+    if not (math.isfinite(model.timeout_s) and model.timeout_s > 0):
+        raise ConfigError("timeout_s", f"must be a positive number of seconds, got "
+                                       f"{model.timeout_s}")
+    if model.url is None:
+        return
+    try:
+        parts = urllib.parse.urlsplit(model.url)
+        # Reading the port checks it: a port that is not a number fails only then.
+        valid = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+    except ValueError:
+        valid = False
+    if not valid or any(c.isspace() or not c.isprintable() for c in model.url):
+        raise ConfigError("url", f"got {model.url!r}; allowed: an http:// or https:// URL such "
+                                 "as http://127.0.0.1:8000/score")
+    given = [key for key in ("path", "config", "function") if getattr(model, key) is not None]
+    if given:
+        raise ConfigError("url", f"set either url (a reward server) or {' or '.join(given)}, "
+                                 "not both; unset one with ~")
+    # Checked when the run starts, not at the first step: a missing token would stop it there.
+    if model.token_env is not None and not os.environ.get(model.token_env):
+        raise ConfigError("token_env", f"the environment variable {model.token_env} is not set "
+                                       "(or empty); allowed: the name of a variable holding the "
+                                       "reward server's token")
 
 
 # --- the other components -------------------------------------------------------------------------

@@ -127,6 +127,9 @@ def check_inputs(cfg: Config) -> dict[str, int]:
         data.load_prompts(cfg, tokenizer)
         if cfg.data.val_files is not None:
             data.load_prompts(cfg, tokenizer, split="val")
+    elif cfg.reward.url is not None:
+        raise ConfigError("reward.url", "a reward server reads the prompts' text; allowed: with "
+                                        "data.train_files")
     elif cfg.reward.function is not None or cfg.reward.score_function is not None:
         raise ConfigError("reward.function", "a reward function reads the prompts' text; "
                                              "allowed: with data.train_files")

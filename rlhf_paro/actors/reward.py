@@ -1,26 +1,31 @@
-"""The reward: a frozen model with one score per sequence, or a Python function (no model).
+"""The reward: a frozen model with one score per sequence, or, with no model, a Python function
+or a reward server.
 
 A reward model is a Hugging Face sequence classifier with one label (or the task's, trained
 beforehand on preference pairs). When its tokenizer differs from the actor's, each rollout is
 decoded with the actor's tokenizer and encoded again with the reward model's. A reward function
 (``reward.function``, ``ppo/rewards.py``) gets the decoded prompts and responses and the other
-columns of the prompts' rows; no model is built and no process group joined.
+columns of the prompts' rows, and a reward server (``reward.url``) gets them as JSON; then no
+model is built and no process group joined.
 """
 
 from __future__ import annotations
 
+import math
+import os
 from typing import Any
 
 import torch
 
 from rlhf_paro.actors.worker import Batch, Worker, peak_bytes
+from rlhf_paro.config import ConfigError
 from rlhf_paro.metrics import RankReport
 from rlhf_paro.ppo import data, rewards
 
 
 class RewardWorker(Worker):
-    """Scores rollouts with the reward model of ``reward.path`` or the function of
-    ``reward.function``."""
+    """Scores rollouts with the reward model of ``reward.path``, the function of
+    ``reward.function`` or the server at ``reward.url``."""
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -28,17 +33,22 @@ class RewardWorker(Worker):
         self.tokenizer = data.actor_tokenizer(self.cfg) if files else None
         spec = self.model_cfg.function
         self.function = rewards.load_function(spec) if spec else None
+        self.url = self.model_cfg.url
+        # Read here, on the worker's node, so that the token never travels in the config.
+        self.token = _token(self.model_cfg.token_env) if self.url else None
+        self.has_model = self.function is None and self.url is None
         score_spec = self.model_cfg.score_function
         self.score_function = (rewards.load_function(score_spec, "reward.score_function")
                                if score_spec else None)
         # The reward model's own tokenizer, when it differs from the actor's.
-        self.reward_tokenizer = data.reward_tokenizer(self.cfg, self.tokenizer) if files else None
+        self.reward_tokenizer = (data.reward_tokenizer(self.cfg, self.tokenizer)
+                                 if files and self.has_model else None)
         if self.reward_tokenizer is not None:
             self.reward_tokenizer.padding_side = "right"
         self._score_sums = {"count": 0.0, "task_score": 0.0}
 
     def setup(self, master_addr: str, master_port: int) -> None:
-        if self.function is None:
+        if self.has_model:
             super().setup(master_addr, master_port)
 
     @torch.no_grad()
@@ -50,25 +60,45 @@ class RewardWorker(Worker):
         if rows is not None:
             prompts, responses = rows["texts"], self._responses(rollout)
         with self.timed("inference", rollout["sequences"].numel()):
-            if self.function is not None:
-                out = torch.tensor(rewards.call_function(
-                    self.function, self.model_cfg.function, step, prompts, responses,
-                    rows["columns"]))
-            else:  # offload=params: parked again once its one phase of the step is over
+            if self.has_model:  # offload=params: parked again once its one phase is over
                 batch = (rollout if self.reward_tokenizer is None
                          else self._encoded(prompts, responses))
                 with self.on_device():
-                    out = self.in_micro_batches(batch, self.forward)
+                    out, extras = self.in_micro_batches(batch, self.forward), {}
+            else:
+                reward = self._modelless(step, prompts, responses, rows["columns"])
+                out, extras = torch.tensor(reward.scores), reward.extras
         if rows is not None:
-            score = out if self.score_function is None else torch.tensor(rewards.call_function(
-                self.score_function, self.model_cfg.score_function, step, prompts, responses,
-                rows["columns"]))
-            self._score_sums = {"count": float(len(score)), "task_score": float(score.sum())}
+            score = out
+            if self.score_function is not None:
+                scored = rewards.call_function(self.score_function, self.model_cfg.score_function,
+                                               step, prompts, responses, rows["columns"])
+                score, extras = torch.tensor(scored.scores), {**extras, **scored.extras}
+            self._score_sums = _score_sums(score, extras)
         return out
 
+    def _modelless(self, step: int, prompts: list[str], responses: list[str],
+                   columns: dict[str, list[Any]]) -> rewards.RewardOutput:
+        """The reward of ``reward.function`` or of the server at ``reward.url``."""
+        if self.function is not None:
+            return rewards.call_function(self.function, self.model_cfg.function, step, prompts,
+                                         responses, columns)
+        return rewards.call_server(self.url, step, prompts, responses, columns,
+                                   self.model_cfg.timeout_s, self.token)
+
     def score_sums(self) -> dict[str, float]:
-        """Count and sum of the score (``reward.score_function``, else the reward) of the last
-        rollout scored."""
+        """Sums over the last rollout scored, for the driver to add up over the ranks and divide:
+
+        - ``count``: its sequences; ``task_score``: the sum of their scores
+          (``reward.score_function``'s, else the reward);
+        - for each extra ``<name>`` that the reward function or server (or the score function)
+          gave for at least one of them (a name both give: the score function's):
+          ``reward/<name>``, its sum over the sequences that have it, and
+          ``reward/<name>:count``, how many have it. Its mean, logged as
+          ``reward/<name>``, is the sum of the first over the ranks over the sum of the second.
+          Ranks score different sequences, so a rank may lack a name that another has: it
+          counts 0 there.
+        """
         return self._score_sums
 
     def _responses(self, rollout: Batch) -> list[str]:
@@ -95,3 +125,24 @@ class RewardWorker(Worker):
         self._time_s.clear()
         self._tokens = 0
         return report
+
+
+def _token(name: str | None) -> str | None:
+    """The reward server's token from the variable ``reward.token_env`` names (None: no token)."""
+    if name is None:
+        return None
+    token = os.environ.get(name)
+    if not token:
+        raise ConfigError("reward.token_env", f"the environment variable {name} is not set on the "
+                                              "reward worker's node; allowed: set it where the "
+                                              "workers run, as where the run starts")
+    return token
+
+
+def _score_sums(score: torch.Tensor, extras: dict[str, list[float | None]]) -> dict[str, float]:
+    sums = {"count": float(len(score)), "task_score": float(score.sum())}
+    for name, values in extras.items():
+        present = [v for v in values if v is not None]
+        sums[f"reward/{name}"] = math.fsum(present)
+        sums[f"reward/{name}:count"] = float(len(present))
+    return sums

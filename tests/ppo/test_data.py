@@ -139,7 +139,8 @@ def test_reward_function_failures_name_the_function_and_the_step(assets):
     with pytest.raises(rewards.RewardFunctionError, match="at step 3 returned 1 values for 2"):
         rewards.call_function(rewards.load_function(spec), spec, 3, *args)
     spec = f"{assets['fns']}:length"
-    assert rewards.call_function(rewards.load_function(spec), spec, 1, *args) == [1 / 8, 1 / 8]
+    out = rewards.call_function(rewards.load_function(spec), spec, 1, *args)
+    assert out.scores == [1 / 8, 1 / 8] and out.extras == {}
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])

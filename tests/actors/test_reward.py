@@ -1,0 +1,109 @@
+"""A reward worker scoring through a reward server (``reward.url``), in this process: no model,
+no process group, and the extras of the items in ``score_sums``."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rlhf_paro.actors.reward import RewardWorker
+from rlhf_paro.actors.worker import Worker
+from rlhf_paro.config import Config, ConfigError, DataConfig, ModelConfig
+from rlhf_paro.ppo import data, rewards
+from rlhf_paro.reward_server import RewardServer
+from tests import hf_assets
+
+TOKEN_ENV = "RLHF_PARO_TEST_WORKER_TOKEN"
+FUNCTIONS = '''
+def words(prompts, responses, start):
+    # An extra only where the row's start is even: the other items lack it.
+    return [{"score": float(len(r.split())), "start": float(s)} if s % 2 == 0
+            else float(len(r.split())) for r, s in zip(responses, start)]
+
+def first_word(prompts, responses, start):
+    return [{"score": float(r.split()[0] == "c"), "start": -1.0} for r in responses]
+'''
+RESPONSES = [["c", "d"], ["e"], ["f", "g", "h"], ["c"]]
+STARTS = [2, 3, 4, 5]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reward")
+    fns = root / "fns.py"
+    fns.write_text(FUNCTIONS)
+    return {"llama": hf_assets.save_llama(root / "llama", hf_assets.word_tokenizer()),
+            "train": hf_assets.write_prompts(root / "train.jsonl", 8), "fns": fns}
+
+
+@pytest.fixture(scope="module")
+def server(assets):
+    spec = f"{assets['fns']}:words"
+    server = RewardServer(("127.0.0.1", 0), rewards.load_function(spec), spec, "tok")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.url
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def config(assets, url: str, **reward) -> Config:
+    return Config(actor=ModelConfig(path=str(assets["llama"])),
+                  reward=ModelConfig(url=url, token_env=TOKEN_ENV, **reward),
+                  data=DataConfig(train_files=str(assets["train"])))
+
+
+def rollout(assets) -> tuple[dict[str, torch.Tensor], dict]:
+    """Four responses of the words ``RESPONSES``, right-padded, after a two-token prompt."""
+    tokenizer = data.load_tokenizer(str(assets["llama"]))
+    width = max(map(len, RESPONSES))
+    ids = torch.full((len(RESPONSES), width), tokenizer.pad_token_id)
+    mask = torch.zeros_like(ids)
+    for i, words in enumerate(RESPONSES):
+        ids[i, :len(words)] = torch.tensor(tokenizer.convert_tokens_to_ids(words))
+        mask[i, :len(words)] = 1
+    prompt = torch.full((len(RESPONSES), 2), tokenizer.bos_token_id)
+    rows = {"texts": ["count : a b"] * len(RESPONSES), "columns": {"start": STARTS}}
+    return {"sequences": torch.cat([prompt, ids], 1), "action_mask": mask}, rows
+
+
+def test_a_server_reward_joins_no_group_and_sums_its_extras_for_the_metrics(assets, server,
+                                                                           monkeypatch):
+    monkeypatch.setenv(TOKEN_ENV, "tok")
+    monkeypatch.setattr(Worker, "setup", lambda *args: pytest.fail("joined a process group"))
+    reward = RewardWorker(config(assets, server), "reward", 0, 1)
+    reward.setup("127.0.0.1", 29500)
+    assert reward.engine is None and not dist.is_initialized()
+    batch, rows = rollout(assets)
+    torch.testing.assert_close(reward.score(batch, rows, step=2), torch.tensor([2., 1., 3., 1.]))
+    # Starts 2 and 4 are even: those two items carry the extra, the sum of which is 6.
+    assert reward.score_sums() == {"count": 4.0, "task_score": 7.0, "reward/start": 6.0,
+                                   "reward/start:count": 2.0}
+    assert reward.report().time_s["inference"] > 0
+
+
+def test_the_score_function_gives_task_score_and_its_extras_win_a_shared_name(assets, server,
+                                                                              monkeypatch):
+    monkeypatch.setenv(TOKEN_ENV, "tok")
+    cfg = config(assets, server, score_function=f"{assets['fns']}:first_word")
+    reward = RewardWorker(cfg, "reward", 0, 1)
+    batch, rows = rollout(assets)
+    torch.testing.assert_close(reward.score(batch, rows, step=1), torch.tensor([2., 1., 3., 1.]))
+    # Two responses start with "c"; every item of the score function says start -1.
+    assert reward.score_sums() == {"count": 4.0, "task_score": 2.0, "reward/start": -4.0,
+                                   "reward/start:count": 4.0}
+
+
+def test_a_token_variable_missing_where_the_worker_runs_is_one_config_error(assets, server,
+                                                                           monkeypatch):
+    monkeypatch.setenv(TOKEN_ENV, "tok")
+    cfg = config(assets, server)
+    monkeypatch.delenv(TOKEN_ENV)  # set where the run started, not on the worker's node
+    with pytest.raises(ConfigError, match=f"^reward.token_env: the environment variable "
+                                          f"{TOKEN_ENV} is not set on the reward worker's node"):
+        RewardWorker(cfg, "reward", 0, 1)

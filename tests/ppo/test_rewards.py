@@ -1,0 +1,132 @@
+"""What a reward function may return, and the one line that refuses anything else."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from rlhf_paro.config import ConfigError
+from rlhf_paro.ppo import rewards
+from rlhf_paro.ppo.rewards import RewardFunctionError, RewardOutput
+
+SPEC = "my/fns.py:score"
+PROMPTS = ["p0", "p1", "p2", "p3"]
+RESPONSES = ["r0", "r1", "r2", "r3"]
+WHERE = f"reward function {SPEC} at step 7"
+ITEM = "expected a number or a dict with a numeric 'score'"
+
+
+def call(returned):
+    """``call_function`` on a function that returns ``returned`` for the four responses."""
+    return rewards.call_function(lambda prompts, responses, **columns: returned, SPEC, 7,
+                                 PROMPTS, RESPONSES, {"answer": ["a"] * 4})
+
+
+def items(second):
+    """Four items, ``second`` the one at index 1."""
+    return [1.0, second, 1.0, 1.0]
+
+
+REFUSED = [
+    # Before, a dict was read as its keys and a string as its characters: both now refused.
+    ({0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0}, "returned a dict; expected a list of 4 numbers or dicts "
+                                        "with a numeric 'score'"),
+    ("1111", "returned a str; expected a list of 4 numbers"),
+    (None, "returned None; expected a list of 4"),
+    ({1.0, 2.0, 3.0, 4.0}, "returned a set"),  # no order to match the responses by
+    (np.ones((2, 2)), "returned a 2-D ndarray of float64"),
+    (torch.tensor(1.0), "returned a 0-D Tensor of torch.float32"),
+    ([1.0] * 3, "returned 3 values for 4 responses"),
+    (items(None), f": item 1 is None; {ITEM}"),
+    (items(True), f": item 1 is a bool; {ITEM}"),
+    (np.array([True, False, True, True]), f": item 0 is a bool; {ITEM}"),
+    (items(torch.tensor(True)), f": item 1 is a 0-D Tensor of torch.bool; {ITEM}"),
+    (items("0.5"), f": item 1 is a str; {ITEM}"),
+    (items([1.0]), f": item 1 is a list; {ITEM}"),
+    (items(1j), f": item 1 is a complex; {ITEM}"),
+    (items({"value": 1.0}), ": item 1 is a dict without a numeric 'score'"),
+    (items({"score": "1"}), ": item 1 is a dict without a numeric 'score'"),
+    (items({"score": False}), ": item 1 is a dict without a numeric 'score'"),
+    (items({"score": 1.0, "ok": "yes"}), ": item 1's extra 'ok' is a str; expected a number"),
+    (items({"score": 1.0, "a/b": 1.0}), ": item 1 has an extra named 'a/b'; allowed: letters, "
+                                        "digits and _"),
+    (items(math.nan), ": item 1 is not finite (nan)"),
+    (np.array([1.0, 2.0, -np.inf, 0.0]), ": item 2 is not finite (-inf)"),
+    (items(10**400), ": item 1 is not finite (inf)"),
+    (items({"score": math.inf}), ": item 1's score is not finite (inf)"),
+    (items({"score": 1.0, "x": math.nan}), ": item 1's 'x' is not finite (nan)"),
+]
+
+
+@pytest.mark.parametrize("returned, message", REFUSED, ids=range(len(REFUSED)))
+def test_every_refused_return_names_the_function_the_step_and_what_was_wrong(returned, message):
+    with pytest.raises(RewardFunctionError) as err:
+        call(returned)
+    line = str(err.value)
+    assert line.startswith(WHERE) and message in line, line
+    assert "\n" not in line
+
+
+ACCEPTED = [
+    ([1, 0.5, -2, 3.0], [1.0, 0.5, -2.0, 3.0]),
+    ((1, 0.5, -2, 3.0), [1.0, 0.5, -2.0, 3.0]),
+    (np.array([1, 0.5, -2, 3], dtype=np.float32), [1.0, 0.5, -2.0, 3.0]),
+    (np.array([1, 0, -2, 3]), [1.0, 0.0, -2.0, 3.0]),
+    (torch.tensor([1, 0.5, -2, 3], dtype=torch.bfloat16), [1.0, 0.5, -2.0, 3.0]),
+    ([np.float64(1), np.int64(0), torch.tensor(-2.0), torch.tensor(3)], [1.0, 0.0, -2.0, 3.0]),
+]
+
+
+@pytest.mark.parametrize("returned, scores", ACCEPTED, ids=range(len(ACCEPTED)))
+def test_numbers_in_a_list_tuple_array_or_tensor_are_the_scores(returned, scores):
+    out = call(returned)
+    assert out == RewardOutput(scores, {})
+    assert all(type(s) is float for s in out.scores)
+
+
+def test_dicts_give_the_score_and_named_extras_with_none_where_an_item_lacks_one():
+    out = call([{"score": 1, "has_answer": 1.0}, 0.25,
+                {"score": np.float32(0.5), "has_answer": 0, "length": torch.tensor(7)},
+                {"score": -1.0, "has_answer": None}])
+    assert out.scores == [1.0, 0.25, 0.5, -1.0]
+    assert out.extras == {"has_answer": [1.0, None, 0.0, None], "length": [None, None, 7.0, None]}
+    # Back to items (what the reward server answers): an item without extras is a number.
+    assert out.items() == [{"score": 1.0, "has_answer": 1.0}, 0.25,
+                           {"score": 0.5, "has_answer": 0.0, "length": 7.0}, -1.0]
+
+
+def test_a_function_that_raises_is_one_line_with_its_first_line():
+    def broken(prompts, responses, **columns):
+        raise ValueError("no score for you\nand more detail")
+
+    with pytest.raises(RewardFunctionError) as err:
+        rewards.call_function(broken, SPEC, 3, PROMPTS, RESPONSES, {})
+    assert str(err.value) == f"reward function {SPEC} at step 3 raised ValueError: no score for you"
+
+
+def test_a_file_that_exits_or_raises_on_import_is_a_config_error_naming_it(tmp_path):
+    for body, said in [("raise SystemExit(0)", "SystemExit: 0"),
+                       ("import sys\nsys.exit('bye')", "SystemExit: bye"),
+                       ("1 / 0", "ZeroDivisionError: division by zero")]:
+        file = tmp_path / "fails.py"
+        file.write_text(body + "\n\ndef score(prompts, responses):\n    return [1.0]\n")
+        with pytest.raises(ConfigError) as err:
+            rewards.load_function(f"{file}:score")
+        assert str(err.value) == f"reward.function: {file} fails on import: {said}"
+    # Ctrl-C while a file loads still stops the program.
+    file.write_text("raise KeyboardInterrupt\n")
+    with pytest.raises(KeyboardInterrupt):
+        rewards.load_function(f"{file}:score")
+
+
+def test_load_function_checks_the_spec_and_the_name(tmp_path):
+    file = tmp_path / "fns.py"
+    file.write_text("def score(prompts, responses):\n    return [1.0]\n")
+    assert rewards.load_function(f"{file}:score")(["p"], ["r"]) == [1.0]
+    with pytest.raises(ConfigError, match=r"^spec: got 'fns\.py'; allowed: path/to/file\.py:"):
+        rewards.load_function("fns.py", "spec")
+    with pytest.raises(ConfigError, match=r"has no function 'nope'"):
+        rewards.load_function(f"{file}:nope")
