@@ -241,6 +241,11 @@ class ModelConfig:
     # token; the token itself stays out of the config, which is printed and saved.
     token_env: str | None = None
 
+    @property
+    def runs_model(self) -> bool:
+        """False for a reward that is a function or a server: no weights, no engine."""
+        return self.function is None and self.url is None
+
     def __post_init__(self) -> None:
         _positive("micro_batch_size", self.micro_batch_size)
         if self.max_micro_batch_size is not None and \
@@ -622,7 +627,7 @@ class Config:
             # The critic's source depends on the algorithm (a critic-free run has none):
             # ``ppo/algorithms.resolve`` sets it.
             if role != "critic" and model.path is None and model.config is None and \
-                    model.function is None:
+                    model.runs_model:
                 model.path, model.config = self.actor.path, copy.deepcopy(self.actor.config)
             if model.backend == "deepspeed":
                 self._check_deepspeed(role, model)
@@ -661,8 +666,9 @@ class Config:
         if ds.offload_optimizer and role in FROZEN_ROLES:
             raise ConfigError(f"{role}.deepspeed.offload_optimizer", "a frozen model has no "
                                                                      "optimizer; allowed: false")
-        if model.function is not None:
-            raise ConfigError(f"{role}.backend", "a reward function runs no model; allowed: paro")
+        if not model.runs_model:
+            raise ConfigError(f"{role}.backend", "a reward function or server runs no model; "
+                                                 "allowed: paro")
         if model.offload != "none":
             raise ConfigError(f"{role}.offload", "is the PaRO engine's; on backend=deepspeed "
                                                  f"set {role}.deepspeed.offload_optimizer; "
@@ -1004,14 +1010,16 @@ def _apply(cfg: DictConfig, override: Override) -> None:
 def _drop_competing(cfg: DictConfig, given: set[str]) -> None:
     """A key given on the command line replaces the conf's keys that compete with it, so that a
     user's few keys are enough whatever the conf holds: a model's ``path`` drops its inline
-    ``config`` and the other way round (and the reward's ``function``), ``reward.function`` drops
-    the reward model, and ``data.train_files`` drops the conf's ``data.val_files`` (with the
+    ``config`` and the other way round, the reward's ``path``, ``config``, ``function`` and ``url``
+    drop one another, and ``data.train_files`` drops the conf's ``data.val_files`` (with the
     evaluation on them) and ``reward.score_function`` (which reads the conf's prompts) unless
     those are given too."""
     competing = {f"{role}.path": [f"{role}.config"] for role in ROLES}
     competing.update({f"{role}.config": [f"{role}.path"] for role in ROLES})
-    competing["reward.path"] += ["reward.function"]
-    competing["reward.function"] = ["reward.path", "reward.config"]
+    # A reward is a model (path or config), a function or a server (url): one of them.
+    rewards = ("reward.path", "reward.config", "reward.function", "reward.url")
+    for key in rewards:
+        competing[key] = [other for other in rewards if other != key]
     competing["data.train_files"] = ["data.val_files", "reward.score_function"]
     # What goes with a key when it is dropped: no validation files, nothing to evaluate on.
     following = {"data.val_files": ["trainer.eval_every"]}

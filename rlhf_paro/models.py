@@ -122,8 +122,8 @@ def check_model_configs(cfg: Config, vocab_sizes: dict[str, int]) -> None:
     built: list[dict[str, Any]] = []
     for role in ROLES:
         model_cfg = cfg.model(role)
-        # A reward function, or a critic a critic-free algorithm never builds (no source).
-        if model_cfg.function is not None or (model_cfg.path is None and model_cfg.config is None):
+        # A reward function or server, or a critic a critic-free algorithm never builds.
+        if not model_cfg.runs_model or (model_cfg.path is None and model_cfg.config is None):
             continue
         config = hf_config(role, model_cfg, vocab_sizes[role])
         if role == "reward" and model_cfg.path is not None:

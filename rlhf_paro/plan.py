@@ -219,7 +219,7 @@ def _workload(cfg: Config, role: str, units: list, vocab_size: int) -> Workload:
     from rlhf_paro.sharding.steptime import transformer_workload
 
     model_cfg = cfg.model(role)
-    if model_cfg.function is not None:  # a reward function: no model, no FLOPs to speak of
+    if not model_cfg.runs_model:  # a reward function or server: no model, no FLOPs to speak of
         return transformer_workload([], hidden=1, ffn=1, vocab=1, seq_len=1,
                                     precision=model_cfg.precision,
                                     reduce_dtype=model_cfg.reduce_dtype, checkpointing=False)
@@ -286,7 +286,7 @@ def model_plan(cfg: Config, role: str, vocab_size: int) -> ModelPlan:
 
     model_cfg = cfg.model(role)
     # A reward function has no model: it holds and sends nothing.
-    model = (torch.nn.Module() if model_cfg.function is not None else
+    model = (torch.nn.Module() if not model_cfg.runs_model else
              build_model(role, model_cfg, vocab_size, meta=True))
     units = unit_sizes(model)
     num_params = sum(p.numel() for p in model.parameters())

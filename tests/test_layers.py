@@ -49,6 +49,7 @@ LAYERS = {
     "rlhf_paro.cli": 4,
     "rlhf_paro.plan": 4,
     "rlhf_paro.report": 4,
+    "rlhf_paro.reward_server": 4,  # an entry point: serves a reward function
     "rlhf_paro.runs": 4,
 }
 

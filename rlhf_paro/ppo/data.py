@@ -70,7 +70,7 @@ def reward_tokenizer(cfg: Config, actor: Any = None) -> Any | None:
     decoded and encoded again), else None: the reward reads the actor's token ids. ``actor``:
     the actor's tokenizer where the caller has it loaded already."""
     reward = cfg.reward
-    if reward.path is None or reward.function is not None or tokenizer_dir(cfg) is None:
+    if reward.path is None or not reward.runs_model or tokenizer_dir(cfg) is None:
         return None
     if not any((Path(reward.path).expanduser() / f).is_file() for f in TOKENIZER_FILES):
         return None  # a directory without a tokenizer is read with the actor's
