@@ -220,7 +220,7 @@ def _workload(cfg: Config, role: str, units: list, vocab_size: int) -> Workload:
 
     model_cfg = cfg.model(role)
     if not model_cfg.runs_model:  # a reward function or server: no model, no FLOPs to speak of
-        return transformer_workload([], hidden=1, ffn=1, vocab=1, seq_len=1,
+        return transformer_workload(units, hidden=1, ffn=1, vocab=1, seq_len=1,
                                     precision=model_cfg.precision,
                                     reduce_dtype=model_cfg.reduce_dtype, checkpointing=False)
     hf = hf_config(role, model_cfg, vocab_size)

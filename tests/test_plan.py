@@ -303,3 +303,14 @@ def test_rollout_n_multiplies_the_samples_a_step_costs():
             assert (b.seconds, b.intra_bytes, b.inter_bytes) == \
                 (a.seconds, a.intra_bytes, a.inter_bytes)
             assert b.seconds > c.seconds  # n counts: twice the samples take longer
+
+
+def test_a_reward_function_is_planned_as_a_model_that_holds_and_sends_nothing(tmp_path):
+    # conf=grpo_tiny's shape: the reward is a rule, not a model.
+    (tmp_path / "rule.py").write_text("def score(prompts, responses):\n    return [1.0]\n")
+    cfg = load_config([*GRPO, f"reward.function={tmp_path / 'rule.py'}:score",
+                       "data.train_files=null"])
+    reward = make_plan(cfg, vocab_sizes=VOCAB).models["reward"]
+    assert reward.num_params == 0
+    assert all(o.memory_bytes == 0 and o.intra_bytes == o.inter_bytes == 0
+               for o in reward.options)

@@ -1,21 +1,26 @@
 """GRPO through the command line a user runs: three models (no critic anywhere), several samples
-per prompt, and a kill and resume that continue exactly.
+per prompt, a kill and resume that continue exactly, and the reward from a server.
 
     straight   conf=grpo_tiny, 4 steps from scratch, a checkpoint every 2 steps
     killed     the same in its own directory; actor rank 1 is SIGKILLed once step 2 is logged
     resumed    trainer.resume=auto in killed's directory: goes on from its step_2 to step 4
+    served     2 steps with reward.url: the reference server on loopback runs the conf's
+               reward function, with a bearer token
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import select
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from rlhf_paro.actors import checkpoint
+from rlhf_paro.config import load_config
 from rlhf_paro.metrics import required_keys
 from tests.test_trainer import MARK, Run, _compared, _train
 
@@ -29,6 +34,7 @@ SMALL = ["conf=grpo_tiny", f"cluster.num_devices={N}", "cluster.group_size=1",
          "ppo.mini_batch_size=16", "actor.micro_batch_size=4", "ref.micro_batch_size=8",
          "trainer.eval_every=0", "trainer.save_every=2"]
 ROLES = ("actor", "reward", "ref")
+TOKEN_ENV = "RLHF_PARO_TEST_REWARD_TOKEN"
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +46,22 @@ def runs(tmp_path_factory) -> dict[str, Run]:
     assert straight.returncode == 0, straight.stderr
     killed = _train(root / "killed", *SMALL, "trainer.steps=4", cache=cache, kill_after_step=2)
     resumed = _train(root / "killed", *SMALL, "trainer.steps=4", cache=cache)
-    return {"straight": straight, "killed": killed, "resumed": resumed}
+    # The conf's reward function (the demo's score), served over HTTP on loopback.
+    spec = load_config([*SMALL, f"task.cache_dir={cache}"]).reward.function
+    os.environ[TOKEN_ENV] = "grpo-test-token"  # the run's processes inherit it
+    with subprocess.Popen([sys.executable, "-m", "rlhf_paro.reward_server", spec, "--port", "0",
+                           "--token-env", TOKEN_ENV], stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            ready, _, _ = select.select([proc.stdout], [], [], 60)
+            url = re.search(r" at (http://127\.0\.0\.1:\d+/score),",
+                            proc.stdout.readline() if ready else "")
+            assert url, proc.poll()
+            served = _train(root / "served", *SMALL, "trainer.steps=2", f"reward.url={url[1]}",
+                            f"reward.token_env={TOKEN_ENV}", cache=cache)
+        finally:
+            proc.kill()
+            os.environ.pop(TOKEN_ENV)
+    return {"straight": straight, "killed": killed, "resumed": resumed, "served": served}
 
 
 def _critic_processes(mark: str) -> list[str]:
@@ -82,4 +103,14 @@ def test_a_killed_grpo_run_resumes_exactly(runs):
     for step in range(4):
         expected, got = _compared(straight.rows[step]), _compared(resumed.rows[step])
         assert set(got) == set(expected) and "ppo/kl" in got
+        assert got == pytest.approx(expected, rel=1e-6, abs=0), step
+
+
+def test_a_reward_server_gives_the_run_of_the_same_function_in_process(runs):
+    straight, served = runs["straight"], runs["served"]
+    assert served.returncode == 0, served.stderr
+    assert [r["step"] for r in served.rows] == [0, 1]
+    # Same seed, same scores: the same arithmetic as the in-process function's run.
+    for step in range(2):
+        expected, got = _compared(straight.rows[step]), _compared(served.rows[step])
         assert got == pytest.approx(expected, rel=1e-6, abs=0), step
