@@ -427,7 +427,7 @@ class AlgorithmConfig:
     # gae (PPO with a critic), grpo, dr_grpo, rloo or reinforce_pp (critic-free).
     adv_estimator: str = "gae"
     kl_estimator: str = "k1"  # per-token KL estimator against ref: k1, k2 or k3
-    # KL coefficient (the start value when adaptive); 0 with kl_in_loss off: no ref model.
+    # KL coefficient (the start value when adaptive); 0: no KL anywhere and no ref model.
     kl_coef: float = 0.05
     # The KL as a loss term of the actor (GRPO) instead of a penalty in the token rewards.
     kl_in_loss: bool = False

@@ -16,7 +16,7 @@ import yaml
 from rlhf_paro import plan, train
 from rlhf_paro.cli import _leaves
 from rlhf_paro.config import load_config
-from tests.confs import INLINE
+from tests.confs import INLINE, TINY_MODEL
 
 
 @pytest.fixture
@@ -160,3 +160,44 @@ def test_good_overrides_still_reach_the_run(jobs, capsys, good):
     train.main(good)
     assert len(jobs) == 1 and jobs[0].actor.strategy != "auto"
     assert capsys.readouterr().err == ""
+
+
+# --- algorithms: combinations the math cannot run ------------------------------------------------
+
+@pytest.mark.parametrize("bad, key, says", [
+    (["conf=grpo_tiny", "critic.config={hidden_size: 8}"], "critic", "trains no critic"),
+    (["algorithm.adv_estimator=rloo", "rollout.n=2", "critic.config={hidden_size: 8}"], "critic",
+     "trains no critic"),
+    (["conf=grpo_tiny", "rollout.n=1", "ppo.mini_batch_size=16"], "rollout.n",
+     "allowed: 2 or more, got 1"),
+    (["algorithm.adv_estimator=ppo2"], "algorithm.adv_estimator", "allowed: gae, "),
+    (["algorithm.kl_estimator=k9"], "algorithm.kl_estimator", "allowed: k1, k2, k3"),
+    (["algorithm.loss_agg_mode=seq_sum"], "algorithm.loss_agg_mode", "token_mean"),
+    (["conf=grpo_tiny", "algorithm.adaptive_kl=true"], "algorithm.adaptive_kl", "allowed: false"),
+])
+def test_an_algorithm_that_cannot_run_exits_2_with_one_line_naming_the_key(jobs, capsys,
+                                                                          tmp_path, bad, key,
+                                                                          says):
+    with pytest.raises(SystemExit) as info:
+        train.main([f"trainer.output_dir={tmp_path / 'out'}", *INLINE, *bad])
+    stderr = capsys.readouterr().err
+    assert info.value.code == 2 and stderr.count("\n") == 1, stderr
+    assert stderr.startswith(f"error: {key}: ") and says in stderr, stderr
+    assert jobs == [] and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("extra, roles", [
+    ([], ("actor", "reward", "ref")),
+    # The conf's KL is a loss term; kl_coef=0 drops it and the reference with it.
+    (["algorithm.kl_coef=0"], ("actor", "reward")),
+    (["algorithm.adv_estimator=gae", "rollout.n=1", "ppo.mini_batch_size=16",
+      "reward.function=null", f"reward.config={TINY_MODEL}"],
+     ("actor", "critic", "reward", "ref")),
+])
+def test_grpo_tiny_reaches_the_run_with_the_models_its_algorithm_needs(jobs, capsys, extra,
+                                                                        roles):
+    from rlhf_paro.ppo import algorithms
+
+    train.main(["conf=grpo_tiny", *INLINE, *extra])
+    assert capsys.readouterr().err == ""
+    assert len(jobs) == 1 and algorithms.roles(jobs[0]) == roles

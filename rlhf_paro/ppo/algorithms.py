@@ -99,10 +99,6 @@ def resolve(cfg: Config) -> Config:
     if alg.loss_agg_mode is not None and alg.loss_agg_mode not in core.LOSS_AGG_MODES:
         raise ConfigError("algorithm.loss_agg_mode", f"got {alg.loss_agg_mode!r}; allowed: "
                                                      f"null, {', '.join(core.LOSS_AGG_MODES)}")
-    if alg.kl_in_loss and alg.kl_coef == 0:
-        raise ConfigError("algorithm.kl_in_loss", "a KL loss term with algorithm.kl_coef=0 "
-                                                  "adds nothing; allowed: kl_coef > 0, or "
-                                                  "kl_in_loss=false")
     if alg.kl_in_loss and alg.adaptive_kl:
         raise ConfigError("algorithm.adaptive_kl", "the adaptive controller steers the KL "
                                                    "penalty in the reward; allowed: false with "
