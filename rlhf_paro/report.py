@@ -90,7 +90,7 @@ def figure(rows: list[dict], run: dict) -> plt.Figure:
     fig.suptitle(_title(run, rows), fontsize=13, fontweight="bold", x=0.05, ha="left")
     fig.text(0.05, 0.925, _subtitle(run, rows, roles), fontsize=9.5, color="#444", ha="left")
 
-    _learning(fig.add_subplot(grid[0, 0]), rows, steps, window)
+    _learning(fig.add_subplot(grid[0, 0]), rows, steps, window, _reward_label(run))
     _kl(fig.add_subplot(grid[0, 1]), rows, steps)
     _timing(fig.add_subplot(grid[0, 2]), rows, steps)
     _throughput(fig.add_subplot(grid[1, 0]), rows, steps, run, window, roles)
@@ -101,7 +101,9 @@ def figure(rows: list[dict], run: dict) -> plt.Figure:
 
 def _title(run: dict, rows: list[dict]) -> str:
     name = run.get("name") or "rlhf_paro run"
-    return f"{name}: PPO, {len(rows)} steps"
+    # gae is PPO; a critic-free estimator is named as the run names it (GRPO, RLOO, ...).
+    algorithm = run.get("algorithm", "gae")
+    return f"{name}: {'PPO' if algorithm == 'gae' else algorithm.upper()}, {len(rows)} steps"
 
 
 def _subtitle(run: dict, rows: list[dict], roles: tuple[str, ...]) -> str:
@@ -116,21 +118,28 @@ def _subtitle(run: dict, rows: list[dict], roles: tuple[str, ...]) -> str:
     return "   |   ".join(parts)
 
 
-def _learning(ax, rows, steps, window) -> None:
+def _reward_label(run: dict) -> str:
+    """What the reward is: a model's score, or a function's or server's (no model)."""
+    reward = run.get("config", {}).get("reward", {})
+    model = reward.get("path") is not None or reward.get("config") is not None
+    return "reward model score" if model or not reward else "reward"
+
+
+def _learning(ax, rows, steps, window, reward_label) -> None:
     score = _series(rows, "ppo/task_score")
     ax.plot(steps, score, color="#3b6fb6", alpha=0.3, lw=1)
     ax.plot(steps, smooth(score, window), color="#3b6fb6", lw=2.2, label="task score (ground truth)")
     ax.set_ylabel("task score", color="#3b6fb6")
-    ax.set_xlabel("PPO step")
+    ax.set_xlabel("step")
     twin = ax.twinx()
     reward = _series(rows, "ppo/reward_mean")
     twin.plot(steps, reward, color="#e07b39", alpha=0.3, lw=1)
-    twin.plot(steps, smooth(reward, window), color="#e07b39", lw=2.2, label="reward model score")
+    twin.plot(steps, smooth(reward, window), color="#e07b39", lw=2.2, label=reward_label)
     evaluated = _series(rows, "eval/reward_mean")
     if np.isfinite(evaluated).any():
         # Evaluation runs every trainer.eval_every steps: points, not a line through the gaps.
         twin.plot(steps, evaluated, "o", color="#55a868", ms=4, label="eval reward (greedy)")
-    twin.set_ylabel("reward model score", color="#e07b39")
+    twin.set_ylabel(reward_label, color="#e07b39")
     twin.spines["right"].set_visible(True)
     first, last = np.nanmean(score[:window]), np.nanmean(score[-window:])
     ax.set_title(f"Learning: task score {first:.3f} \u2192 {last:.3f}")
@@ -153,7 +162,7 @@ def _kl(ax, rows, steps) -> None:
     ax.plot(steps, kl, color="#c44e52", lw=1.8,
             label="KL(policy || ref)" + (f", coefficient fixed at {coef[0]:g}" if fixed else ""))
     ax.set_ylabel("KL per response (nats)", color="#c44e52")
-    ax.set_xlabel("PPO step")
+    ax.set_xlabel("step")
     lines = ax.get_lines()
     if not fixed:  # an adaptive coefficient gets its own axis
         twin = ax.twinx()
@@ -172,7 +181,7 @@ def _timing(ax, rows, steps) -> None:
     rate = np.nanmean(_series(rows, "perf/samples_per_s"))
     ax.set_title(f"Time per step ({rate:.1f} samples/s on average)")
     ax.set_ylabel("seconds")
-    ax.set_xlabel("PPO step")
+    ax.set_xlabel("step")
     ax.legend(loc="upper right", frameon=False, ncol=3)
     ax.grid(alpha=0.25)
 
@@ -186,7 +195,7 @@ def _throughput(ax, rows, steps, run, window, roles) -> None:
     low, high = ax.get_ylim()
     ax.set_ylim(low / 8, high)  # room for the legend below the curves
     ax.set_title("Throughput per model (tokens/s, all ranks)")
-    ax.set_xlabel("PPO step")
+    ax.set_xlabel("step")
     ax.legend(loc="lower center", frameon=False, ncol=2, title="model (strategy): mean tokens/s",
               fontsize=8.5, title_fontsize=8.5)
     ax.grid(alpha=0.25, which="both")

@@ -57,6 +57,24 @@ def test_a_run_without_critic_or_ref_draws_only_its_models(tmp_path, roles):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("algorithm, reward, title, label", [
+    ("gae", {"path": "rm", "function": None}, "t: PPO, 6 steps", "reward model score"),
+    ("grpo", {"path": None, "config": None, "function": "f.py:score"}, "t: GRPO, 6 steps",
+     "reward"),
+])
+def test_the_title_names_the_algorithm_and_the_legend_what_the_reward_is(tmp_path, algorithm,
+                                                                          reward, title, label):
+    _write_run(tmp_path / "run", roles=("actor", "reward", "ref"))
+    rows = read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))
+    run = {**json.loads((tmp_path / "run" / "run.json").read_text()), "algorithm": algorithm,
+           "config": {"reward": reward}}
+    fig = figure(rows, run)
+    texts = [t.get_text() for t in fig.findobj(Text)]
+    plt.close(fig)
+    assert title in texts and label in texts
+    assert ("reward model score" in texts) == (label == "reward model score")
+
+
 def test_human_bytes():
     assert human_bytes(0) == "0 B"
     assert human_bytes(1500) == "1.5 KB"
