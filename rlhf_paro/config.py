@@ -220,6 +220,9 @@ class ModelConfig:
     # keeps micro_batch_size.
     max_micro_batch_size: int | None = None
     gradient_checkpointing: bool = False  # recompute block activations in the backward pass
+    # Forward and backward on the real tokens only, a micro-batch's sequences packed into one
+    # row (docs/design.md, "Batching"); null: packed wherever the architecture supports it.
+    packing: bool | None = None
     lora: LoraConfig = field(default_factory=LoraConfig)
     # Actor only: a local tokenizer directory (None: the actor's path); AutoTokenizer loads it.
     tokenizer: str | None = None

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from rlhf_paro import weights
+from rlhf_paro import batching, weights
 from rlhf_paro.config import FROZEN_ROLES, ROLES, Config, ConfigError, ModelConfig, coerce
 from rlhf_paro.sharding import TensorFiles
 
@@ -126,6 +126,10 @@ def check_model_configs(cfg: Config, vocab_sizes: dict[str, int]) -> None:
         if not model_cfg.runs_model or (model_cfg.path is None and model_cfg.config is None):
             continue
         config = hf_config(role, model_cfg, vocab_sizes[role])
+        if model_cfg.packing and not packs(model_cfg, config.model_type):
+            raise ConfigError(f"{role}.packing", f"model type {config.model_type!r} does not "
+                              "read packed sequences; allowed: false, or null (packed where "
+                              f"supported: {', '.join(batching.PACKED_MODEL_TYPES)})")
         if role == "reward" and model_cfg.path is not None:
             check_reward_directory(model_cfg.path, config)
         if model_cfg.config is None or model_cfg.config in built:
@@ -136,6 +140,14 @@ def check_model_configs(cfg: Config, vocab_sizes: dict[str, int]) -> None:
                 _transformers().AutoModelForCausalLM.from_config(config)
         except Exception as err:
             raise _rejected(f"{role}.config", "no model can be built from it", err) from None
+
+
+def packs(model_cfg: ModelConfig, model_type: str) -> bool:
+    """Whether the model runs its forwards packed: ``packing``, where null means wherever its
+    architecture reads packed sequences (``batching.PACKED_MODEL_TYPES``)."""
+    if model_cfg.packing is False:
+        return False
+    return model_type in batching.PACKED_MODEL_TYPES
 
 
 def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -152,9 +164,14 @@ class CausalLM(nn.Module):
         self.lm = lm  # Hugging Face *ForCausalLM, or a PEFT model around one
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                response_len: int | None = None, temperature: float = 1.0) -> torch.Tensor:
+                response_len: int | None = None, temperature: float = 1.0,
+                packed: bool = False) -> torch.Tensor:
         """(B, T) tokens -> (B, response_len) float32 log-probs of the last ``response_len`` tokens
-        under ``softmax(logits / temperature)``, or (B, T, V) logits if ``response_len`` is None."""
+        under ``softmax(logits / temperature)``, or (B, T, V) logits if ``response_len`` is None.
+        ``packed``: the model runs on the real tokens only (``batching``); the log-probs come
+        back in the same layout, 0 where the response is padding."""
+        if packed and response_len is not None:
+            return self._packed_logprobs(input_ids, attention_mask, response_len, temperature)
         position_ids = _position_ids(attention_mask)
         if response_len is None:
             return self.lm(input_ids=input_ids, attention_mask=attention_mask,
@@ -167,6 +184,20 @@ class CausalLM(nn.Module):
         targets = input_ids[:, -response_len:]
         picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         return picked - logits.logsumexp(-1)
+
+    def _packed_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         response_len: int, temperature: float) -> torch.Tensor:
+        rows = batching.pack(input_ids, attention_mask)
+        index, row, col = batching.response_predictors(rows, response_len)
+        # The LM head runs only where a response token is predicted (a 1-D logits_to_keep).
+        logits = self.lm(input_ids=rows.input_ids, position_ids=rows.position_ids,
+                         use_cache=False, logits_to_keep=index).logits[0]
+        logits = logits.float() / temperature
+        targets = rows.input_ids[0, index + 1]
+        picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        out = logits.new_zeros(input_ids.shape[0], response_len)
+        out[row, col] = picked - logits.logsumexp(-1)
+        return out
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -185,9 +216,13 @@ class ValueModel(nn.Module):
         self.per_token = per_token
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                response_len: int | None = None) -> torch.Tensor:
+                response_len: int | None = None, packed: bool = False) -> torch.Tensor:
         """Critic: (B, response_len) values of the states before each of the last
-        ``response_len`` tokens ((B, T) without it). Reward: (B,) score at the last valid token."""
+        ``response_len`` tokens ((B, T) without it). Reward: (B,) score at the last valid token.
+        ``packed``: the model runs on the real tokens only (``batching``); per-token values come
+        back in the same layout, 0 at padding."""
+        if packed:
+            return self._packed_values(input_ids, attention_mask, response_len)
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
                                position_ids=_position_ids(attention_mask),
                                use_cache=False).last_hidden_state
@@ -197,6 +232,17 @@ class ValueModel(nn.Module):
         positions = torch.arange(values.shape[1], device=values.device)
         last = (attention_mask.long() * positions).argmax(-1)
         return values[torch.arange(values.shape[0], device=values.device), last]
+
+    def _packed_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       response_len: int | None) -> torch.Tensor:
+        rows = batching.pack(input_ids, attention_mask)
+        hidden = self.backbone(input_ids=rows.input_ids, position_ids=rows.position_ids,
+                               use_cache=False).last_hidden_state[0]
+        values = self.value_head(hidden).squeeze(-1).float()
+        if not self.per_token:
+            return values[batching.last_tokens(rows)]
+        values = batching.unpack(values, rows)
+        return values if response_len is None else values[:, -response_len - 1:-1]
 
 
 def _with_lora(module: nn.Module, model_cfg: ModelConfig) -> nn.Module:

@@ -168,7 +168,8 @@ def test_good_overrides_still_reach_the_run(jobs, capsys, good):
     (["conf=grpo_tiny", "critic.config={hidden_size: 8}"], "critic", "trains no critic"),
     (["algorithm.adv_estimator=rloo", "rollout.n=2", "critic.config={hidden_size: 8}"], "critic",
      "trains no critic"),
-    (["conf=grpo_tiny", "rollout.n=1", "ppo.mini_batch_size=16"], "rollout.n",
+    (["conf=grpo_tiny", "rollout.n=1", "ppo.mini_batch_size=16", "actor.micro_batch_size=4"],
+     "rollout.n",
      "allowed: 2 or more, got 1"),
     (["algorithm.adv_estimator=ppo2"], "algorithm.adv_estimator", "allowed: gae, "),
     (["algorithm.kl_estimator=k9"], "algorithm.kl_estimator", "allowed: k1, k2, k3"),
@@ -191,6 +192,7 @@ def test_an_algorithm_that_cannot_run_exits_2_with_one_line_naming_the_key(jobs,
     # The conf's KL is a loss term; kl_coef=0 drops it and the reference with it.
     (["algorithm.kl_coef=0"], ("actor", "reward")),
     (["algorithm.adv_estimator=gae", "rollout.n=1", "ppo.mini_batch_size=16",
+      "actor.micro_batch_size=4",
       "reward.function=null", f"reward.config={TINY_MODEL}"],
      ("actor", "critic", "reward", "ref")),
 ])
@@ -201,3 +203,18 @@ def test_grpo_tiny_reaches_the_run_with_the_models_its_algorithm_needs(jobs, cap
     train.main(["conf=grpo_tiny", *INLINE, *extra])
     assert capsys.readouterr().err == ""
     assert len(jobs) == 1 and algorithms.roles(jobs[0]) == roles
+
+
+def test_packing_on_an_architecture_that_cannot_pack_is_one_line_naming_the_model_type(
+        jobs, capsys, tmp_path):
+    opt = ("{model_type: opt, hidden_size: 32, ffn_dim: 64, num_hidden_layers: 2, "
+           "num_attention_heads: 4, word_embed_proj_dim: 32, max_position_embeddings: 64}")
+    with pytest.raises(SystemExit) as info:
+        train.main([f"trainer.output_dir={tmp_path / 'out'}", *INLINE, f"ref.config={opt}",
+                    "ref.packing=true"])
+    stderr = capsys.readouterr().err
+    assert info.value.code == 2 and stderr.count("\n") == 1, stderr
+    assert stderr.startswith("error: ref.packing: model type 'opt' does not read packed"), stderr
+    # Left to the default, the same model runs padded.
+    train.main([*INLINE, f"ref.config={opt}"])
+    assert len(jobs) == 1 and capsys.readouterr().err == ""

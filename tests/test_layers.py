@@ -40,6 +40,7 @@ LAYERS = {
     "rlhf_paro.sharding": 1,
     "rlhf_paro.config": 2,
     "rlhf_paro.models": 2,
+    "rlhf_paro.batching": 2,  # the rollout's layout and the packed one (pure torch)
     "rlhf_paro.weights": 2,
     "rlhf_paro.metrics": 2,
     "rlhf_paro.ppo": 2,

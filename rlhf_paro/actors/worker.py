@@ -66,6 +66,7 @@ class Worker:
             # over the cores and every collective waits for a descheduled rank.
             torch.set_num_threads(1)
         self.engine: Any = None
+        self.packed = False  # forwards on packed real tokens (set at setup from the model type)
         self._time_s: dict[str, float] = defaultdict(float)  # role phase -> seconds, this step
         self._tokens = 0  # tokens through the model, this step
 
@@ -91,6 +92,9 @@ class Worker:
         # Built from the same seed on every rank (and ref from the actor's): identical weights.
         # The engine fills the shards on this device unit by unit: no whole copy lands there.
         vocab_size = data.vocab_sizes(self.cfg)[self.role]
+        # Every forward on the real tokens only, where the architecture allows (``batching``).
+        self.packed = models.packs(self.model_cfg, models.hf_config(
+            self.role, self.model_cfg, vocab_size).model_type)
         if self.model_cfg.backend == "deepspeed":
             self.engine = self._deepspeed_engine(topology, vocab_size)
         else:
@@ -229,7 +233,8 @@ class Worker:
         """The model's forward on rows of a rollout (log-probs, values or scores)."""
         self.engine.module.train(train)
         return self.engine(input_ids=batch["sequences"].to(self.device),
-                           attention_mask=batch["attention_mask"].to(self.device), **kwargs)
+                           attention_mask=batch["attention_mask"].to(self.device),
+                           packed=self.packed, **kwargs)
 
 
 class TrainedWorker(Worker):
