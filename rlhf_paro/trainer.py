@@ -15,9 +15,10 @@ A rank's rollout goes from its actor straight to the ref, critic and reward rank
 device; the driver only sees object references and a few sums.
 
 Every ``trainer.save_every`` steps the run is checkpointed (``actors/checkpoint.py``), and a run
-starts from the checkpoint ``trainer.resume`` names. Whatever stops a run (a worker that dies or
-raises, Ctrl-C, too many skipped optimizer steps) comes out of ``fit`` as one ``RunError`` that
-names the model, the rank, the step and the checkpoint to resume from.
+starts from the checkpoint ``trainer.resume`` names. Whatever stops a run (a worker that dies,
+raises or does not answer within ``trainer.step_timeout_s``, Ctrl-C, SIGTERM, too many skipped
+optimizer steps) comes out of ``fit`` as one ``RunError`` that names the model, the rank, the
+step and the checkpoint to resume from.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from rlhf_paro.actors import checkpoint
 from rlhf_paro.actors.actor import ActorWorker
 from rlhf_paro.actors.critic import CriticWorker
 from rlhf_paro.actors.group import (
-    ModelGroup, WorkerError, get, init_ray, make_placement_group, missing_devices,
+    Call, ModelGroup, NoAnswerError, WorkerError, get, init_ray, make_placement_group,
+    missing_devices,
 )
 from rlhf_paro.actors.ref import RefWorker
 from rlhf_paro.actors.reward import RewardWorker
@@ -76,11 +78,16 @@ class PPOTrainer:
             raise ConfigError("cluster.num_devices", problem)
         self.cfg = cfg
         self.placement, bundles = make_placement_group(num_devices, use_gpu)
+        # Every model's calls since the last step's were done, in the order issued: what a
+        # worker that does not answer is traced back to (actors/group.py, get).
+        self.issued: list[Call] = []
+        self.pids: dict[str, list[int]] = {}  # each model's process id per rank
         self.models = {role: ModelGroup(WORKERS[role], role, cfg, self.placement, bundles,
-                                        use_gpu)
+                                        use_gpu, self.issued)
                        for role in algorithms.roles(cfg)}
         # The models join their process groups and build their engines at once.
         self.pids = self.wait(**{role: group.rendezvous() for role, group in self.models.items()})
+        self.issued.clear()
         # From data.train_files, or made by the task.
         self.prompts = runs.Prompts(cfg, task_from_config(cfg))
         alg = cfg.algorithm
@@ -91,12 +98,26 @@ class PPOTrainer:
         self.skip_runs: dict[str, int] = {}
         self.start_step = 0  # steps done before this run: a resumed checkpoint's
         self.wandb_id: str | None = None  # the wandb run this run logs to, kept in checkpoints
+        # SIGTERM's request (request_stop): stop after the step in progress.
+        self.stop_requested = False
+        self._in_steps = False  # fit's steps are running: a stop can wait for a safe point
         self.resumed_from = self._resume()  # the checkpoint this run started from, if any
 
     def wait(self, **calls: list[ray.ObjectRef]) -> dict[str, list[Any]]:
         """The results of each model's calls (``model=refs``); a worker that dies or raises
-        is a ``WorkerError`` at once (``actors/group.py``, ``get``)."""
-        return get(calls, {role: group.workers for role, group in self.models.items()})
+        is a ``WorkerError`` at once, one that does not answer within
+        ``trainer.step_timeout_s`` a ``NoAnswerError`` (``actors/group.py``, ``get``)."""
+        return get(calls, {role: group.workers for role, group in self.models.items()},
+                   self.cfg.trainer.step_timeout_s, self.issued, self.pids)
+
+    def request_stop(self) -> bool:
+        """Ask the run to stop at its next safe point: after the step in progress and the
+        checkpoint it is writing (SIGTERM, as a scheduler sends before it preempts a job).
+        False when no step is running, so there is no safe point to wait for."""
+        if not self._in_steps:
+            return False
+        self.stop_requested = True
+        return True
 
     def fit(self) -> str:
         """Run the steps from ``start_step`` to ``trainer.steps``, logging each and saving
@@ -114,6 +135,7 @@ class PPOTrainer:
         # Which process is which worker, for ps, a debugger, or a test that kills one.
         with open(Path(trainer.output_dir) / "workers.json", "w") as f:
             json.dump(self.pids, f)
+        self._in_steps = True
         try:
             for step in range(self.start_step, trainer.steps):
                 with self._stops_at(step):
@@ -135,11 +157,25 @@ class PPOTrainer:
                         f"{role} skipped {n} optimizer step{'s' * (n > 1)} in a row (non-finite "
                         f"loss or gradient norm) at step {step}, more than "
                         f"trainer.max_skipped_steps={trainer.max_skipped_steps}")
+                if self.stop_requested:
+                    raise self._preempted(step)
             with self._stops_at(trainer.steps):
                 runs.export(self.models, trainer.output_dir, self.wait)
         finally:
+            self._in_steps = False
             logger.close()
         return report.draw(trainer.output_dir)
+
+    def _preempted(self, step: int) -> RunError:
+        """The stop SIGTERM asked for, after ``step``: its state saved first with
+        ``trainer.save_on_preempt`` (unless ``save_every`` just did)."""
+        done = step + 1
+        output_dir = self.cfg.trainer.output_dir
+        if self.cfg.trainer.save_on_preempt and checkpoint.newest(output_dir) != \
+                checkpoint.checkpoint_dir(output_dir, done):
+            with self._stops_at(step):
+                self.save(done)
+        return self._stopped(f"stopped by SIGTERM after step {step}", exit_code=143)
 
     @contextlib.contextmanager
     def _stops_at(self, step: int) -> Iterator[None]:
@@ -151,6 +187,8 @@ class PPOTrainer:
                 raise self._stopped(str(err.cause)) from None
             raise self._stopped(f"{err.role} rank {err.rank} {'died' if err.died else 'raised'}"
                                 f" at step {step} ({err.reason})") from None
+        except NoAnswerError as err:
+            raise self._stopped(f"{err} at step {step}") from None
         except KeyboardInterrupt:
             raise self._stopped(f"interrupted at step {step}", exit_code=130) from None
 
@@ -208,9 +246,10 @@ class PPOTrainer:
         if trainer.resume == "none":
             source = None
         elif trainer.resume == "auto":
-            source = checkpoint.newest(trainer.output_dir)
+            source = self._newest_intact()
         else:
             source = Path(trainer.resume).expanduser()
+            self._verify(source)
         if source is not None:
             self._load(source)
         for stale in checkpoint.discard_after(trainer.output_dir, self.start_step):
@@ -220,11 +259,33 @@ class PPOTrainer:
                   flush=True)
         return source
 
-    def _load(self, directory: Path) -> None:
-        """Every file checked against the manifest first, then every worker and the driver
-        load: a damaged checkpoint is refused whole (``ConfigError``, one line)."""
+    def _newest_intact(self) -> Path | None:
+        """The newest checkpoint of the output directory whose files match its manifest (None:
+        there is none); each newer one is skipped saying why in one line (and then removed with
+        the steps after the one resumed from). When every one is damaged, the newest's
+        ``DamagedCheckpoint`` is raised: a fresh start would replace the run."""
+        refused = None
+        for _, directory in reversed(checkpoint.complete(self.cfg.trainer.output_dir)):
+            try:
+                self._verify(directory)
+                return directory
+            except checkpoint.DamagedCheckpoint as err:
+                refused = refused or err
+                print(f"skipped {directory}: it does not match its manifest ({err.problem})",
+                      flush=True)
+        if refused is not None:
+            raise refused
+        return None
+
+    def _verify(self, directory: Path) -> None:
+        """Every file held to the manifest, sizes then hashes (the workers share the hashing);
+        raises ``checkpoint.DamagedCheckpoint`` (a ``ConfigError``, one line)."""
         listed = checkpoint.check(directory)
         checkpoint.refuse_changed(directory, listed, self._digests(directory, sorted(listed)))
+
+    def _load(self, directory: Path) -> None:
+        """Every worker and the driver load ``directory``, verified first (``_verify``): a
+        damaged checkpoint is refused whole."""
         try:
             self.wait(**{role: group.call("load_checkpoint", directory=str(directory))
                          for role, group in self.models.items()})
@@ -252,6 +313,7 @@ class PPOTrainer:
         absent = [None] * self.cfg.cluster.num_devices
         start = time.perf_counter()
 
+        self.issued.clear()  # the last step's calls are all done
         # Sliced here, before anything is sent: each rank receives only its own prompts.
         prompts, rows = self.prompts.next(self.cfg.ppo.rollout_batch_size, self.cfg.rollout.n)
         rollouts, gen_stats = zip(*actor.call("generate", prompts, num_returns=2))
