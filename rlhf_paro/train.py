@@ -77,26 +77,32 @@ def run(cfg: Config, argv: list[str]) -> None:
 def _run(cfg: Config, argv: list[str]) -> None:
     import ray
 
-    from rlhf_paro.actors.group import NoAnswerError, WorkerError
-    from rlhf_paro.trainer import PPOTrainer, RunError
+    from rlhf_paro.actors.group import NoAnswerError, StopRequested, WorkerError
+    from rlhf_paro.trainer import PPOTrainer, RunError, StopFlag
 
     trainer = None
     stopped = None
+    stop = StopFlag()
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
-        # During the steps: after the step in progress and its checkpoint (PPOTrainer.fit).
-        if trainer is None or not trainer.request_stop():
-            raise Terminated
+        # Raising here could land inside Ray's own code: the trainer stops at its next safe
+        # point (the step's end, or within a second while the workers start).
+        stop.requested = True
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        trainer = PPOTrainer(cfg)
+        trainer = PPOTrainer(cfg, stop)
         dashboard = trainer.fit()
     except (WorkerError, NoAnswerError) as err:  # while the workers start, before any step
         stopped = RunError(f"{err} while starting", "auto")
     except KeyboardInterrupt:
         stopped = RunError("interrupted while starting", "auto", exit_code=130)
-    except Terminated:
+    except StopRequested:
+        stopped = RunError("terminated (SIGTERM) while starting", "auto", exit_code=143)
+    except SystemExit as err:
+        if err.code != signal.SIGTERM:
+            raise
+        # SIGTERM while ray.init had its own handler in place (actors/group.py, init_ray).
         stopped = RunError("terminated (SIGTERM) while starting", "auto", exit_code=143)
     except RunError as err:
         stopped = err

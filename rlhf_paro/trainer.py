@@ -38,7 +38,7 @@ from rlhf_paro.actors import checkpoint
 from rlhf_paro.actors.actor import ActorWorker
 from rlhf_paro.actors.critic import CriticWorker
 from rlhf_paro.actors.group import (
-    Call, ModelGroup, NoAnswerError, WorkerError, get, init_ray, make_placement_group,
+    Call, ModelGroup, NoAnswerError, StopRequested, WorkerError, get, init_ray, make_placement_group,
     missing_devices,
 )
 from rlhf_paro.actors.ref import RefWorker
@@ -63,10 +63,22 @@ class RunError(RuntimeError):
         self.exit_code = exit_code
 
 
-class PPOTrainer:
-    """Places the run's models on the devices and runs RL steps."""
+@dataclasses.dataclass
+class StopFlag:
+    """Set when SIGTERM asks the run to stop, by a handler that only sets it (an exception
+    raised into Ray's code at a random moment breaks it). The trainer reads it at safe points:
+    between steps, and while the workers start."""
 
-    def __init__(self, cfg: Config) -> None:
+    requested: bool = False
+
+
+class PPOTrainer:
+    """Places the run's models on the devices and runs RL steps; ``stop`` stops it early
+    (``StopFlag``)."""
+
+    def __init__(self, cfg: Config, stop: StopFlag | None = None) -> None:
+        self.stop = stop or StopFlag()
+        self._in_steps = False  # fit's steps are running: a stop waits for the step's end
         cfg = algorithms.resolve(cfg)
         num_devices, use_gpu = cfg.cluster.num_devices, cfg.cluster.device == "cuda"
         try:
@@ -98,26 +110,17 @@ class PPOTrainer:
         self.skip_runs: dict[str, int] = {}
         self.start_step = 0  # steps done before this run: a resumed checkpoint's
         self.wandb_id: str | None = None  # the wandb run this run logs to, kept in checkpoints
-        # SIGTERM's request (request_stop): stop after the step in progress.
-        self.stop_requested = False
-        self._in_steps = False  # fit's steps are running: a stop can wait for a safe point
         self.resumed_from = self._resume()  # the checkpoint this run started from, if any
 
     def wait(self, **calls: list[ray.ObjectRef]) -> dict[str, list[Any]]:
         """The results of each model's calls (``model=refs``); a worker that dies or raises
         is a ``WorkerError`` at once, one that does not answer within
-        ``trainer.step_timeout_s`` a ``NoAnswerError`` (``actors/group.py``, ``get``)."""
+        ``trainer.step_timeout_s`` a ``NoAnswerError`` (``actors/group.py``, ``get``). A stop
+        asked for before the steps is a ``StopRequested`` at once; during them it waits for the
+        step's end."""
         return get(calls, {role: group.workers for role, group in self.models.items()},
-                   self.cfg.trainer.step_timeout_s, self.issued, self.pids)
-
-    def request_stop(self) -> bool:
-        """Ask the run to stop at its next safe point: after the step in progress and the
-        checkpoint it is writing (SIGTERM, as a scheduler sends before it preempts a job).
-        False when no step is running, so there is no safe point to wait for."""
-        if not self._in_steps:
-            return False
-        self.stop_requested = True
-        return True
+                   self.cfg.trainer.step_timeout_s, self.issued, self.pids,
+                   None if self._in_steps else (lambda: self.stop.requested))
 
     def fit(self) -> str:
         """Run the steps from ``start_step`` to ``trainer.steps``, logging each and saving
@@ -135,6 +138,9 @@ class PPOTrainer:
         # Which process is which worker, for ps, a debugger, or a test that kills one.
         with open(Path(trainer.output_dir) / "workers.json", "w") as f:
             json.dump(self.pids, f)
+        if self.stop.requested:  # during the start, after its last wait
+            logger.close()
+            raise StopRequested
         self._in_steps = True
         try:
             for step in range(self.start_step, trainer.steps):
@@ -157,7 +163,7 @@ class PPOTrainer:
                         f"{role} skipped {n} optimizer step{'s' * (n > 1)} in a row (non-finite "
                         f"loss or gradient norm) at step {step}, more than "
                         f"trainer.max_skipped_steps={trainer.max_skipped_steps}")
-                if self.stop_requested:
+                if self.stop.requested:
                     raise self._preempted(step)
             with self._stops_at(trainer.steps):
                 runs.export(self.models, trainer.output_dir, self.wait)

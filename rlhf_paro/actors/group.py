@@ -20,7 +20,7 @@ import signal
 import socket
 import threading
 import time
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import psutil
 import ray
@@ -189,6 +189,10 @@ class WorkerError(RuntimeError):
         super().__init__(f"{role} rank {rank} {'died' if died else 'raised'} ({reason})")
 
 
+class StopRequested(Exception):
+    """The driver was asked to stop (SIGTERM) while it waited for its workers."""
+
+
 class NoAnswerError(RuntimeError):
     """Rank ``rank`` of model ``role`` did not answer its call ``phase`` (None: not known)
     within ``timeout_s``; ``stopped``: its process is stopped (SIGSTOP). ``str()`` is one line.
@@ -205,7 +209,8 @@ class NoAnswerError(RuntimeError):
 
 def get(calls: dict[str, list[ray.ObjectRef]], workers: dict[str, list[Any]],
         timeout_s: float | None = None, issued: Sequence[Call] = (),
-        pids: dict[str, list[int]] | None = None) -> dict[str, list[Any]]:
+        pids: dict[str, list[int]] | None = None, stop: Callable[[], bool] | None = None
+        ) -> dict[str, list[Any]]:
     """The results of ``calls`` (model -> one ref per rank), like ``ray.get``, except that the
     first failure is raised as soon as it is known: the failed rank's peers may wait for it in a
     collective for good, so waiting for every ref would hang. ``workers`` (model -> actor handle
@@ -214,6 +219,7 @@ def get(calls: dict[str, list[ray.ObjectRef]], workers: dict[str, list[Any]],
     After ``timeout_s`` seconds (None: never) without every result, raises ``NoAnswerError``
     naming the rank that holds the others up, traced through ``issued`` (the calls in flight,
     in the order issued) and ``pids`` (model -> process id per rank). [Note: naming a hang]
+    Raises ``StopRequested`` within a second once ``stop()`` is true.
 
     Raises ``WorkerError``; a ``ConfigError`` a worker raised (a user's mistake it found) and a
     ``KeyboardInterrupt`` come through as themselves.
@@ -225,6 +231,8 @@ def get(calls: dict[str, list[ray.ObjectRef]], workers: dict[str, list[Any]],
     while pending:
         if deadline is not None and time.monotonic() >= deadline:
             raise _no_answer(pending, owner, issued, pids or {}, timeout_s)
+        if stop is not None and stop():
+            raise StopRequested
         done, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
         failures = []
         for ref in done:
