@@ -483,9 +483,20 @@ class TrainerConfig:
     export_every: int = 0
     # Greedy responses to data.val_files every K steps, logged as eval/* (0: never).
     eval_every: int = 0
+    # Seconds the driver waits for the workers in any one wait (a phase of a step, a checkpoint,
+    # an export, the start) before it stops the run naming the model, rank and phase that did
+    # not answer (a stopped process, a reward function that never returns). None: no limit.
+    step_timeout_s: float | None = 1800.0
+    # SIGTERM (a scheduler's preemption) stops the run after the step in progress; save a
+    # checkpoint there first (false: keep the newest one trainer.save_every wrote).
+    save_on_preempt: bool = True
 
     def __post_init__(self) -> None:
         _positive("steps", self.steps)
+        if self.step_timeout_s is not None and not (math.isfinite(self.step_timeout_s)
+                                                    and self.step_timeout_s > 0):
+            raise ConfigError("step_timeout_s", "must be a positive number of seconds or null "
+                                                f"(no limit), got {self.step_timeout_s}")
         for key in ("save_every", "keep_checkpoints", "max_skipped_steps", "export_every",
                     "eval_every"):
             if getattr(self, key) < 0:

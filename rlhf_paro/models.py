@@ -529,6 +529,7 @@ def export_hf(model: nn.Module, state: dict[str, torch.Tensor], directory: str |
             raise TypeError(f"cannot export {type(model).__name__}")
         if tokenizer is not None:
             tokenizer.save_pretrained(scratch)
+        _readable(scratch)
         old = None
         if directory.exists():
             old = directory.with_name(f".{directory.name}.old-{scratch.name[-8:]}")
@@ -540,6 +541,18 @@ def export_hf(model: nn.Module, state: dict[str, torch.Tensor], directory: str |
         shutil.rmtree(scratch, ignore_errors=True)
         raise
     return directory
+
+
+def _readable(directory: Path) -> None:
+    """Modes of a written model as of a file the user wrote, within their umask: mkdtemp made the
+    directory 0700, and an export is for others on a shared cluster to read too."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [directory, *directory.rglob("*")]:
+        if path.is_dir():
+            path.chmod(0o777 & ~umask)
+        elif path.is_file():
+            path.chmod(0o666 & ~umask)
 
 
 def _merged(peft_model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:

@@ -1,15 +1,20 @@
-"""What a PPO run reads and writes besides its metrics: prompts, evaluation, Hugging Face exports.
+"""What a PPO run reads and writes besides its metrics: prompts, evaluation, Hugging Face exports,
+its output directory.
 
 ``Prompts`` hands the trainer each step's prompts, sliced per rank: from ``data.train_files``
 (``ppo/data.py``) or, without them, made by the task. ``evaluate`` runs greedy responses to
 ``data.val_files`` through the reward; ``export`` writes the actor (and at the end the critic) in
-Hugging Face format under ``<output_dir>/hf/``.
+Hugging Face format under ``<output_dir>/hf/``. ``check_output_dir`` and ``locked`` keep a run
+from starting where it cannot write, or where another run writes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -110,6 +115,51 @@ def export(models: dict[str, Any], output_dir: str, wait: Wait, step: int | None
                                                       if r in models)
     wait(**{role: models[role].call("export", directory=str(root / role)) for role in roles})
     return root
+
+
+# In the output directory: held locked by the run that uses it, and holding that run's pid.
+LOCK_FILE = "run.lock"
+
+
+def check_output_dir(output_dir: str) -> None:
+    """Raise ``ConfigError`` (``trainer.output_dir``, one line) unless a run can make and write
+    ``output_dir``: not a file, not under one, within a directory this user can write. Nothing
+    is created."""
+    path = Path(output_dir).expanduser().absolute()
+    found = next(p for p in [path, *path.parents] if p.exists())
+    if not found.is_dir():
+        where = "is" if found == path else f"is under {found}, which is"
+        raise ConfigError("trainer.output_dir", f"{output_dir} {where} a file, not a directory; "
+                                                "allowed: a directory, or a path to make one at")
+    if not os.access(found, os.W_OK | os.X_OK):
+        raise ConfigError("trainer.output_dir", f"{found} is not writable by this user; allowed: "
+                                                "a directory you can write, or a path under one")
+
+
+@contextlib.contextmanager
+def locked(output_dir: str) -> Iterator[None]:
+    """Hold ``output_dir``'s lock (making the directory) while the run uses it; its
+    ``LOCK_FILE`` holds this process's id. A second run on the same directory gets a
+    ``ConfigError`` naming the holder's pid and touches nothing: two runs there would resume
+    from and prune each other's checkpoints and interleave their metrics. The lock is the
+    kernel's (flock): a holder that is killed releases it."""
+    path = Path(output_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            raise ConfigError("trainer.output_dir", f"{output_dir} is in use by the run of "
+                                                    f"process {holder} (it holds {LOCK_FILE} "
+                                                    "there); allowed: another trainer.output_dir"
+                                                    ", or the same once that run ends") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def check_inputs(cfg: Config) -> dict[str, int]:

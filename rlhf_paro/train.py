@@ -2,6 +2,9 @@
 
 With no arguments it runs conf/ppo_tiny.yaml on this machine's CPUs (no GPU, no network). Size
 a cluster first with `python -m rlhf_paro.plan`.
+
+Ctrl-C stops a run at once (exit 130), SIGTERM after the step in progress, with a checkpoint
+(exit 143; docs/design.md, "Faults"); either says so in one line, from the first second on.
 """
 
 from __future__ import annotations
@@ -9,27 +12,49 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
+import signal
 import sys
+from types import FrameType
 from typing import Mapping
 
 from rlhf_paro import cli
 from rlhf_paro.config import RAY_ADDRESS_ALLOWED, Config, ConfigError
 
 
+class Terminated(BaseException):
+    """SIGTERM where there is no step to finish first: the run stops at once, as on Ctrl-C.
+    A ``BaseException``, like ``KeyboardInterrupt``, so that no ``except Exception`` keeps it."""
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> None:
-    cli.main(sys.argv[1:] if argv is None else argv, prog="rlhf_paro.train", about=__doc__,
-             prepare=prepare, execute=run)
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        cli.main(sys.argv[1:] if argv is None else argv, prog="rlhf_paro.train", about=__doc__,
+                 prepare=prepare, execute=run)
+    except KeyboardInterrupt:  # before a run started (reading the config, making the demo)
+        print("error: interrupted before the run started", file=sys.stderr)
+        raise SystemExit(130) from None
+    except Terminated:
+        print("error: terminated (SIGTERM) before the run started", file=sys.stderr)
+        raise SystemExit(143) from None
 
 
 def prepare(cfg: Config, conf: str) -> Config:
     """Every check a user's mistake can fail, before anything runs or is written; the config to
     run, with ``auto`` strategies resolved and ``ray.address`` taken from the environment."""
     cfg = with_ray_address(cfg, os.environ)
+    from rlhf_paro import runs
+
+    runs.check_output_dir(cfg.trainer.output_dir)
     require_gpus(cfg, conf)
     if cfg.ray.address:
         require_ray(cfg.ray.address)
     # Everything below needs transformers; a bad command line has failed before it.
-    from rlhf_paro import models, plan, runs
+    from rlhf_paro import models, plan
     from rlhf_paro.ppo import algorithms
 
     cfg = algorithms.resolve(cfg)
@@ -40,29 +65,56 @@ def prepare(cfg: Config, conf: str) -> Config:
 
 def run(cfg: Config, argv: list[str]) -> None:
     """Train; a run that stops early says why in one line, with the command that resumes it
-    (``argv``: the command line of this job), and exits non-zero. Ray is shut down either way."""
+    (``argv``: the command line of this job), and exits non-zero. Ray is shut down either way.
+    The output directory is locked first: a second run there stops with exit 2, touching
+    nothing (``runs.locked``)."""
+    from rlhf_paro import runs
+
+    with runs.locked(cfg.trainer.output_dir):
+        _run(cfg, argv)
+
+
+def _run(cfg: Config, argv: list[str]) -> None:
     import ray
 
-    from rlhf_paro.actors.group import WorkerError
-    from rlhf_paro.trainer import PPOTrainer, RunError
+    from rlhf_paro.actors.group import NoAnswerError, StopRequested, WorkerError
+    from rlhf_paro.trainer import PPOTrainer, RunError, StopFlag
 
     trainer = None
     stopped = None
+    stop = StopFlag()
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        # Raising here could land inside Ray's own code: the trainer stops at its next safe
+        # point (the step's end, or within a second while the workers start).
+        stop.requested = True
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        trainer = PPOTrainer(cfg)
+        trainer = PPOTrainer(cfg, stop)
         dashboard = trainer.fit()
-    except WorkerError as err:  # while the workers start, before any step
+    except (WorkerError, NoAnswerError) as err:  # while the workers start, before any step
         stopped = RunError(f"{err} while starting", "auto")
     except KeyboardInterrupt:
         stopped = RunError("interrupted while starting", "auto", exit_code=130)
+    except StopRequested:
+        stopped = RunError("terminated (SIGTERM) while starting", "auto", exit_code=143)
+    except SystemExit as err:
+        if err.code != signal.SIGTERM:
+            raise
+        # SIGTERM while ray.init had its own handler in place (actors/group.py, init_ray).
+        stopped = RunError("terminated (SIGTERM) while starting", "auto", exit_code=143)
     except RunError as err:
         stopped = err
     finally:
+        # The shutdown below is the safe point a second SIGTERM would cut short.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if trainer is not None:
             trainer.shutdown()
         # No process of the run outlives it; the next job of a multirun starts its own Ray,
         # sized for its own devices.
         ray.shutdown()
+        signal.signal(signal.SIGTERM, previous)
     if stopped is not None:
         print(f"error: {stopped}; resume with: {resume_command(argv, stopped.resume)}",
               file=sys.stderr)

@@ -15,9 +15,10 @@ A rank's rollout goes from its actor straight to the ref, critic and reward rank
 device; the driver only sees object references and a few sums.
 
 Every ``trainer.save_every`` steps the run is checkpointed (``actors/checkpoint.py``), and a run
-starts from the checkpoint ``trainer.resume`` names. Whatever stops a run (a worker that dies or
-raises, Ctrl-C, too many skipped optimizer steps) comes out of ``fit`` as one ``RunError`` that
-names the model, the rank, the step and the checkpoint to resume from.
+starts from the checkpoint ``trainer.resume`` names. Whatever stops a run (a worker that dies,
+raises or does not answer within ``trainer.step_timeout_s``, Ctrl-C, SIGTERM, too many skipped
+optimizer steps) comes out of ``fit`` as one ``RunError`` that names the model, the rank, the
+step and the checkpoint to resume from.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from rlhf_paro.actors import checkpoint
 from rlhf_paro.actors.actor import ActorWorker
 from rlhf_paro.actors.critic import CriticWorker
 from rlhf_paro.actors.group import (
-    ModelGroup, WorkerError, get, init_ray, make_placement_group, missing_devices,
+    Call, ModelGroup, NoAnswerError, StopRequested, WorkerError, get, init_ray, make_placement_group,
+    missing_devices,
 )
 from rlhf_paro.actors.ref import RefWorker
 from rlhf_paro.actors.reward import RewardWorker
@@ -61,10 +63,22 @@ class RunError(RuntimeError):
         self.exit_code = exit_code
 
 
-class PPOTrainer:
-    """Places the run's models on the devices and runs RL steps."""
+@dataclasses.dataclass
+class StopFlag:
+    """Set when SIGTERM asks the run to stop, by a handler that only sets it (an exception
+    raised into Ray's code at a random moment breaks it). The trainer reads it at safe points:
+    between steps, and while the workers start."""
 
-    def __init__(self, cfg: Config) -> None:
+    requested: bool = False
+
+
+class PPOTrainer:
+    """Places the run's models on the devices and runs RL steps; ``stop`` stops it early
+    (``StopFlag``)."""
+
+    def __init__(self, cfg: Config, stop: StopFlag | None = None) -> None:
+        self.stop = stop or StopFlag()
+        self._in_steps = False  # fit's steps are running: a stop waits for the step's end
         cfg = algorithms.resolve(cfg)
         num_devices, use_gpu = cfg.cluster.num_devices, cfg.cluster.device == "cuda"
         try:
@@ -76,11 +90,16 @@ class PPOTrainer:
             raise ConfigError("cluster.num_devices", problem)
         self.cfg = cfg
         self.placement, bundles = make_placement_group(num_devices, use_gpu)
+        # Every model's calls since the last step's were done, in the order issued: what a
+        # worker that does not answer is traced back to (actors/group.py, get).
+        self.issued: list[Call] = []
+        self.pids: dict[str, list[int]] = {}  # each model's process id per rank
         self.models = {role: ModelGroup(WORKERS[role], role, cfg, self.placement, bundles,
-                                        use_gpu)
+                                        use_gpu, self.issued)
                        for role in algorithms.roles(cfg)}
         # The models join their process groups and build their engines at once.
         self.pids = self.wait(**{role: group.rendezvous() for role, group in self.models.items()})
+        self.issued.clear()
         # From data.train_files, or made by the task.
         self.prompts = runs.Prompts(cfg, task_from_config(cfg))
         alg = cfg.algorithm
@@ -95,8 +114,13 @@ class PPOTrainer:
 
     def wait(self, **calls: list[ray.ObjectRef]) -> dict[str, list[Any]]:
         """The results of each model's calls (``model=refs``); a worker that dies or raises
-        is a ``WorkerError`` at once (``actors/group.py``, ``get``)."""
-        return get(calls, {role: group.workers for role, group in self.models.items()})
+        is a ``WorkerError`` at once, one that does not answer within
+        ``trainer.step_timeout_s`` a ``NoAnswerError`` (``actors/group.py``, ``get``). A stop
+        asked for before the steps is a ``StopRequested`` at once; during them it waits for the
+        step's end."""
+        return get(calls, {role: group.workers for role, group in self.models.items()},
+                   self.cfg.trainer.step_timeout_s, self.issued, self.pids,
+                   None if self._in_steps else (lambda: self.stop.requested))
 
     def fit(self) -> str:
         """Run the steps from ``start_step`` to ``trainer.steps``, logging each and saving
@@ -114,6 +138,10 @@ class PPOTrainer:
         # Which process is which worker, for ps, a debugger, or a test that kills one.
         with open(Path(trainer.output_dir) / "workers.json", "w") as f:
             json.dump(self.pids, f)
+        if self.stop.requested:  # during the start, after its last wait
+            logger.close()
+            raise StopRequested
+        self._in_steps = True
         try:
             for step in range(self.start_step, trainer.steps):
                 with self._stops_at(step):
@@ -135,11 +163,25 @@ class PPOTrainer:
                         f"{role} skipped {n} optimizer step{'s' * (n > 1)} in a row (non-finite "
                         f"loss or gradient norm) at step {step}, more than "
                         f"trainer.max_skipped_steps={trainer.max_skipped_steps}")
+                if self.stop.requested:
+                    raise self._preempted(step)
             with self._stops_at(trainer.steps):
                 runs.export(self.models, trainer.output_dir, self.wait)
         finally:
+            self._in_steps = False
             logger.close()
         return report.draw(trainer.output_dir)
+
+    def _preempted(self, step: int) -> RunError:
+        """The stop SIGTERM asked for, after ``step``: its state saved first with
+        ``trainer.save_on_preempt`` (unless ``save_every`` just did)."""
+        done = step + 1
+        output_dir = self.cfg.trainer.output_dir
+        if self.cfg.trainer.save_on_preempt and checkpoint.newest(output_dir) != \
+                checkpoint.checkpoint_dir(output_dir, done):
+            with self._stops_at(step):
+                self.save(done)
+        return self._stopped(f"stopped by SIGTERM after step {step}", exit_code=143)
 
     @contextlib.contextmanager
     def _stops_at(self, step: int) -> Iterator[None]:
@@ -151,6 +193,8 @@ class PPOTrainer:
                 raise self._stopped(str(err.cause)) from None
             raise self._stopped(f"{err.role} rank {err.rank} {'died' if err.died else 'raised'}"
                                 f" at step {step} ({err.reason})") from None
+        except NoAnswerError as err:
+            raise self._stopped(f"{err} at step {step}") from None
         except KeyboardInterrupt:
             raise self._stopped(f"interrupted at step {step}", exit_code=130) from None
 
@@ -208,9 +252,10 @@ class PPOTrainer:
         if trainer.resume == "none":
             source = None
         elif trainer.resume == "auto":
-            source = checkpoint.newest(trainer.output_dir)
+            source = self._newest_intact()
         else:
             source = Path(trainer.resume).expanduser()
+            self._verify(source)
         if source is not None:
             self._load(source)
         for stale in checkpoint.discard_after(trainer.output_dir, self.start_step):
@@ -220,11 +265,33 @@ class PPOTrainer:
                   flush=True)
         return source
 
-    def _load(self, directory: Path) -> None:
-        """Every file checked against the manifest first, then every worker and the driver
-        load: a damaged checkpoint is refused whole (``ConfigError``, one line)."""
+    def _newest_intact(self) -> Path | None:
+        """The newest checkpoint of the output directory whose files match its manifest (None:
+        there is none); each newer one is skipped saying why in one line (and then removed with
+        the steps after the one resumed from). When every one is damaged, the newest's
+        ``DamagedCheckpoint`` is raised: a fresh start would replace the run."""
+        refused = None
+        for _, directory in reversed(checkpoint.complete(self.cfg.trainer.output_dir)):
+            try:
+                self._verify(directory)
+                return directory
+            except checkpoint.DamagedCheckpoint as err:
+                refused = refused or err
+                print(f"skipped {directory}: it does not match its manifest ({err.problem})",
+                      flush=True)
+        if refused is not None:
+            raise refused
+        return None
+
+    def _verify(self, directory: Path) -> None:
+        """Every file held to the manifest, sizes then hashes (the workers share the hashing);
+        raises ``checkpoint.DamagedCheckpoint`` (a ``ConfigError``, one line)."""
         listed = checkpoint.check(directory)
         checkpoint.refuse_changed(directory, listed, self._digests(directory, sorted(listed)))
+
+    def _load(self, directory: Path) -> None:
+        """Every worker and the driver load ``directory``, verified first (``_verify``): a
+        damaged checkpoint is refused whole."""
         try:
             self.wait(**{role: group.call("load_checkpoint", directory=str(directory))
                          for role, group in self.models.items()})
@@ -252,6 +319,7 @@ class PPOTrainer:
         absent = [None] * self.cfg.cluster.num_devices
         start = time.perf_counter()
 
+        self.issued.clear()  # the last step's calls are all done
         # Sliced here, before anything is sent: each rank receives only its own prompts.
         prompts, rows = self.prompts.next(self.cfg.ppo.rollout_batch_size, self.cfg.rollout.n)
         rollouts, gen_stats = zip(*actor.call("generate", prompts, num_returns=2))

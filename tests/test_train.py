@@ -1,8 +1,11 @@
-"""The training command line: bad input fails in one line, before anything is written."""
+"""The training command line: bad input fails in one line, before anything is written; an
+output directory in use by another run is left alone; a signal before the run starts is one
+line."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -10,8 +13,10 @@ import time
 
 import pytest
 
+from rlhf_paro import runs
 from rlhf_paro.config import CONF_DIR
 from tests.confs import INLINE
+from tests.test_runs import hold
 
 
 # Every test here runs the command line in a fresh interpreter (seconds each).
@@ -89,3 +94,59 @@ def test_a_dead_ray_address_fails_in_seconds_in_one_line(tmp_path, address):
     assert len(lines) == 1 and lines[0].startswith("error: ray.address: no Ray cluster answers "
                                                    "at "), proc.stderr
     assert f":{port}" in lines[0] and not out.exists()
+
+
+def _tree(root) -> dict[str, tuple[int, int]]:
+    """(size, mtime) of everything under ``root``: what a run that touches nothing leaves as
+    it was."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*"))}
+
+
+def test_an_output_dir_in_use_stops_a_second_run_in_one_line_touching_nothing(tmp_path):
+    out = tmp_path / "out"
+    (out / "checkpoints" / "step_1").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    holder = hold(out)  # the run that uses it
+    try:
+        before = _tree(out)
+        proc = _train(*INLINE, "trainer.save_every=1", f"trainer.output_dir={out}", cwd=tmp_path)
+        assert _tree(out) == before
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"error: trainer.output_dir: {out} is in use by the run of "
+                                   f"process {holder.pid} (it holds {runs.LOCK_FILE} there); "
+                                   "allowed: another trainer.output_dir, or the same once that "
+                                   "run ends")
+
+
+def test_an_output_dir_under_a_file_fails_before_ray_starts(tmp_path):
+    (tmp_path / "notes").write_text("x")
+    start = time.monotonic()
+    proc = _train(*INLINE, f"trainer.output_dir={tmp_path}/notes/run", cwd=tmp_path)
+    assert proc.returncode == 2 and time.monotonic() - start < 60
+    assert proc.stderr.strip() == (f"error: trainer.output_dir: {tmp_path}/notes/run is under "
+                                   f"{tmp_path}/notes, which is a file, not a directory; "
+                                   "allowed: a directory, or a path to make one at")
+    assert os.listdir(tmp_path) == ["notes"]
+
+
+# While the command line is read, transformers imported, the models checked, Ray started: a
+# signal at any of these moments is one line and the signal's exit status, no traceback.
+@pytest.mark.parametrize("signum, after_s", [(signal.SIGINT, 0.5), (signal.SIGINT, 3.0),
+                                             (signal.SIGTERM, 3.0)])
+def test_a_signal_before_the_steps_is_one_line_from_the_first_second(tmp_path, signum, after_s):
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf_paro.train", *INLINE,
+                             f"trainer.output_dir={tmp_path}/out"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(after_s)
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum, stderr
+    ours = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1 and stderr.strip().splitlines()[-1] == ours[0], stderr
+    assert "Traceback" not in stderr
+    word = "interrupted" if signum == signal.SIGINT else "terminated (SIGTERM)"
+    assert ours[0].startswith(f"error: {word} "), ours[0]

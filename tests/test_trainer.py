@@ -57,10 +57,12 @@ class Run(NamedTuple):
 
 
 def _train(out: Path, *args: str, cache: Path, nan_loss: str | None = None,
-           kill_after_step: int | None = None,
+           kill_after_step: int | None = None, kill: signal.Signals = signal.SIGKILL,
+           kill_driver: bool = False,
            watch: Callable[[str], list[str]] | None = None) -> Run:
     """``python -m rlhf_paro.train`` on the tiny job; with ``kill_after_step``, SIGKILL actor
-    rank 1 once that step's row is logged (its pid from the run's workers.json); ``watch(mark)``
+    rank 1 (``kill``: another signal; ``kill_driver``: the driver instead) once that step's row
+    is logged (its pid from the run's workers.json); ``watch(mark)``
     is called every half second while the run goes on, and what it returns is collected."""
     mark = uuid.uuid4().hex
     env = {**os.environ, MARK: mark}
@@ -83,7 +85,9 @@ def _train(out: Path, *args: str, cache: Path, nan_loss: str | None = None,
     if kill_after_step is not None:
         while proc.poll() is None and kill_after_step not in _steps(out):
             time.sleep(0.1)
-        os.kill(json.loads((out / "workers.json").read_text())["actor"][1], signal.SIGKILL)
+        target = proc.pid if kill_driver else json.loads(
+            (out / "workers.json").read_text())["actor"][1]
+        os.kill(target, kill)
         start = time.monotonic()
     stdout, stderr = proc.communicate(timeout=900)
     exit_s = time.monotonic() - start
@@ -213,3 +217,66 @@ def test_a_resume_under_other_strategies_runs_on(runs, tmp_path):
     assert [r["step"] for r in other.rows] == [4, 5]
     for row in other.rows:
         assert all(math.isfinite(v) for v in _compared(row).values()), row
+
+
+# Two devices, 2 to 4 steps: the faults a scheduler or a stuck worker brings.
+TWO = ["cluster.num_devices=2", "cluster.group_size=2", "trainer.keep_checkpoints=0"]
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory) -> dict[str, Run]:
+    root = tmp_path_factory.mktemp("faults")
+    cache, out = root / "cache", root / "run"
+    # SIGTERM during step 2: the step ends, then the preemption checkpoint step_3 (step_2 is
+    # save_every's).
+    preempted = _train(out, *TWO, "trainer.steps=4", "trainer.save_every=2", cache=cache,
+                       kill_after_step=1, kill=signal.SIGTERM, kill_driver=True)
+    resumed = _train(out, *TWO, "trainer.steps=4", "trainer.save_every=2", cache=cache)
+    # step_4, the newest, damaged: auto goes on from step_3; actor rank 1 stopped in step 5.
+    newest = checkpoint.checkpoint_dir(out, 4)
+    damaged = sorted(p for p in (newest / "actor").rglob("*") if p.is_file())[0]
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    hung = _train(out, *TWO, "trainer.steps=6", "trainer.step_timeout_s=15", cache=cache,
+                  kill_after_step=4, kill=signal.SIGSTOP)
+    return {"preempted": preempted, "resumed": resumed, "hung": hung,
+            "damaged": newest, "damaged_file": damaged}
+
+
+def test_sigterm_stops_after_the_step_with_a_checkpoint_that_resumes(faults):
+    preempted, resumed = faults["preempted"], faults["resumed"]
+    out = preempted.out
+    line = _error_line(preempted)
+    assert preempted.returncode == 143, preempted.stderr
+    step_3 = checkpoint.checkpoint_dir(out, 3)
+    assert line.startswith(f"error: stopped by SIGTERM after step 2; newest checkpoint: {step_3}"
+                           "; resume with: python -m rlhf_paro.train "), line
+    assert line.endswith("trainer.resume=auto") and preempted.left == []
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from {step_3}: step 3 of 4" in resumed.stdout
+    assert [r["step"] for r in resumed.rows] == [0, 1, 2, 3]
+    workers = json.loads((out / "workers.json").read_text())
+    assert all(isinstance(pid, int) for pids in workers.values() for pid in pids), workers
+    # Exports are for others to read, as checkpoints are (umask 022 here).
+    umask = os.umask(0)
+    os.umask(umask)
+    for role in ("actor", "critic"):
+        exported = out / "hf" / role
+        assert exported.stat().st_mode & 0o777 == 0o777 & ~umask
+        assert all(p.stat().st_mode & 0o777 == 0o666 & ~umask
+                   for p in exported.rglob("*") if p.is_file())
+
+
+def test_resume_auto_skips_a_damaged_newest_checkpoint_and_a_stopped_rank_is_named(faults):
+    hung, newest = faults["hung"], faults["damaged"]
+    name = faults["damaged_file"].relative_to(newest).as_posix()
+    assert (f"skipped {newest}: it does not match its manifest ({name} has changed (SHA-256 "
+            "differs))") in hung.stdout, hung.stdout
+    assert f"resumed from {checkpoint.checkpoint_dir(hung.out, 3)}: step 3 of 6" in hung.stdout
+    line = _error_line(hung)
+    assert hung.returncode == 1
+    assert line.startswith("error: actor rank 1 did not answer in "), line
+    assert " within trainer.step_timeout_s=15 (its process is stopped) at step 5; newest " \
+           f"checkpoint: {checkpoint.checkpoint_dir(hung.out, 3)}; resume with: " in line, line
+    assert hung.left == [], hung.left

@@ -132,38 +132,46 @@ def publish(scratch_dir: Path, target: Path, step: int,
     fsync(target.parent)
 
 
+class DamagedCheckpoint(ConfigError):
+    """A checkpoint whose files do not match its manifest; ``problem`` says how, in a few
+    words. A ``ConfigError`` of ``trainer.resume``: one line."""
+
+    def __init__(self, directory: Path, problem: str) -> None:
+        super().__init__("trainer.resume", f"checkpoint {directory} does not match its "
+                         f"manifest: {problem}; allowed: an intact checkpoint (trainer.resume="
+                         "PATH of an older step_<k>) or trainer.resume=none")
+        self.directory, self.problem = directory, problem
+
+    def __reduce__(self) -> tuple:
+        return DamagedCheckpoint, (self.directory, self.problem)
+
+
 def check(directory: str | Path) -> dict[str, dict[str, Any]]:
     """The manifest's files (name -> bytes, sha256), after checking that each is there with its
-    size; raises ``ConfigError`` (key ``trainer.resume``, one line) when one is not. The caller
-    checks the hashes."""
+    size; raises ``DamagedCheckpoint`` when one is not. The caller checks the hashes."""
     directory = Path(directory)
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
         listed = manifest["files"]
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise _refused(directory, f"unreadable {MANIFEST} ({type(err).__name__})") from None
+        raise DamagedCheckpoint(directory,
+                                f"unreadable {MANIFEST} ({type(err).__name__})") from None
     for name, entry in listed.items():
         path = directory / name
         if not path.is_file():
-            raise _refused(directory, f"{name} is missing")
+            raise DamagedCheckpoint(directory, f"{name} is missing")
         if path.stat().st_size != entry["bytes"]:
-            raise _refused(directory, f"{name} has {path.stat().st_size} bytes, the manifest "
-                                      f"says {entry['bytes']}")
+            raise DamagedCheckpoint(directory, f"{name} has {path.stat().st_size} bytes, the "
+                                               f"manifest says {entry['bytes']}")
     return listed
-
-
-def _refused(directory: Path, problem: str) -> ConfigError:
-    return ConfigError("trainer.resume", f"checkpoint {directory} does not match its manifest: "
-                       f"{problem}; allowed: an intact checkpoint (trainer.resume=PATH of an "
-                       "older step_<k>) or trainer.resume=none")
 
 
 def refuse_changed(directory: str | Path, listed: dict[str, dict[str, Any]],
                    digests: dict[str, tuple[int, str]]) -> None:
-    """Raise ``ConfigError`` for the first file whose hash differs from the manifest."""
+    """Raise ``DamagedCheckpoint`` for the first file whose hash differs from the manifest."""
     for name, entry in listed.items():
         if digests[name][1] != entry["sha256"]:
-            raise _refused(Path(directory), f"{name} has changed (SHA-256 differs)")
+            raise DamagedCheckpoint(Path(directory), f"{name} has changed (SHA-256 differs)")
 
 
 def prune(output_dir: str | Path, keep: int) -> list[Path]:

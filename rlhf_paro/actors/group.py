@@ -16,9 +16,13 @@ gloo to its node's Ray address (``worker.bind_gloo``).
 from __future__ import annotations
 
 import os
+import signal
 import socket
-from typing import Any, Sequence
+import threading
+import time
+from typing import Any, Callable, NamedTuple, Sequence
 
+import psutil
 import ray
 from ray.exceptions import RayActorError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table
@@ -44,6 +48,17 @@ def init_ray(address: str | None, num_cpus: int | None, num_devices: int) -> Non
     """
     if ray.is_initialized():
         return
+    # ray.init sets a SIGTERM handler of its own (a bare exit, with the driver in any state):
+    # an entry point's handler, which stops the run at a safe point, is put back.
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        _init(address, num_cpus, num_devices)
+    finally:
+        if callable(handler) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, handler)
+
+
+def _init(address: str | None, num_cpus: int | None, num_devices: int) -> None:
     if address:
         check_address(address)
         ray.init(address=address)
@@ -102,13 +117,28 @@ def make_placement_group(num_devices: int, use_gpu: bool) -> tuple[PlacementGrou
     return pg, order
 
 
+class Call(NamedTuple):
+    """One rank's remote call, as the driver issued it: what a hang is traced back to."""
+
+    ref: ray.ObjectRef  # its (first) result
+    role: str
+    rank: int
+    method: str
+
+
 class ModelGroup:
-    """N Ray actors of one worker class, rank r on bundle ``bundles[r]``, in one process group."""
+    """N Ray actors of one worker class, rank r on bundle ``bundles[r]``, in one process group.
+
+    Every call is appended to ``issued`` (shared by the run's groups, so in the order issued),
+    which the trainer clears once a step's calls are done (``get``, [Note: naming a hang]).
+    """
 
     def __init__(self, worker_cls: type, role: str, cfg: Any, pg: PlacementGroup,
-                 bundles: Sequence[int], use_gpu: bool) -> None:
+                 bundles: Sequence[int], use_gpu: bool, issued: list[Call] | None = None
+                 ) -> None:
         self.role = role
         self.num_ranks = len(bundles)
+        self.issued = [] if issued is None else issued
         remote_cls = ray.remote(worker_cls)
         self.workers = [
             remote_cls.options(
@@ -127,7 +157,9 @@ class ModelGroup:
         Rank 0 picks the address first; the other ranks get it before any of them connects.
         """
         addr, port = ray.get(self.workers[0].free_address.remote())
-        return [w.setup.remote(addr, port) for w in self.workers]
+        refs = [w.setup.remote(addr, port) for w in self.workers]
+        self.issued.extend(Call(ref, self.role, r, "setup") for r, ref in enumerate(refs))
+        return refs
 
     def call(self, method: str, *per_rank: Sequence[Any], num_returns: int = 1,
              **common: Any) -> list[Any]:
@@ -136,9 +168,12 @@ class ModelGroup:
         Returns one ref per rank, or a tuple of ``num_returns`` refs per rank."""
         for arg in per_rank:
             assert len(arg) == self.num_ranks, f"{method}: {len(arg)} slices for {self.num_ranks}"
-        return [getattr(w, method).options(num_returns=num_returns).remote(
+        refs = [getattr(w, method).options(num_returns=num_returns).remote(
                     *(arg[r] for arg in per_rank), **common)
                 for r, w in enumerate(self.workers)]
+        self.issued.extend(Call(ref[0] if num_returns > 1 else ref, self.role, r, method)
+                           for r, ref in enumerate(refs))
+        return refs
 
     def shutdown(self) -> None:
         for w in self.workers:
@@ -154,12 +189,37 @@ class WorkerError(RuntimeError):
         super().__init__(f"{role} rank {rank} {'died' if died else 'raised'} ({reason})")
 
 
-def get(calls: dict[str, list[ray.ObjectRef]], workers: dict[str, list[Any]]
+class StopRequested(Exception):
+    """The driver was asked to stop (SIGTERM) while it waited for its workers."""
+
+
+class NoAnswerError(RuntimeError):
+    """Rank ``rank`` of model ``role`` did not answer its call ``phase`` (None: not known)
+    within ``timeout_s``; ``stopped``: its process is stopped (SIGSTOP). ``str()`` is one line.
+    """
+
+    def __init__(self, role: str, rank: int, phase: str | None, timeout_s: float,
+                 stopped: bool) -> None:
+        self.role, self.rank, self.phase, self.stopped = role, rank, phase, stopped
+        where = f" in {phase}" if phase else ""
+        super().__init__(f"{role} rank {rank} did not answer{where} within "
+                         f"trainer.step_timeout_s={timeout_s:g}"
+                         + (" (its process is stopped)" if stopped else ""))
+
+
+def get(calls: dict[str, list[ray.ObjectRef]], workers: dict[str, list[Any]],
+        timeout_s: float | None = None, issued: Sequence[Call] = (),
+        pids: dict[str, list[int]] | None = None, stop: Callable[[], bool] | None = None
         ) -> dict[str, list[Any]]:
     """The results of ``calls`` (model -> one ref per rank), like ``ray.get``, except that the
     first failure is raised as soon as it is known: the failed rank's peers may wait for it in a
     collective for good, so waiting for every ref would hang. ``workers`` (model -> actor handle
     per rank) names a dead worker whose death reaches us through another model's call.
+
+    After ``timeout_s`` seconds (None: never) without every result, raises ``NoAnswerError``
+    naming the rank that holds the others up, traced through ``issued`` (the calls in flight,
+    in the order issued) and ``pids`` (model -> process id per rank). [Note: naming a hang]
+    Raises ``StopRequested`` within a second once ``stop()`` is true.
 
     Raises ``WorkerError``; a ``ConfigError`` a worker raised (a user's mistake it found) and a
     ``KeyboardInterrupt`` come through as themselves.
@@ -167,7 +227,12 @@ def get(calls: dict[str, list[ray.ObjectRef]], workers: dict[str, list[Any]]
     owner = {ref: (role, rank) for role, refs in calls.items() for rank, ref in enumerate(refs)}
     results: dict[str, list[Any]] = {role: [None] * len(refs) for role, refs in calls.items()}
     pending = list(owner)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while pending:
+        if deadline is not None and time.monotonic() >= deadline:
+            raise _no_answer(pending, owner, issued, pids or {}, timeout_s)
+        if stop is not None and stop():
+            raise StopRequested
         done, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
         failures = []
         for ref in done:
@@ -179,6 +244,35 @@ def get(calls: dict[str, list[ray.ObjectRef]], workers: dict[str, list[Any]]
         if failures:
             raise _failure(failures, pending, owner, workers) from None
     return results
+
+
+def _no_answer(pending: list[ray.ObjectRef], owner: dict[ray.ObjectRef, tuple[str, int]],
+               issued: Sequence[Call], pids: dict[str, list[int]], timeout_s: float
+               ) -> NoAnswerError:
+    """[Note: naming a hang]
+    The rank waited on is often not the one to blame: the peers of a stopped rank wait for it in
+    a collective, and a call that takes another model's output (make_experience takes the
+    reward's scores) waits for that model. So the oldest call still in flight is the likely
+    cause, unless a rank's process is plainly stopped (this node's ranks only): that one is.
+    """
+    ready, _ = ray.wait([c.ref for c in issued], num_returns=len(issued), timeout=0)
+    ready_set = set(ready)
+    late = [(c.role, c.rank, c.method) for c in issued if c.ref not in ready_set]
+    late = late or [(*owner[ref], None) for ref in pending]
+    stopped = [c for c in late if _is_stopped(pids, c[0], c[1])]
+    role, rank, method = (stopped or late)[0]
+    return NoAnswerError(role, rank, method, timeout_s, bool(stopped))
+
+
+def _is_stopped(pids: dict[str, list[int]], role: str, rank: int) -> bool:
+    """Whether the process of rank ``rank`` of ``role`` is known and stopped on this node."""
+    known = pids.get(role) or []
+    if rank >= len(known) or known[rank] is None:
+        return False
+    try:
+        return psutil.Process(known[rank]).status() == psutil.STATUS_STOPPED
+    except psutil.Error:
+        return False
 
 
 def _failure(failures: list[tuple[RayError, str, int]], pending: list[ray.ObjectRef],

@@ -47,9 +47,12 @@ class RewardWorker(Worker):
             self.reward_tokenizer.padding_side = "right"
         self._score_sums = {"count": 0.0, "task_score": 0.0}
 
-    def setup(self, master_addr: str, master_port: int) -> None:
+    def setup(self, master_addr: str, master_port: int) -> int:
+        """A reward model's setup (``Worker.setup``); a function or server joins no process
+        group and builds nothing. Returns this worker's process id either way."""
         if self.has_model:
-            super().setup(master_addr, master_port)
+            return super().setup(master_addr, master_port)
+        return os.getpid()
 
     @torch.no_grad()
     def score(self, rollout: Batch, rows: dict[str, Any] | None = None, step: int = 0

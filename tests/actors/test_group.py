@@ -11,7 +11,9 @@ import time
 import pytest
 import ray
 
-from rlhf_paro.actors.group import GRACE_S, WorkerError, get, init_ray
+from rlhf_paro.actors.group import (
+    GRACE_S, Call, NoAnswerError, WorkerError, get, init_ray,
+)
 from rlhf_paro.config import ConfigError
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -108,3 +110,18 @@ def test_a_users_mistake_found_by_a_worker_is_its_one_line_config_error(ranks):
             ranks)
     assert type(info.value) is ConfigError and str(info.value) == "actor.path: no weights"
 
+
+
+def test_a_rank_that_does_not_answer_is_named_by_the_oldest_call_in_flight(ranks):
+    # The critic's call waits for the actor's (as make_experience waits for the reward's
+    # scores): the actor's blocked call, issued first, is the one named.
+    blocked = ranks["actor"][1].block.remote()
+    downstream = ranks["critic"][0].value.remote(blocked)
+    issued = [Call(blocked, "actor", 1, "generate"), Call(downstream, "critic", 0, "values")]
+    start = time.monotonic()
+    with pytest.raises(NoAnswerError) as info:
+        get({"critic": [downstream]}, ranks, timeout_s=2, issued=issued)
+    assert 2 <= time.monotonic() - start < 10
+    assert str(info.value) == ("actor rank 1 did not answer in generate within "
+                               "trainer.step_timeout_s=2")
+    _fresh(ranks, "actor", 1)

@@ -1,0 +1,57 @@
+"""The output directory of a run (``runs.check_output_dir``, ``runs.locked``): checked before
+anything starts, and used by one run at a time."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from rlhf_paro import runs
+from rlhf_paro.config import ConfigError
+
+# A process that holds DIR's lock until it is killed: another run, as far as the lock can tell.
+HOLDER = """
+import sys, time
+from rlhf_paro import runs
+with runs.locked(sys.argv[1]):
+    print("locked", flush=True)
+    time.sleep(600)
+"""
+
+
+def hold(directory) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(directory)],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "locked\n"
+    return proc
+
+
+def test_an_output_dir_under_a_file_is_refused_naming_it_and_nothing_is_made(tmp_path):
+    (tmp_path / "notes").write_text("x")
+    with pytest.raises(ConfigError, match=rf"^trainer.output_dir: {tmp_path}/notes/run is under "
+                                          rf"{tmp_path}/notes, which is a file, not a directory"):
+        runs.check_output_dir(str(tmp_path / "notes" / "run"))
+    with pytest.raises(ConfigError, match=rf"{tmp_path}/notes is a file, not a directory"):
+        runs.check_output_dir(str(tmp_path / "notes"))
+    runs.check_output_dir(str(tmp_path / "new" / "run"))  # made later, by the run
+    assert os.listdir(tmp_path) == ["notes"]
+
+
+def test_a_locked_output_dir_is_refused_naming_the_holder_and_freed_when_it_is_killed(tmp_path):
+    out = tmp_path / "run"
+    holder = hold(out)
+    try:
+        with pytest.raises(ConfigError, match=rf"^trainer.output_dir: {out} is in use by the run "
+                                              rf"of process {holder.pid} "):
+            with runs.locked(str(out)):
+                pytest.fail("a second holder got the lock")
+        assert (out / runs.LOCK_FILE).read_text() == f"{holder.pid}\n"  # not touched
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)  # a crash: the kernel releases the lock
+        holder.wait()
+    with runs.locked(str(out)):
+        assert (out / runs.LOCK_FILE).read_text() == f"{os.getpid()}\n"
