@@ -3,6 +3,8 @@ no process group, and the extras of the items in ``score_sums``."""
 
 from __future__ import annotations
 
+import os
+
 import threading
 
 import pytest
@@ -77,7 +79,8 @@ def test_a_server_reward_joins_no_group_and_sums_its_extras_for_the_metrics(asse
     monkeypatch.setenv(TOKEN_ENV, "tok")
     monkeypatch.setattr(Worker, "setup", lambda *args: pytest.fail("joined a process group"))
     reward = RewardWorker(config(assets, server), "reward", 0, 1)
-    reward.setup("127.0.0.1", 29500)
+    # Its pid, as every worker's, for workers.json.
+    assert reward.setup("127.0.0.1", 29500) == os.getpid()
     assert reward.engine is None and not dist.is_initialized()
     batch, rows = rollout(assets)
     torch.testing.assert_close(reward.score(batch, rows, step=2), torch.tensor([2., 1., 3., 1.]))
