@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from rlhf_paro.actors.worker import Batch, TrainedWorker, Worker
 from rlhf_paro.ppo import algorithms, core
@@ -49,10 +48,10 @@ class ActorWorker(TrainedWorker):
                                  max_new_tokens=ppo.max_new_tokens,
                                  pad_token_id=tokenizer.pad_token_id,
                                  eos_token_id=tokenizer.eos_token_id, **sampling)
+        # Generation stops when every row has ended: the rank's responses are as wide as its
+        # longest, never padded out to ppo.max_new_tokens (every model computes on this width
+        # where it runs padded).
         responses = out[:, prompts.shape[1]:].cpu()
-        # Generation stops when every row has ended: pad to a fixed response length.
-        responses = F.pad(responses, (0, ppo.max_new_tokens - responses.shape[1]),
-                          value=tokenizer.pad_token_id)
         action_mask = response_mask(responses, tokenizer.eos_token_id)
         sequences, attention_mask = join(prompts, responses, action_mask, prompt_mask)
         rollout = {"sequences": sequences, "attention_mask": attention_mask,
