@@ -62,10 +62,10 @@ class RunError(RuntimeError):
 
 
 class PPOTrainer:
-    """Places the run's models on the devices and runs RL steps."""
+    """Places the run's models on the devices and runs RL steps; ``cfg`` is resolved
+    (``rlhf_paro.resolve``, which the entry point runs once)."""
 
     def __init__(self, cfg: Config) -> None:
-        cfg = algorithms.resolve(cfg)
         num_devices, use_gpu = cfg.cluster.num_devices, cfg.cluster.device == "cuda"
         try:
             init_ray(cfg.ray.address, cfg.ray.num_cpus, num_devices)

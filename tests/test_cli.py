@@ -15,7 +15,7 @@ import yaml
 
 from rlhf_paro import plan, train
 from rlhf_paro.cli import _leaves
-from rlhf_paro.config import load_config
+from rlhf_paro.compose import load_config
 from tests.confs import INLINE
 
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from rlhf_paro.config import CONF_DIR
+from rlhf_paro.compose import CONF_DIR
 from tests.confs import INLINE
 
 
