@@ -3,7 +3,9 @@
     python -m rlhf_paro.<entry> [-h|--help] [--cfg job] [-m|--multirun] [conf=NAME] [override ...]
 
 ``--help`` lists every key with the value this command line gives it and its comment from
-``config.py``; ``--cfg job`` prints the config as YAML and runs nothing. ``-m`` runs one job per
+``config.py``; ``--cfg job`` prints the config as YAML and runs nothing. Both show the config as
+composed, before ``prepare`` resolves it: a demo asset not made yet is ``${demo:NAME}``, and
+nothing is made or written. ``-m`` runs one job per
 combination of the values of every swept override ``key=a,b,c`` (the cartesian product, the
 first swept key varying slowest), one after another; job k writes to
 ``<trainer.output_dir>/<k>_<key=value,...>``, the swept overrides as typed, with every character

@@ -388,7 +388,7 @@ class AlgorithmConfig:
     """Which RL algorithm trains the actor: its advantage estimator, where the KL to the
     reference goes and how the policy loss is aggregated. The names are checked against the
     registries of ``ppo/core.py`` and ``ppo/algorithms.py`` when the run is resolved
-    (``algorithms.resolve``): this module stays free of the math."""
+    (``algorithms.check``, from ``rlhf_paro.resolve``): this module stays free of the math."""
 
     # gae (PPO with a critic), grpo, dr_grpo, rloo or reinforce_pp (critic-free).
     adv_estimator: str = "gae"
