@@ -3,7 +3,9 @@
     python -m rlhf_paro.<entry> [-h|--help] [--cfg job] [-m|--multirun] [conf=NAME] [override ...]
 
 ``--help`` lists every key with the value this command line gives it and its comment from
-``config.py``; ``--cfg job`` prints the config as YAML and runs nothing. ``-m`` runs one job per
+``config.py``; ``--cfg job`` prints the config as YAML and runs nothing. Both show the config as
+composed, before ``prepare`` resolves it: a demo asset not made yet is ``${demo:NAME}``, and
+nothing is made or written. ``-m`` runs one job per
 combination of the values of every swept override ``key=a,b,c`` (the cartesian product, the
 first swept key varying slowest), one after another; job k writes to
 ``<trainer.output_dir>/<k>_<key=value,...>``, the swept overrides as typed, with every character
@@ -26,9 +28,10 @@ from typing import Any, Callable, NamedTuple
 import yaml
 from omegaconf import OmegaConf
 
-from rlhf_paro.config import (
-    FILE_LIST_KEYS, Config, ConfigError, available_confs, cli_errors, load_config, parse_overrides, split_sweep,
+from rlhf_paro.compose import (
+    available_confs, load_config, parse_overrides, register_resolver, split_sweep,
 )
+from rlhf_paro.config import FILE_LIST_KEYS, Config, ConfigError, cli_errors
 
 OVERRIDES = """\
 overrides, applied in order (values are YAML: 3, 1e-5, abc, [a, b], {a: 1}, null):
@@ -53,7 +56,9 @@ def main(argv: list[str], *, prog: str, about: str, prepare: Callable[[Config, s
     """Run ``prog``'s command line: ``prepare(cfg, conf)`` checks one job and returns the
     config to run (raising ``ConfigError`` for a user's mistake), ``execute(cfg, job_argv)``
     runs it; ``job_argv`` is the command line of that job alone (a multirun job's values and
-    output directory)."""
+    output directory). ``--help`` and ``--cfg job`` stop before ``prepare``: they make and
+    write nothing."""
+    register_demo_resolver()
     with cli_errors():
         show_help, show_cfg, multirun, args = _options(argv)
         jobs = _jobs(args) if multirun else [Job("", args)]
@@ -76,6 +81,14 @@ def main(argv: list[str], *, prog: str, about: str, prepare: Callable[[Config, s
                 print(f"[{prog}] job {k}: {job.name or 'nothing swept'}", flush=True)
                 job_argv = [*job.argv, f"trainer.output_dir={cfg.trainer.output_dir}"]
             execute(cfg, job_argv)
+
+
+def register_demo_resolver() -> None:
+    """``${demo:NAME}`` in the confs: the demo asset's cached path, or the reference itself until
+    ``prepare`` makes it (``rlhf_paro.resolve``)."""
+    from rlhf_paro.ppo import demo
+
+    register_resolver("demo", demo.resolver)
 
 
 def _options(argv: list[str]) -> tuple[bool, bool, bool, list[str]]:

@@ -1,16 +1,17 @@
-"""Typed configuration: one dataclass per component, composed with OmegaConf.
+"""Typed configuration, the schema: one dataclass per component, and the builder that makes them
+from plain data.
 
-``load_config(["conf=ppo_tiny", "actor.strategy=IGG", ...])`` builds a ``Config`` in four steps:
+The config is made in three parts, each run by the one before it:
 
-1. read ``conf/ppo_tiny.yaml`` (``conf=NAME``) or a ``.yaml`` path, over the confs its
-   ``defaults:`` list names, merged in order (mappings key by key, anything else replaces);
-2. apply the overrides in order: ``key=value`` sets, ``+key=value`` adds a key to a model's
-   inline ``config`` (the schema's own keys always exist), ``~key`` deletes (a schema key is then
-   back at its default); values are YAML, read as OmegaConf reads conf files;
-3. resolve OmegaConf interpolations: ``${ppo.rollout_batch_size}`` (a key the conf or the command
-   line sets), ``${oc.env:NAME}``;
-4. build the dataclasses below, checking every key and type; each checks its values on
-   construction (``__post_init__``).
+1. the schema (this module): the dataclasses, each checking its own values on construction
+   (``__post_init__``) and ``Config`` checking how sections agree. Pure: no file is read, no
+   environment variable, no sibling section rewritten; the same data always builds the same
+   config or raises the same error;
+2. composition (``rlhf_paro/compose.py``): conf files, their ``defaults:``, the command line's
+   overrides and the keys that replace one another, interpolations, then ``build_config``;
+3. ``resolve()`` (``rlhf_paro/resolve.py``), run once by the entry points before anything runs:
+   the demo's assets made, every file the config names checked, the values derived from other
+   sections set (a model's source, a DeepSpeed model's strategy, the critic's source).
 
 A user mistake raises ``ConfigError``: one line naming the key and what is allowed. Entry points
 turn it into ``error: ...`` on stderr and exit status 2 (``cli_errors``).
@@ -19,39 +20,25 @@ The dataclasses are built here rather than by OmegaConf's structured configs bec
 converts loosely (2 becomes true for a bool, true becomes "True" for a string), has no Literal,
 and reports on several lines; the builder below is strict and names the key in one line.
 
-This module imports neither torch nor transformers, so a bad command line fails fast. Checks
-that need transformers (an inline model config) live in ``rlhf_paro.models``.
+This module imports neither torch nor transformers nor anything above it, so a bad command line
+fails fast. Checks that need transformers (an inline model config) live in ``rlhf_paro.models``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import copy
 import dataclasses
 import difflib
-import inspect
 import math
-import os
-import re
 import sys
 import types
 import typing
 import urllib.parse
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Iterator, Literal, NamedTuple
-
-import yaml
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException, UnsupportedValueType
+from typing import Any, ClassVar, Iterator, Literal
 
 from rlhf_paro.comm.meter import ALGORITHM_CHOICES
 from rlhf_paro.sharding.strategy import Strategy, StrategyError
-
-# conf/ sits next to the package in the repository (and in an editable install).
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-DEFAULT_CONF = "ppo_tiny"
 
 ROLES = ("actor", "critic", "reward", "ref")
 TRAINED_ROLES = ("actor", "critic")
@@ -162,17 +149,6 @@ class DeepSpeedOptions:
     # {zero_optimization: {stage3_param_persistence_threshold: 0}}.
     config: dict[str, Any] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError("zero_stage", f"got {self.zero_stage}; allowed: 0, 1, 2, 3")
-        _positive("hpz_partition_size", self.hpz_partition_size)
-        if self.hpz_partition_size > 1 and self.zero_stage != 3:
-            raise ConfigError("hpz_partition_size", f"{self.hpz_partition_size} needs "
-                              f"zero_stage=3 (got {self.zero_stage}); allowed: 1 below stage 3")
-        if self.offload_optimizer and self.zero_stage == 0:
-            raise ConfigError("offload_optimizer", "needs zero_stage 1, 2 or 3 (DeepSpeed "
-                                                   "offloads the partitioned optimizer)")
-
     def strategy(self, frozen: bool, group_size: int) -> str:
         """The PaRO strategy that keeps what this stage keeps (for the planner and the report):
         ZeRO-1 = NNG, ZeRO-2 = NGG, ZeRO-3 = GGG, ZeRO-3 with hpZ over a node = IGG."""
@@ -189,8 +165,13 @@ class ModelConfig:
 
     Source: ``path`` (a local Hugging Face model directory; never downloaded) or ``config`` (an
     inline Hugging Face config for random init, ``model_type`` defaulting to llama). A critic,
-    reward or ref with neither inherits the actor's source, so ref starts from the actor's weights.
+    reward or ref with neither inherits the actor's source, so ref starts from the actor's weights
+    (set by ``resolve``; here it stays unset).
     """
+
+    # A model has one source: a key of these given replaces the others (``compose``), and
+    # more than one set is refused below.
+    SOURCES: ClassVar[tuple[str, ...]] = ("path", "config", "function", "url")
 
     path: str | None = None  # a local Hugging Face model directory, never downloaded
     # An inline Hugging Face config (random init); transformers checks its keys. A critic, reward
@@ -264,27 +245,17 @@ class ModelConfig:
             raise ConfigError("function", "set either function (a reward function) or a model "
                                           "(path or config), not both; unset one with ~")
         for key in ("function", "score_function"):
-            _check_function_spec(key, getattr(self, key))
+            check_function_spec(key, getattr(self, key))
         _check_reward_server(self)
-        if self.tokenizer is not None and not Path(self.tokenizer).expanduser().is_dir():
-            raise ConfigError("tokenizer", f"no directory at {self.tokenizer!r}; allowed: a "
-                                           "local tokenizer directory, never downloaded")
-        if self.path is not None:
-            model_dir = Path(self.path).expanduser()
-            if not (model_dir / "config.json").is_file():
-                raise ConfigError("path", f"no Hugging Face model directory at {self.path!r} "
-                                          "(needs config.json); allowed: an existing local "
-                                          "directory, models are never downloaded")
 
 
-def _check_function_spec(key: str, spec: str | None) -> None:
+def check_function_spec(key: str, spec: str | None) -> None:
+    """``file.py:name`` in form (whether the file exists is ``resolve``'s to check)."""
     if spec is None:
         return
     file, sep, name = spec.rpartition(":")
     if not sep or not file.endswith(".py") or not name.isidentifier():
         raise ConfigError(key, f"got {spec!r}; allowed: path/to/file.py:function_name")
-    if not Path(file).expanduser().is_file():
-        raise ConfigError(key, f"no file {file!r}; allowed: an existing .py file")
 
 
 def _check_reward_server(model: ModelConfig) -> None:
@@ -306,11 +277,6 @@ def _check_reward_server(model: ModelConfig) -> None:
     if given:
         raise ConfigError("url", f"set either url (a reward server) or {' or '.join(given)}, "
                                  "not both; unset one with ~")
-    # Checked when the run starts, not at the first step: a missing token would stop it there.
-    if model.token_env is not None and not os.environ.get(model.token_env):
-        raise ConfigError("token_env", f"the environment variable {model.token_env} is not set "
-                                       "(or empty); allowed: the name of a variable holding the "
-                                       "reward server's token")
 
 
 # --- the other components -------------------------------------------------------------------------
@@ -425,7 +391,7 @@ class AlgorithmConfig:
     """Which RL algorithm trains the actor: its advantage estimator, where the KL to the
     reference goes and how the policy loss is aggregated. The names are checked against the
     registries of ``ppo/core.py`` and ``ppo/algorithms.py`` when the run is resolved
-    (``algorithms.resolve``): this module stays free of the math."""
+    (``algorithms.check``, from ``rlhf_paro.resolve``): this module stays free of the math."""
 
     # gae (PPO with a critic), grpo, dr_grpo, rloo or reinforce_pp (critic-free).
     adv_estimator: str = "gae"
@@ -501,11 +467,6 @@ class TrainerConfig:
                     "eval_every"):
             if getattr(self, key) < 0:
                 raise ConfigError(key, f"must be >= 0 (0: off), got {getattr(self, key)}")
-        if self.resume not in RESUME_CHOICES and not (Path(self.resume).expanduser()
-                                                      / MANIFEST).is_file():
-            raise ConfigError("resume", f"no complete checkpoint at {self.resume!r} (it has no "
-                                        f"{MANIFEST}); allowed: auto, none or a checkpoint "
-                                        "directory such as OUTPUT_DIR/checkpoints/step_10")
 
 
 @dataclass
@@ -584,13 +545,6 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _positive("max_prompt_length", self.max_prompt_length)
-        for key in ("train_files", "val_files"):
-            for file in data_files(getattr(self, key)):
-                if not file.endswith((".json", ".jsonl", ".parquet")):
-                    raise ConfigError(key, f"{file!r} is not a data file; allowed: local "
-                                           ".json, .jsonl or .parquet files")
-                if not Path(file).expanduser().is_file():
-                    raise ConfigError(key, f"no file {file!r}; allowed: existing local files")
         if self.val_files is not None and self.train_files is None:
             raise ConfigError("val_files", "needs data.train_files")
 
@@ -632,19 +586,22 @@ class Config:
     ray: RayConfig = field(default_factory=RayConfig)
     data: DataConfig = field(default_factory=DataConfig)
 
+    # Keys given on the command line (or by a conf over its defaults) replace the keys that
+    # compete with them (``compose``), besides a model's sources (``ModelConfig.SOURCES``): your
+    # own prompts are not the conf's, so neither are its validation prompts nor a score that
+    # reads the conf's prompt columns.
+    REPLACES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "data.train_files": ("data.val_files", "reward.score_function")}
+    # What goes with a key that is replaced: no validation files, nothing to evaluate on.
+    GOES_WITH: ClassVar[dict[str, tuple[str, ...]]] = {"data.val_files": ("trainer.eval_every",)}
+
     def __post_init__(self) -> None:
         if self.actor.path is None and self.actor.config is None:
             raise ConfigError("actor", "needs a model: set actor.path (a local Hugging Face "
                                        "model directory) or actor.config (an inline config)")
         for role in ROLES:
             model = self.model(role)
-            # The critic's source depends on the algorithm (a critic-free run has none):
-            # ``ppo/algorithms.resolve`` sets it.
-            if role != "critic" and model.path is None and model.config is None and \
-                    model.runs_model:
-                model.path, model.config = self.actor.path, copy.deepcopy(self.actor.config)
-            if model.backend == "deepspeed":
-                self._check_deepspeed(role, model)
+            self._check_deepspeed(role, model)
             model.strategy = _normalise_strategy(role, model.strategy)
             if model.lora.enabled and role in FROZEN_ROLES:
                 raise ConfigError(f"{role}.lora.enabled", "LoRA trains adapters; allowed only "
@@ -662,13 +619,28 @@ class Config:
             raise ConfigError("ppo.mini_batch_size", f"{self.ppo.mini_batch_size} must divide "
                               f"the samples of a step, ppo.rollout_batch_size x rollout.n = "
                               f"{samples}")
-        self.check_micro_batches("actor")  # the critic's, where there is one: algorithms.resolve
+        self.check_micro_batches("actor")  # the critic's, where there is one: algorithms.check
         if self.task.prompt_len > self.ppo.max_prompt_len:
             raise ConfigError("task.prompt_len", f"{self.task.prompt_len} exceeds "
                               f"ppo.max_prompt_len={self.ppo.max_prompt_len}")
 
     def _check_deepspeed(self, role: str, model: ModelConfig) -> None:
-        ds, n = model.deepspeed, self.cluster.num_devices
+        """Every rule of a model's ``deepspeed`` section: its own values on any backend, how
+        they fit the role and the cluster on backend=deepspeed. (The strategy a DeepSpeed model
+        stands for is ``resolve``'s to set.)"""
+        ds, n, key = model.deepspeed, self.cluster.num_devices, f"{role}.deepspeed"
+        if ds.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"{key}.zero_stage", f"got {ds.zero_stage}; allowed: 0, 1, 2, 3")
+        _positive(f"{key}.hpz_partition_size", ds.hpz_partition_size)
+        if ds.hpz_partition_size > 1 and ds.zero_stage != 3:
+            raise ConfigError(f"{key}.hpz_partition_size", f"{ds.hpz_partition_size} needs "
+                              f"zero_stage=3 (got {ds.zero_stage}); allowed: 1 below stage 3")
+        if ds.offload_optimizer and ds.zero_stage == 0:
+            raise ConfigError(f"{key}.offload_optimizer", "needs zero_stage 1, 2 or 3 "
+                                                          "(DeepSpeed offloads the partitioned "
+                                                          "optimizer)")
+        if model.backend != "deepspeed":
+            return
         if n % ds.hpz_partition_size:
             raise ConfigError(f"{role}.deepspeed.hpz_partition_size", f"{ds.hpz_partition_size} "
                               f"must divide cluster.num_devices={n}")
@@ -687,7 +659,6 @@ class Config:
             raise ConfigError(f"{role}.offload", "is the PaRO engine's; on backend=deepspeed "
                                                  f"set {role}.deepspeed.offload_optimizer; "
                                                  "allowed: none")
-        model.strategy = ds.strategy(role in FROZEN_ROLES, self.cluster.group_size)
 
     def offload(self, role: str) -> str:
         """What of ``role`` lives in host memory: ``<role>.offload`` on the PaRO engine, the
@@ -704,7 +675,7 @@ class Config:
 
     def check_micro_batches(self, role: str) -> None:
         """A trained ``role``'s micro-batches tile each device's share of a mini-batch (checked
-        for the roles a run trains, ``ppo/algorithms.resolve``)."""
+        for the roles a run trains, ``ppo/algorithms.check``)."""
         n, micro = self.cluster.num_devices, self.model(role).micro_batch_size
         if self.ppo.mini_batch_size % (n * micro):
             raise ConfigError("ppo.mini_batch_size", f"{self.ppo.mini_batch_size} must be a "
@@ -734,7 +705,7 @@ def _normalise_strategy(role: str, text: str) -> str:
 
 def build_config(data: dict[str, Any]) -> Config:
     """A validated ``Config`` from nested plain data (what YAML gives)."""
-    return _build(Config, data, "")
+    return build(Config, data, "")
 
 
 def _unknown_key(prefix: str, key: str, names: list[str]) -> ConfigError:
@@ -747,7 +718,9 @@ def _field_names(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if f.init]
 
 
-def _build(cls: type, data: Any, prefix: str) -> Any:
+def build(cls: type, data: Any, prefix: str) -> Any:
+    """A validated ``cls`` (a section of the schema) from plain data; keys named under
+    ``prefix``."""
     names = _field_names(cls)
     if data is None:
         data = {}
@@ -787,7 +760,7 @@ def coerce(tp: Any, value: Any, key: str) -> Any:
     tp = inner
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if dataclasses.is_dataclass(tp):
-        return _build(tp, value, key)
+        return build(tp, value, key)
     if origin is Literal:
         if value not in args:
             raise ConfigError(key, f"got {value!r}; allowed: {', '.join(map(str, args))}")
@@ -820,290 +793,6 @@ def coerce(tp: Any, value: Any, key: str) -> Any:
     if not ok[tp]:
         raise ConfigError(key, f"expected {_TYPE_WORDS[tp]}, got {value!r}")
     return tp(value)
-
-
-def _schema_depth(parts: list[str]) -> int:
-    """How many leading parts of a dotted key are keys of the schema; any after them lie inside
-    a model's inline ``config`` (a mapping the schema leaves open). Raises ``ConfigError`` for a
-    key the schema does not have."""
-    node: Any = Config
-    for depth, part in enumerate(parts):
-        prefix = ".".join(parts[:depth])
-        if not dataclasses.is_dataclass(node):
-            raise ConfigError(prefix, f"is a value, not a section, so it has no key {part!r}")
-        names = _field_names(node)
-        if part not in names:
-            raise _unknown_key(prefix, part, names)
-        node = _optional(typing.get_type_hints(node)[part])
-        if typing.get_origin(node) is dict:
-            return depth + 1
-    return len(parts)
-
-
-# --- conf files and the command line --------------------------------------------------------------
-
-class _YamlLoader(yaml.SafeLoader):
-    """YAML as OmegaConf reads it, for conf files and override values alike: ``1e-5`` is a
-    number (YAML 1.1 reads it as a string) and a date stays a string."""
-
-
-_YamlLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-_YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"))
-
-
-@contextlib.contextmanager
-def _omegaconf_errors() -> Iterator[None]:
-    """OmegaConf's errors (a bad interpolation, a value it cannot hold) as one-line errors."""
-    try:
-        yield
-    except OmegaConfBaseException as err:
-        failed = _RESOLVER_ERROR.get()
-        if failed is not None:  # our resolver's own one-line error, which OmegaConf wraps
-            _RESOLVER_ERROR.set(None)
-            raise failed from None
-        # The first line is the problem; OmegaConf adds the key and the object type below it.
-        problem = str(err).splitlines()[0] if str(err) else type(err).__name__
-        allowed = ("numbers, strings, booleans, null, lists and mappings"
-                   if isinstance(err, UnsupportedValueType) else
-                   "${key} of a key the conf or the command line sets, ${oc.env:NAME}, "
-                   "or \\${ for a literal ${")
-        raise ConfigError(getattr(err, "full_key", None) or "", f"{problem}; allowed: "
-                                                                  f"{allowed}") from None
-
-
-def conf_path(name: str) -> Path:
-    """``conf=NAME`` -> ``conf/NAME.yaml``; a value ending in .yaml/.yml is a path."""
-    if name.endswith((".yaml", ".yml")):
-        return Path(name).expanduser()
-    return CONF_DIR / f"{name}.yaml"
-
-
-def available_confs() -> list[str]:
-    return sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
-
-
-def _read_conf(path: Path, chain: tuple[Path, ...] = ()) -> DictConfig:
-    """The conf at ``path`` over the confs of its ``defaults`` list, merged in order."""
-    if not path.is_file():
-        allowed = ", ".join(available_confs()) or "none found"
-        name = path.stem if path.parent == CONF_DIR else str(path)
-        raise ConfigError("conf", f"no conf {name!r}; allowed: a .yaml path or one of {allowed}")
-    if path.resolve() in chain:
-        raise ConfigError("defaults", f"{path.name} includes itself through its defaults")
-    try:
-        data = yaml.load(path.read_text(), Loader=_YamlLoader) or {}
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError("conf", f"{path.name}{where} is not valid YAML") from None
-    if not isinstance(data, dict):
-        raise ConfigError("conf", f"{path.name} must be a mapping of sections")
-    defaults = data.pop("defaults", []) or []
-    if not isinstance(defaults, list):
-        raise ConfigError("defaults", f"expected a list of conf names, got {defaults!r}")
-    with _omegaconf_errors():
-        merged = OmegaConf.create()
-        for name in defaults:
-            sibling = path.parent / f"{name}.yaml"
-            base = sibling if sibling.is_file() else conf_path(str(name))
-            merged = OmegaConf.merge(merged, _read_conf(base, chain + (path.resolve(),)))
-        # A conf's keys replace its defaults' competing keys, as the command line's do.
-        _drop_competing(merged, set(_dotted_keys(data)))
-        return OmegaConf.merge(merged, OmegaConf.create(data))
-
-
-def _dotted_keys(data: dict[str, Any], prefix: str = "") -> Iterator[str]:
-    """Every key of nested mappings, dotted (``actor``, ``actor.path``, ...)."""
-    for key, value in data.items():
-        dotted = _join(prefix, str(key))
-        yield dotted
-        if isinstance(value, dict):
-            yield from _dotted_keys(value, dotted)
-
-
-class Override(NamedTuple):
-    """One command-line override: ``key=value`` (op ``=``), ``+key=value`` or ``~key``."""
-
-    op: Literal["=", "+", "~"]
-    key: str
-    value: Any  # parsed as YAML; None for ``~``
-
-
-def split_sweep(text: str) -> list[str]:
-    """The values of a sweep ``a,b,c``: the text cut at commas outside brackets, braces and
-    quotes (``[a, b]``, ``{a: 1, b: 2}`` and ``'a,b'`` are one value each)."""
-    values, depth, quote, start = [], 0, "", 0
-    for i, char in enumerate(text):
-        if quote:
-            quote = "" if char == quote else quote
-        elif char in "'\"":
-            quote = char
-        elif char in "[{":
-            depth += 1
-        elif char in "]}":
-            depth -= 1
-        elif char == "," and depth == 0:
-            values.append(text[start:i])
-            start = i + 1
-    return values + [text[start:]]
-
-
-def parse_overrides(argv: list[str]) -> tuple[str, list[Override]]:
-    """``conf=NAME`` and the overrides of a command line -> (conf name, overrides in order)."""
-    conf = DEFAULT_CONF
-    overrides = []
-    for arg in argv:
-        op = arg[0] if arg[:1] in ("+", "~") else "="
-        key, sep, text = (arg if op == "=" else arg[1:]).partition("=")
-        key = key.strip()
-        if (not sep and op != "~") or not key or any(not part for part in key.split(".")):
-            raise ConfigError(arg, "expected key=value with a dotted key, e.g. "
-                                   "actor.strategy=IGG, +key=value, ~key or conf=ppo_tiny")
-        if op == "~" and sep:
-            raise ConfigError(key, f"~{key} deletes the key and takes no value; allowed: ~{key}")
-        if key == "conf":
-            if op != "=":
-                raise ConfigError(key, "selects the conf; allowed: conf=NAME or conf=path.yaml")
-            conf = text.strip()
-            continue
-        if op != "~" and len(split_sweep(text)) > 1 and key not in FILE_LIST_KEYS:
-            raise ConfigError(key, f"{text!r} is a sweep; allowed: -m to run one job per value, "
-                                   f"a list [{text}], or a quoted string '{text}'")
-        overrides.append(Override(op, key, None if op == "~" else _parse_value(key, text)))
-    return conf, overrides
-
-
-def _parse_value(key: str, text: str) -> Any:
-    try:
-        return yaml.load(text, Loader=_YamlLoader)
-    except yaml.YAMLError:
-        raise ConfigError(key, f"cannot parse {text!r} as a value; allowed: YAML such as 3, "
-                               "1e-5, abc, [a, b], {a: 1} or null") from None
-
-
-def _apply(cfg: DictConfig, override: Override) -> None:
-    """Set, add or delete one key of the composed conf (see the module docstring)."""
-    op, key = override.op, override.key
-    parts = key.split(".")
-    depth = _schema_depth(parts)
-    if op == "+" and depth == len(parts):
-        raise ConfigError(key, f"is a key of the schema, which always has it; allowed: "
-                               f"{key}=VALUE (+ adds keys inside a model's inline config)")
-    node = cfg
-    for i, part in enumerate(parts[:-1]):
-        child = node.get(part)
-        if child is None:
-            if op == "~":
-                break
-            node[part] = {}
-        elif not isinstance(child, DictConfig):
-            raise ConfigError(".".join(parts[:i + 1]), f"is {child!r}, not a section, so it has "
-                                                       f"no key {parts[i + 1]!r}")
-        node = node[part]
-    else:
-        last = parts[-1]
-        if op == "~":
-            if last in node:
-                del node[last]
-                return
-        elif op == "+" and last in node:
-            raise ConfigError(key, f"is already set to {node[last]!r}; allowed: {key}=VALUE to "
-                                   "change it")
-        else:
-            node[last] = override.value
-            return
-    # A schema key that is not set has its default already; an inline-config key is just absent.
-    if op == "~" and depth < len(parts):
-        raise ConfigError(key, "is not set, so there is nothing to delete")
-
-
-def _drop_competing(cfg: DictConfig, given: set[str]) -> None:
-    """A key given on the command line replaces the conf's keys that compete with it, so that a
-    user's few keys are enough whatever the conf holds: a model's ``path`` drops its inline
-    ``config`` and the other way round, the reward's ``path``, ``config``, ``function`` and ``url``
-    drop one another, and ``data.train_files`` drops the conf's ``data.val_files`` (with the
-    evaluation on them) and ``reward.score_function`` (which reads the conf's prompts) unless
-    those are given too."""
-    competing = {f"{role}.path": [f"{role}.config"] for role in ROLES}
-    competing.update({f"{role}.config": [f"{role}.path"] for role in ROLES})
-    # A reward is a model (path or config), a function or a server (url): one of them.
-    rewards = ("reward.path", "reward.config", "reward.function", "reward.url")
-    for key in rewards:
-        competing[key] = [other for other in rewards if other != key]
-    competing["data.train_files"] = ["data.val_files", "reward.score_function"]
-    # What goes with a key when it is dropped: no validation files, nothing to evaluate on.
-    following = {"data.val_files": ["trainer.eval_every"]}
-    # A key inside a model's inline config (actor.config.hidden_size) gives that config too.
-    given = given | {".".join(key.split(".")[:2]) for key in given
-                     if key.split(".")[1:2] == ["config"]}
-    pending = [other for key, others in competing.items() if key in given for other in others]
-    while pending:
-        other = pending.pop()
-        section, _, name = other.partition(".")
-        node = cfg.get(section)
-        if other not in given and isinstance(node, DictConfig) and name in node:
-            del node[name]
-            pending += following.get(other, [])
-
-
-# Set while ``compose`` resolves the finished conf: only then may ``${demo:NAME}`` make assets.
-# OmegaConf also evaluates an interpolation while merging a conf over it (with a root that is
-# not the final one), and that evaluation must not train models.
-_RESOLVING = contextvars.ContextVar("rlhf_paro_resolving", default=False)
-# The ConfigError ``${demo:NAME}`` raised, which OmegaConf reports wrapped in several lines.
-_RESOLVER_ERROR: contextvars.ContextVar[ConfigError | None] = contextvars.ContextVar(
-    "rlhf_paro_resolver_error", default=None)
-
-
-def _demo(name: str, *, _root_: DictConfig) -> str:
-    """``${demo:NAME}`` in a conf: the path of the default run's asset NAME (``ppo/demo.py``),
-    made on first use and cached; its cache key is the ``task`` section (and the response
-    length, ``ppo.max_new_tokens``)."""
-    if not _RESOLVING.get():
-        return f"<demo:{name}>"
-    from rlhf_paro.ppo import demo  # torch and transformers: only when a conf asks for the demo
-
-    try:
-        task = _build(TaskConfig, OmegaConf.to_container(_root_.get("task") or {}, resolve=True),
-                      "task")
-        ppo = _build(PPOConfig, OmegaConf.to_container(_root_.get("ppo") or {}, resolve=True),
-                     "ppo")
-        return demo.asset(name, task, ppo.max_new_tokens)
-    except ConfigError as err:
-        _RESOLVER_ERROR.set(err)
-        raise
-
-
-if not OmegaConf.has_resolver("demo"):
-    # OmegaConf 2.4 moved this to register_resolver (2.3 has an older call of that name) and
-    # warns on the old one; a warning would break our one-line errors on stderr.
-    if "annotation_validation" in inspect.signature(OmegaConf.register_resolver).parameters:
-        OmegaConf.register_resolver("demo", _demo, annotation_validation="off")
-    else:
-        OmegaConf.register_new_resolver("demo", _demo)
-
-
-def compose(conf: str, overrides: list[Override]) -> dict[str, Any]:
-    """The conf with the overrides applied and interpolations resolved, as plain data."""
-    cfg = _read_conf(conf_path(conf))
-    with _omegaconf_errors():
-        _drop_competing(cfg, {override.key for override in overrides if override.op != "~"})
-        for override in overrides:
-            _apply(cfg, override)
-        token = _RESOLVING.set(True)
-        try:
-            return OmegaConf.to_container(cfg, resolve=True)
-        finally:
-            _RESOLVING.reset(token)
-
-
-def load_config(argv: list[str]) -> Config:
-    """The ``Config`` of a command line: ``[conf=NAME|conf=path.yaml] [override ...]``."""
-    return build_config(compose(*parse_overrides(argv)))
 
 
 @contextlib.contextmanager

@@ -63,9 +63,9 @@ def hf_config(role: str, model_cfg: ModelConfig, vocab_size: int) -> Any:
     whose vocabulary is smaller cannot embed the task's tokens.
     """
     if model_cfg.path is None and model_cfg.config is None:
-        # A critic before ppo/algorithms.resolve: never fall back to a default-sized model.
+        # A config not resolved: never fall back to a default-sized model.
         raise ValueError(f"{role} has no model source (path or config); resolve the config "
-                         "first (ppo/algorithms.resolve)")
+                         "first (rlhf_paro.resolve)")
     transformers = _transformers()
     if model_cfg.path is not None:
         key = f"{role}.path"

@@ -357,11 +357,10 @@ def _search(models: dict[str, ModelPlan], budget: float, device: float,
 def make_plan(cfg: Config, vocab_sizes: dict[str, int] | None = None,
               fixed: dict[str, Strategy] | None = None) -> Plan:
     """Plan the run's models (``algorithms.roles``); ``fixed`` pins the strategies of some of
-    them; ``vocab_sizes``: ``ppo.data.vocab_sizes`` (read here when not given)."""
+    them; ``vocab_sizes``: ``ppo.data.vocab_sizes`` (read here when not given). ``cfg`` is
+    resolved (``rlhf_paro.resolve``): every model the run builds has its source."""
     from rlhf_paro.ppo import algorithms
 
-    # Idempotent; the critic's source is the algorithm's, set here for callers that did not.
-    cfg = algorithms.resolve(cfg)
     if vocab_sizes is None:
         from rlhf_paro.ppo.data import vocab_sizes as read_vocab_sizes
 
@@ -376,13 +375,15 @@ def _absent_critic(cfg: Config, vocab_sizes: dict[str, int]) -> ModelPlan | None
     """The critic PPO would build for this run (``algorithm.adv_estimator=gae``); None when the
     run has a critic, or when PPO could not run this conf's critic section."""
     from rlhf_paro.ppo import algorithms
+    from rlhf_paro.resolve import derive
 
     if "critic" in algorithms.roles(cfg):
         return None
     gae = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm,
                                                                  adv_estimator="gae"))
     try:
-        gae = algorithms.resolve(gae)
+        algorithms.check(gae)
+        gae = derive(gae, say=lambda _: None)
     except ConfigError:  # e.g. its unused micro-batch does not tile the mini-batch
         return None
     return model_plan(gae, "critic", vocab_sizes["critic"])
@@ -607,13 +608,13 @@ _ABOUT = __doc__.split("\n\n")[0]
 
 
 def _prepare(cfg: Config, conf: str) -> Config:
-    """The run's config, its algorithm resolved first (which models, the critic's source), and
-    its model sections checked."""
+    """The run's config resolved (``rlhf_paro.resolve``: which models, their sources, the files
+    they name), and its model sections checked."""
     from rlhf_paro.models import check_model_configs
-    from rlhf_paro.ppo import algorithms
     from rlhf_paro.ppo.data import vocab_sizes
+    from rlhf_paro.resolve import resolve
 
-    cfg = algorithms.resolve(cfg)
+    cfg = resolve(cfg)
     check_model_configs(cfg, vocab_sizes(cfg))
     return cfg
 

@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def prepare(cfg: Config, conf: str) -> Config:
     """Every check a user's mistake can fail, before anything runs or is written; the config to
-    run, with ``auto`` strategies resolved and ``ray.address`` taken from the environment."""
+    run: resolved (``rlhf_paro.resolve``: the demo made, files checked, derived values set), with
+    ``auto`` strategies chosen and ``ray.address`` taken from the environment."""
     cfg = with_ray_address(cfg, os.environ)
     from rlhf_paro import runs
 
@@ -55,9 +56,9 @@ def prepare(cfg: Config, conf: str) -> Config:
         require_ray(cfg.ray.address)
     # Everything below needs transformers; a bad command line has failed before it.
     from rlhf_paro import models, plan
-    from rlhf_paro.ppo import algorithms
+    from rlhf_paro.resolve import resolve
 
-    cfg = algorithms.resolve(cfg)
+    cfg = resolve(cfg)
     vocab_sizes = runs.check_inputs(cfg)
     models.check_model_configs(cfg, vocab_sizes)
     return plan.resolve_auto(cfg, vocab_sizes)

@@ -73,13 +73,13 @@ class StopFlag:
 
 
 class PPOTrainer:
-    """Places the run's models on the devices and runs RL steps; ``stop`` stops it early
+    """Places the run's models on the devices and runs RL steps; ``cfg`` is resolved
+    (``rlhf_paro.resolve``, which the entry point runs once); ``stop`` stops it early
     (``StopFlag``)."""
 
     def __init__(self, cfg: Config, stop: StopFlag | None = None) -> None:
         self.stop = stop or StopFlag()
         self._in_steps = False  # fit's steps are running: a stop waits for the step's end
-        cfg = algorithms.resolve(cfg)
         num_devices, use_gpu = cfg.cluster.num_devices, cfg.cluster.device == "cuda"
         try:
             init_ray(cfg.ray.address, cfg.ray.num_cpus, num_devices)

@@ -96,7 +96,7 @@ def trl(python: str, steps: int, micro: int, new_tokens: int, out: Path, assets:
 
 def demo_assets(new_tokens: int) -> dict:
     """The conf's actor and prompt file, made now if missing (the entry point resolves them)."""
-    from rlhf_paro.config import load_config
+    from rlhf_paro.compose import load_config
     from rlhf_paro.ppo import demo
 
     # Only the task section and the learning rate are read: no model or file is looked at.

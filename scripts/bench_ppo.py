@@ -65,11 +65,14 @@ def contender_overrides(name: str, mix: dict[str, str]) -> list[str]:
 def strategies_and_fit(overrides: list[str]) -> tuple[dict[str, str], bool | None]:
     """Each model's strategy in a job with ``overrides`` (``auto`` resolved by the planner), and
     whether the four fit ``cluster.memory_gb`` (None: no budget set)."""
-    from rlhf_paro.config import ConfigError, load_config
+    from rlhf_paro.cli import register_demo_resolver
+    from rlhf_paro.compose import load_config
+    from rlhf_paro.config import ConfigError
     from rlhf_paro.plan import configured_strategies, make_plan, resolve_auto
-    from rlhf_paro.ppo import algorithms
+    from rlhf_paro.resolve import resolve
 
-    cfg = algorithms.resolve(load_config(overrides))
+    register_demo_resolver()
+    cfg = resolve(load_config(overrides))
     try:
         cfg = resolve_auto(cfg)
     except ConfigError:  # auto found nothing that fits; the job will say so itself

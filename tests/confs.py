@@ -7,3 +7,12 @@ TINY_MODEL = ("{model_type: llama, hidden_size: 64, intermediate_size: 128, num_
 # actor.config drops the conf's actor.path, data.train_files=null its val_files and score; the
 # reward, critic and ref then inherit the actor's inline config.
 INLINE = [f"actor.config={TINY_MODEL}", "reward.path=null", "data.train_files=null"]
+
+
+def load(argv):
+    """The config an entry point runs for the command line ``argv``: composed, then resolved
+    (the demo's assets made, files checked, derived values set)."""
+    from rlhf_paro.compose import load_config
+    from rlhf_paro.resolve import resolve
+
+    return resolve(load_config(argv))

@@ -8,15 +8,23 @@ bad input that got through would show up as a recorded job instead of a training
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
 
 from rlhf_paro import plan, train
 from rlhf_paro.cli import _leaves
-from rlhf_paro.config import load_config
+from rlhf_paro.compose import load_config
+from rlhf_paro.config import PPOConfig, TaskConfig
+from rlhf_paro.ppo import demo
 from tests.confs import INLINE, TINY_MODEL
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -49,6 +57,37 @@ def test_cfg_job_prints_the_resolved_config_and_runs_nothing(jobs, capsys):
     assert jobs == []
     plan.main(["--cfg", "job", *argv])
     assert yaml.safe_load(capsys.readouterr().out) == printed
+
+
+def _command(home, *args):
+    """``python -m rlhf_paro.train ARGS`` in a fresh process whose home is ``home`` (the demo's
+    cache defaults to ``~/.cache/rlhf_paro``), its working directory ``home`` too."""
+    env = {**os.environ, "HOME": str(home), "PYTHONPATH": os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.run([sys.executable, "-m", "rlhf_paro.train", *args], cwd=home, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_help_and_cfg_job_on_an_empty_cache_make_and_write_nothing(tmp_path):
+    # Making the demo trains two models (a minute or more) and writes them under the cache: here
+    # neither command may, so the home and working directory stay empty and the conf's
+    # ${demo:NAME} is printed as it is written.
+    printed = yaml.safe_load(_command(tmp_path, "--cfg", "job"))
+    assert (printed["actor"]["path"], printed["reward"]["path"]) == ("${demo:actor}",
+                                                                     "${demo:reward}")
+    assert printed["data"]["train_files"] == "${demo:train}"
+    assert "actor.path=${demo:actor} " in _command(tmp_path, "--help")
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == []
+    # Once the cache holds the demo (its meta.json is written last), they print its paths.
+    task, ppo = TaskConfig(**printed["task"]), PPOConfig(**printed["ppo"])
+    entry = tmp_path / ".cache" / "rlhf_paro" / f"demo-{demo.cache_key(task, ppo.max_new_tokens)}"
+    entry.mkdir(parents=True)
+    (entry / "meta.json").write_text("{}")
+    printed = yaml.safe_load(_command(tmp_path, "--cfg", "job"))
+    assert (printed["actor"]["path"], printed["data"]["val_files"]) == (str(entry / "actor"),
+                                                                       str(entry / "val.jsonl"))
 
 
 def test_multirun_runs_the_product_of_the_swept_values_each_in_its_own_directory(jobs, capsys):

@@ -5,17 +5,16 @@ import sys
 
 import pytest
 
-from rlhf_paro.config import (
-    CONF_DIR, ConfigError, AlgorithmConfig, available_confs, build_config, cli_errors, load_config,
-    split_sweep,
-)
-from rlhf_paro.ppo import algorithms
-from tests.confs import INLINE
+from rlhf_paro.compose import CONF_DIR, available_confs, load_config, split_sweep
+from rlhf_paro.config import AlgorithmConfig, ConfigError, build_config, cli_errors
+from rlhf_paro.resolve import resolve
+from tests.confs import INLINE, load
 
 
 def error_of(argv):
+    """The one-line error of ``argv``, composed and resolved as an entry point does."""
     with pytest.raises(ConfigError) as info:
-        load_config(argv)
+        load(argv)
     message = str(info.value)
     assert "\n" not in message
     return message
@@ -26,15 +25,16 @@ def test_default_conf_is_ppo_tiny_with_four_strategies_on_two_groups_of_two():
     assert (cfg.cluster.num_devices, cfg.cluster.group_size, cfg.cluster.num_groups) == (4, 2, 2)
     assert [cfg.model(r).strategy for r in ("actor", "critic", "reward", "ref")] == \
         ["IGG", "NIG", "I", "G"]
-    # ref names no model: it is the actor's (the demo's SFT); the critic starts from the reward
-    # once the algorithm (gae) says there is one.
-    assert cfg.ref.path == cfg.actor.path and cfg.critic.path is None
-    assert algorithms.resolve(cfg).critic.path == cfg.reward.path
-    inline = load_config(INLINE)  # without paths, the inline config is inherited, as a copy
+    # ref names no model: resolving makes it the actor's (the demo's SFT), and the critic the
+    # reward model's, since the algorithm (gae) trains one.
+    assert cfg.ref.path is None and cfg.critic.path is None
+    resolved = resolve(cfg)
+    assert resolved.ref.path == resolved.actor.path and resolved.critic.path == resolved.reward.path
+    assert resolve(resolved) == resolved  # once is enough; again changes nothing
+    inline = load(INLINE)  # without paths, the inline config is inherited, as a copy
     assert inline.ref.config == inline.actor.config and inline.ref.config is not inline.actor.config
-    critic = algorithms.resolve(inline).critic
-    assert critic.config == inline.actor.config == inline.reward.config
-    assert critic.config is not inline.actor.config
+    assert inline.critic.config == inline.actor.config == inline.reward.config
+    assert inline.critic.config is not inline.actor.config
     # 32 sequences per step / 4 devices / 4 per micro-batch = 2 micro-batches.
     assert cfg.grad_accum_steps("actor") == 2
 
@@ -48,7 +48,7 @@ def test_overrides_parse_as_yaml_and_normalise_strategies():
     assert cfg.comm.algorithm == "horing"
     assert cfg.ppo.rollout_batch_size == 128
     assert cfg.actor.optim.betas == (0.8, 0.9)
-    assert cfg.actor.config["hidden_size"] == 32 and cfg.ref.config["hidden_size"] == 32
+    assert cfg.actor.config["hidden_size"] == 32 and resolve(cfg).ref.config["hidden_size"] == 32
     assert cfg.logger.wandb.name == "7"
     assert cfg.critic.optim.lr == 5e-3  # a number, as OmegaConf reads it (YAML 1.1: a string)
     assert load_config(["actor.strategy=auto"]).actor.strategy == "auto"
@@ -199,13 +199,13 @@ def test_every_mistake_is_one_line_naming_the_key(argv, key, allowed):
 
 
 def test_a_deepspeed_model_takes_its_stage_equivalent_strategy():
-    cfg = load_config(["actor.backend=deepspeed", "actor.deepspeed.zero_stage=3",
+    cfg = load(["actor.backend=deepspeed", "actor.deepspeed.zero_stage=3",
                        "actor.deepspeed.hpz_partition_size=2", "critic.backend=deepspeed",
                        "critic.deepspeed.zero_stage=1", "ref.backend=deepspeed",
                        "reward.backend=deepspeed", "reward.deepspeed.zero_stage=2"])
     assert (cfg.actor.strategy, cfg.critic.strategy, cfg.ref.strategy, cfg.reward.strategy) == (
         "IGG", "NNG", "G", "N")
-    assert load_config(["actor.deepspeed.zero_stage=1"]).actor.strategy != "NNG"  # paro: as set
+    assert load(["actor.deepspeed.zero_stage=1"]).actor.strategy != "NNG"  # paro: as set
 
 
 def test_cli_errors_exit_2_with_only_the_message(capsys):
@@ -223,8 +223,46 @@ def test_shipped_confs_all_load():
     assert {"ppo_tiny", "ppo_llama7b"} <= set(available_confs())
 
 
-def test_config_imports_without_torch():
-    # A bad command line must fail in a fraction of a second, before torch's import (seconds).
-    code = "import rlhf_paro.config, sys; assert 'torch' not in sys.modules, 'torch imported'"
+@pytest.mark.parametrize("module", ["rlhf_paro.config", "rlhf_paro.compose"])
+def test_config_imports_without_torch_the_ppo_layer_or_a_demo_resolver(module):
+    # A bad command line must fail in a fraction of a second, before torch's import (seconds);
+    # the schema and composition sit below ppo (tests/test_layers.py) and make nothing, so the
+    # entry points, not they, register ${demo:NAME}.
+    code = (f"import sys, {module}\nfrom omegaconf import OmegaConf\n"
+            "loaded = [m for m in sys.modules if m == 'torch' or m.startswith('rlhf_paro.ppo')]\n"
+            "assert not loaded, loaded\nassert not OmegaConf.has_resolver('demo')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_composing_reads_no_file_but_the_confs_and_resolving_checks_them(tmp_path):
+    # Files a config names are resolve's to check: composing a missing model, prompt file,
+    # tokenizer, function or checkpoint builds, and resolving it is the one-line error.
+    cases = [(["actor.path=/no/such/model"], "actor.path", "never downloaded"),
+             (["actor.tokenizer=/no/such/dir"], "actor.tokenizer", "no directory"),
+             ([f"reward.function={tmp_path}/none.py:f"], "reward.function", "no file"),
+             ([f"data.train_files={tmp_path}/none.jsonl"], "data.train_files", "no file"),
+             (["data.train_files=prompts.csv"], "data.train_files", "not a data file"),
+             (["trainer.resume=/no/such/step_3"], "trainer.resume", "no complete checkpoint")]
+    for argv, key, problem in cases:
+        cfg = load_config(argv)
+        with pytest.raises(ConfigError) as info:
+            resolve(cfg)
+        assert str(info.value).startswith(f"{key}: ") and problem in str(info.value), argv
+    # A reward server's token: the environment is read by resolve, not by the schema.
+    server = ["reward.path=null", "reward.url=http://127.0.0.1:1/score",
+              "reward.token_env=RLHF_PARO_NO_SUCH_TOKEN"]
+    with pytest.raises(ConfigError, match="reward.token_env: the environment variable"):
+        resolve(load_config(server))
+
+
+def test_the_schema_rewrites_no_sibling_section():
+    # Building a config sets nothing from another section: ref, reward and critic keep no source
+    # and a DeepSpeed model keeps the strategy it was given, until resolve.
+    cfg = build_config({"actor": {"config": {"hidden_size": 8}},
+                        "critic": {"backend": "deepspeed", "strategy": "auto"}})
+    assert [cfg.model(r).config for r in ("critic", "reward", "ref")] == [None, None, None]
+    assert cfg.critic.strategy == "auto"
+    resolved = resolve(cfg, say=lambda _: None)
+    assert resolved.ref.config == resolved.reward.config == {"hidden_size": 8}
+    assert resolved.critic.strategy == "GGG" and cfg.critic.strategy == "auto"  # input untouched

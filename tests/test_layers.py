@@ -1,16 +1,20 @@
-"""Rule 12: layers point one way; no module of ``rlhf_paro`` imports from a layer above its own.
+"""Rule 12: layers point one way; no module of ``rlhf_paro`` imports from a layer above its own,
+and no modules import one another in a cycle, in a layer or across.
 
 Every ``import`` and ``from`` statement counts, at the top of a module, inside a function or under
 ``TYPE_CHECKING``: an import deferred to call time still ties the lower layer to the upper one.
 
     0  comm       metered collectives and ring schedules
     1  sharding   strategies, topology, the engine and its cost model
-    2  ppo        what a worker is made of, without Ray: the PPO math, the task, the reward
+    2  config     the typed config of every component (``config``: the schema) and how it is
+                  composed from confs and the command line (``compose``). It validates
+                  strategies with ``sharding``, so it sits above it; every layer from here up
+                  reads it. Names it cannot check without the math (KL estimators) are checked
+                  when the config is resolved.
+    3  ppo        what a worker is made of, without Ray: the PPO math, the task, the reward
                   model (``ppo/``), and
-                  - ``config``: the typed config of every component. It validates strategies
-                    with ``sharding``, so it sits above it; every layer from here up reads it,
-                    and it shares the layer with ``ppo`` so that it can take the names it
-                    validates (KL estimators) from their one source.
+                  - ``resolve``: the config's last step, which makes the demo's assets, checks
+                    the files and sets the values the algorithm and the models derive.
                   - ``models``: the four ``nn.Module``s built from a config section. Nothing in
                     them is Ray or the PPO loop, so they are below ``actors``; ``ppo`` prepares
                     the reward model by building and training one, so they are not above ``ppo``.
@@ -18,8 +22,8 @@ Every ``import`` and ``from`` statement counts, at the top of a module, inside a
                     (``models`` builds its reader); below ``actors`` with ``models``.
                   - ``metrics``: the per-rank report the workers fill and its fold into a row;
                     plain data that ``actors`` imports, so below it.
-    3  actors     the Ray workers of the four models and their placement
-    4  the PPO loop that drives the workers (``trainer``) and the entry points (``train``,
+    4  actors     the Ray workers of the four models and their placement
+    5  the PPO loop that drives the workers (``trainer``) and the entry points (``train``,
        ``plan``, ``report``) with their command line (``cli``), and what a run reads and
        writes besides metrics (``runs``: prompts, evaluation, exports)
 
@@ -39,19 +43,21 @@ LAYERS = {
     "rlhf_paro.comm": 0,
     "rlhf_paro.sharding": 1,
     "rlhf_paro.config": 2,
-    "rlhf_paro.models": 2,
-    "rlhf_paro.batching": 2,  # the rollout's layout and the packed one (pure torch)
-    "rlhf_paro.weights": 2,
-    "rlhf_paro.metrics": 2,
-    "rlhf_paro.ppo": 2,
-    "rlhf_paro.actors": 3,
-    "rlhf_paro.trainer": 4,
-    "rlhf_paro.train": 4,
-    "rlhf_paro.cli": 4,
-    "rlhf_paro.plan": 4,
-    "rlhf_paro.report": 4,
-    "rlhf_paro.reward_server": 4,  # an entry point: serves a reward function
-    "rlhf_paro.runs": 4,
+    "rlhf_paro.compose": 2,
+    "rlhf_paro.resolve": 3,
+    "rlhf_paro.models": 3,
+    "rlhf_paro.batching": 3,  # the rollout's layout and the packed one (pure torch)
+    "rlhf_paro.weights": 3,
+    "rlhf_paro.metrics": 3,
+    "rlhf_paro.ppo": 3,
+    "rlhf_paro.actors": 4,
+    "rlhf_paro.trainer": 5,
+    "rlhf_paro.train": 5,
+    "rlhf_paro.cli": 5,
+    "rlhf_paro.plan": 5,
+    "rlhf_paro.report": 5,
+    "rlhf_paro.reward_server": 5,  # an entry point: serves a reward function
+    "rlhf_paro.runs": 5,
 }
 
 def _within(name: str, prefix: str) -> bool:
@@ -113,6 +119,85 @@ def test_nothing_imports_from_a_layer_above_its_own():
             upward.append(f"{where} imports {name} (layer {LAYERS[target]}, {target}) "
                           f"from layer {LAYERS[entry]} ({entry})")
     assert not upward, "imports pointing up a layer:\n" + "\n".join(upward)
+
+
+def import_graph(found: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the modules of ``found`` it imports: for ``from a.b import c`` the module
+    ``a.b.c`` if there is one, else ``a.b`` (where the name ``c`` is defined)."""
+    graph = {}
+    for module, path in found.items():
+        targets = set()
+        for _, name in imported_names(module, path):
+            while name not in found:
+                name = name.rpartition(".")[0]
+            # A package's own submodules name it when they import a sibling through it
+            # (``from rlhf_paro.sharding import _checkpoint``); that edge is no dependency.
+            if name != module and not _within(module, name):
+                targets.add(name)
+        graph[module] = targets
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_modules_import_one_another_in_a_cycle():
+    # Layers only order the layers; inside one (ppo, models and resolve share one) modules may
+    # import each other, but never round a cycle, deferred imports included.
+    found = cycles(import_graph(modules()))
+    assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_the_cycle_check_finds_a_cycle_across_layers_and_a_deferred_one(tmp_path):
+    # The cycle this project once had: config imported ppo/demo (in a function), which imports
+    # models, which imports config; and a plain two-module cycle inside one layer.
+    files = {"config": "def f():\n    from rlhf_paro.ppo import demo\n",
+             "ppo/demo": "from rlhf_paro.models import build\n",
+             "models": "from rlhf_paro.config import Config\n",
+             "ppo/a": "from . import b\n", "ppo/b": "import rlhf_paro.ppo.a\n",
+             "ppo/c": "from rlhf_paro.ppo import a\n"}
+    found = {}
+    for name, text in files.items():
+        path = tmp_path / f"{name.replace('/', '_')}.py"
+        path.write_text(text)
+        found["rlhf_paro." + name.replace("/", ".")] = path
+    found["rlhf_paro.ppo"] = tmp_path / "__init__.py"
+    found["rlhf_paro.ppo"].write_text("")
+    assert cycles(import_graph(found)) == [
+        ["rlhf_paro.config", "rlhf_paro.models", "rlhf_paro.ppo.demo"],
+        ["rlhf_paro.ppo.a", "rlhf_paro.ppo.b"]]
 
 
 def test_the_checker_sees_deferred_and_relative_imports(tmp_path):

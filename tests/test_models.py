@@ -5,20 +5,19 @@ import dataclasses
 import pytest
 import torch
 
-from rlhf_paro.ppo.algorithms import resolve
-from rlhf_paro.config import ConfigError, ModelConfig, load_config
+from rlhf_paro.config import ConfigError, ModelConfig
 from rlhf_paro.models import (
     build_model, count_parameters, hf_config, save_value_model,
 )
 from rlhf_paro.sharding.layout import unit_sizes
-from tests.confs import INLINE
+from tests.confs import INLINE, load
 
 VOCAB = 19
 
 
 @pytest.fixture(scope="module")
 def cfg():
-    return resolve(load_config(INLINE))
+    return load(INLINE)
 
 
 def batch(seed=0, batch_size=3, length=10):
@@ -83,7 +82,7 @@ def test_critic_values_per_token_and_reward_at_last_valid_token(cfg):
 
 
 def test_meta_models_give_engine_units_and_llama2_7b_counts():
-    llama = resolve(load_config(["conf=ppo_llama7b"]))
+    llama = load(["conf=ppo_llama7b"])
     # Llama-2-7B: 32 x (4*4096^2 + 3*4096*11008 + 2*4096) + 2*32000*4096 + 4096.
     assert count_parameters("ref", llama.ref, VOCAB) == (6_738_415_616, 0)
     assert count_parameters("actor", llama.actor, VOCAB) == (6_738_415_616, 6_738_415_616)

@@ -5,12 +5,12 @@ import math
 
 import pytest
 
-from rlhf_paro.config import ROLES, ConfigError, load_config
+from rlhf_paro.config import ROLES, ConfigError
 from rlhf_paro.plan import (
     GIB, choose_strategies, format_plan, main, make_plan, model_plan, resolve_auto,
 )
 from rlhf_paro.sharding.strategy import Strategy
-from tests.confs import INLINE
+from tests.confs import INLINE, load
 
 PSI = 6_738_415_616  # Llama-2-7B
 N, M, K = 16, 8, 12  # 2 nodes x 8 GPUs; K = 12 bytes of optimizer state per bf16 parameter
@@ -18,7 +18,7 @@ N, M, K = 16, 8, 12  # 2 nodes x 8 GPUs; K = 12 bytes of optimizer state per bf1
 
 @pytest.fixture(scope="module")
 def llama():
-    return load_config(["conf=ppo_llama7b"])
+    return load(["conf=ppo_llama7b"])
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_recommendation_is_explained_in_predicted_times(llama, llama_plan):
 
 
 def test_unlimited_memory_picks_each_models_least_time():
-    cfg = load_config([])  # cpu, memory_gb unset
+    cfg = load([])  # cpu, memory_gb unset
     plan = make_plan(cfg)
     assert math.isinf(plan.budget_bytes)
     for role, model in plan.models.items():
@@ -119,8 +119,8 @@ def test_max_micro_batch_size_lets_the_planner_grow_a_micro_batch():
     # micro-batch; 8 halves its micro-batches per optimizer step, and with them the
     # per-micro-batch collectives, so it never predicts more time and needs more memory.
     argv = ["actor.max_micro_batch_size=8", "actor.strategy=auto", "critic.strategy=auto"]
-    fixed = make_plan(load_config(argv[1:]), vocab_sizes=dict.fromkeys(ROLES, 19))
-    grown = make_plan(load_config(argv), vocab_sizes=dict.fromkeys(ROLES, 19))
+    fixed = make_plan(load(argv[1:]), vocab_sizes=dict.fromkeys(ROLES, 19))
+    grown = make_plan(load(argv), vocab_sizes=dict.fromkeys(ROLES, 19))
     actor = grown.models["actor"]
     assert all(list(o.by_micro) == [4, 8] for o in actor.options)
     assert all(o.by_micro[8].seconds <= o.by_micro[4].seconds for o in actor.options)
@@ -138,13 +138,13 @@ def test_max_micro_batch_size_lets_the_planner_grow_a_micro_batch():
     option = grown.best["actor"].option
     assert option.best_within(option.by_micro[8].peak_bytes - 1)[0] == 4
     assert option.best_within(option.by_micro[4].peak_bytes - 1) is None
-    resolved = resolve_auto(load_config(argv), vocab_sizes=dict.fromkeys(ROLES, 19))
+    resolved = resolve_auto(load(argv), vocab_sizes=dict.fromkeys(ROLES, 19))
     assert (resolved.actor.micro_batch_size, resolved.critic.micro_batch_size) == (8, 4)
 
 
 @pytest.mark.slow
 def test_auto_respects_fixed_strategies_and_fails_clearly_when_nothing_fits(llama):
-    cfg = load_config(["conf=ppo_llama7b", "actor.strategy=auto", "critic.strategy=auto",
+    cfg = load(["conf=ppo_llama7b", "actor.strategy=auto", "critic.strategy=auto",
                        "ref.strategy=G"])
     chosen = choose_strategies(cfg)
     assert chosen["ref"] == Strategy.parse("G", frozen=True)
@@ -152,14 +152,14 @@ def test_auto_respects_fixed_strategies_and_fails_clearly_when_nothing_fits(llam
     resolved = resolve_auto(cfg)
     assert resolved.actor.strategy == chosen["actor"].name and cfg.actor.strategy == "auto"
     # 16 GiB minus the reserve cannot hold even four fully sharded 7B models (about 14.6 GiB).
-    tight = load_config(["conf=ppo_llama7b", "actor.strategy=auto", "cluster.memory_gb=16"])
+    tight = load(["conf=ppo_llama7b", "actor.strategy=auto", "cluster.memory_gb=16"])
     with pytest.raises(ConfigError, match="actor.strategy: auto found no strategy"):
         choose_strategies(tight)
 
 
 def test_trained_model_plan_counts_optimizer_steps_of_the_ppo_step():
     # Twice the epochs: the training part of the traffic doubles, the inference part stays.
-    one, two = load_config(["ppo.ppo_epochs=1"]), load_config(["ppo.ppo_epochs=2"])
+    one, two = load(["ppo.ppo_epochs=1"]), load(["ppo.ppo_epochs=2"])
     igg = Strategy.parse("IGG")
     a = model_plan(one, "actor", 19).option(igg)
     b = model_plan(two, "actor", 19).option(igg)
@@ -179,7 +179,7 @@ def test_gradient_traffic_and_time_follow_reduce_dtype():
     from rlhf_paro.sharding.layout import padded, unit_sizes
 
     ngg = Strategy.parse("NGG")
-    cfgs = {dtype: load_config(["actor.precision=bf16", f"actor.reduce_dtype={dtype}"])
+    cfgs = {dtype: load(["actor.precision=bf16", f"actor.reduce_dtype={dtype}"])
             for dtype in ("fp32", "bf16")}
     options = {dtype: model_plan(cfg, "actor", 19).option(ngg) for dtype, cfg in cfgs.items()}
     units = unit_sizes(build_model("actor", cfgs["bf16"].actor, 19, meta=True))
@@ -229,9 +229,9 @@ def test_configured_offload_is_what_the_planner_fits():
     tight = ["conf=ppo_llama7b", "cluster.memory_gb=24"]
     offloads = ["actor.offload=optimizer", "critic.offload=optimizer", "ref.offload=params",
                 "reward.offload=params"]
-    without = make_plan(load_config(tight))
+    without = make_plan(load(tight))
     assert without.best is None
-    plan = make_plan(load_config(tight + offloads))
+    plan = make_plan(load(tight + offloads))
     assert plan.best is not None
     for role, choice in plan.best.items():
         o, plain = choice.option, without.models[role].option(choice.strategy)
@@ -244,7 +244,7 @@ def test_configured_offload_is_what_the_planner_fits():
             assert o.memory_bytes == 0 and o.host_bytes == plain.params_bytes
             assert o.configured.peak_bytes == plain.configured.peak_bytes + plain.params_bytes
     assert f"offload=params: {plan.best['ref'].strategy} also holds" in format_plan(
-        load_config(tight + offloads), plan)
+        load(tight + offloads), plan)
 
 
 # The default run with inline models, critic-free: GRPO takes its baseline from 4 samples a prompt.
@@ -255,13 +255,13 @@ VOCAB = dict.fromkeys(ROLES, 19)
 def test_a_critic_free_run_plans_three_models_and_says_what_the_critic_would_hold(capsys):
     main(GRPO)
     out = capsys.readouterr().out
-    plan = make_plan(load_config(GRPO), vocab_sizes=VOCAB)
+    plan = make_plan(load(GRPO), vocab_sizes=VOCAB)
     assert tuple(plan.models) == tuple(plan.best) == ("actor", "reward", "ref")
     assert "critic: Psi" not in out and "  critic " not in out
     assert out.count("<- recommended") == 3 and "while the three models set up" in out
     # The critic the same conf would build under PPO, planned there with the other three: the
     # line gives its leanest strategy's device bytes (memory unlimited, so every option fits).
-    ppo = make_plan(load_config(GRPO[:-2]), vocab_sizes=VOCAB)
+    ppo = make_plan(load(GRPO[:-2]), vocab_sizes=VOCAB)
     leanest = min(ppo.models["critic"].options, key=lambda o: o.memory_bytes)
     assert leanest.strategy == Strategy.parse("GGG")  # everything sharded over all 4 devices
     assert (f"no critic (algorithm.adv_estimator=grpo): frees "
@@ -274,14 +274,14 @@ def test_a_critic_free_run_plans_three_models_and_says_what_the_critic_would_hol
 def test_auto_chooses_only_for_the_run_s_models():
     autos = ["actor.strategy=auto", "critic.strategy=auto", "reward.strategy=auto",
              "ref.strategy=auto"]
-    cfg = load_config([*GRPO, *autos])
+    cfg = load([*GRPO, *autos])
     assert set(choose_strategies(cfg, VOCAB)) == {"actor", "reward", "ref"}
     resolved = resolve_auto(cfg, VOCAB)
     assert "auto" not in (resolved.actor.strategy, resolved.reward.strategy,
                           resolved.ref.strategy)
     assert resolved.critic.strategy == "auto"  # no critic is built: left as the conf has it
     # Without a KL nothing reads ref: two models.
-    no_kl = load_config([*GRPO, *autos, "algorithm.kl_coef=0"])
+    no_kl = load([*GRPO, *autos, "algorithm.kl_coef=0"])
     assert set(choose_strategies(no_kl, VOCAB)) == {"actor", "reward"}
     plan = make_plan(no_kl, vocab_sizes=VOCAB)
     assert tuple(plan.models) == ("actor", "reward")
@@ -292,9 +292,9 @@ def test_rollout_n_multiplies_the_samples_a_step_costs():
     # 128 prompts sampled once and 64 sampled twice are the same 128 sequences: every model's
     # forwards, the trained models' optimizer steps (128 / 32 mini-batch x 2 epochs) and the
     # actor's key/value cache are the same.
-    once = make_plan(load_config([*INLINE, "ppo.rollout_batch_size=128"]), vocab_sizes=VOCAB)
-    twice = make_plan(load_config([*INLINE, "rollout.n=2"]), vocab_sizes=VOCAB)
-    half = make_plan(load_config(INLINE), vocab_sizes=VOCAB)  # 64 sequences
+    once = make_plan(load([*INLINE, "ppo.rollout_batch_size=128"]), vocab_sizes=VOCAB)
+    twice = make_plan(load([*INLINE, "rollout.n=2"]), vocab_sizes=VOCAB)
+    half = make_plan(load(INLINE), vocab_sizes=VOCAB)  # 64 sequences
     assert twice.models["actor"].kv_cache_bytes == once.models["actor"].kv_cache_bytes == \
         2 * half.models["actor"].kv_cache_bytes
     for role in ROLES:
@@ -308,7 +308,7 @@ def test_rollout_n_multiplies_the_samples_a_step_costs():
 def test_a_reward_function_is_planned_as_a_model_that_holds_and_sends_nothing(tmp_path):
     # conf=grpo_tiny's shape: the reward is a rule, not a model.
     (tmp_path / "rule.py").write_text("def score(prompts, responses):\n    return [1.0]\n")
-    cfg = load_config([*GRPO, f"reward.function={tmp_path / 'rule.py'}:score",
+    cfg = load([*GRPO, f"reward.function={tmp_path / 'rule.py'}:score",
                        "data.train_files=null"])
     reward = make_plan(cfg, vocab_sizes=VOCAB).models["reward"]
     assert reward.num_params == 0

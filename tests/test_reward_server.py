@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_paro.config import ConfigError, ModelConfig
+from rlhf_paro.config import Config, ConfigError, ModelConfig
 from rlhf_paro.ppo import rewards
 from rlhf_paro.ppo.rewards import RewardFunctionError
+from rlhf_paro.resolve import check_files
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN_ENV = "RLHF_PARO_TEST_REWARD_TOKEN"
@@ -259,13 +260,20 @@ def test_url_must_be_http_or_https_with_a_host(url):
 
 
 def test_token_env_must_name_a_set_variable_when_url_is_set(monkeypatch):
+    # The schema reads no environment; resolving the config does, before the run starts.
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     url = "https://rewards.example/score"
-    assert refused_config(url=url, token_env=TOKEN_ENV).startswith(
-        f"token_env: the environment variable {TOKEN_ENV} is not set")
-    assert ModelConfig(token_env=TOKEN_ENV).token_env == TOKEN_ENV  # no url: not read
+
+    def run_config(**reward):
+        return Config(actor=ModelConfig(config={}), reward=ModelConfig(**reward))
+
+    with pytest.raises(ConfigError) as err:
+        check_files(run_config(url=url, token_env=TOKEN_ENV))
+    assert str(err.value).startswith(
+        f"reward.token_env: the environment variable {TOKEN_ENV} is not set")
+    check_files(run_config(token_env=TOKEN_ENV))  # no url: not read
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
-    assert ModelConfig(url=url, token_env=TOKEN_ENV).token_env == TOKEN_ENV
+    check_files(run_config(url=url, token_env=TOKEN_ENV))
 
 
 @pytest.mark.parametrize("timeout_s", [0.0, -1.0, float("inf"), float("nan")])

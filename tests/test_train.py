@@ -14,7 +14,7 @@ import time
 import pytest
 
 from rlhf_paro import runs
-from rlhf_paro.config import CONF_DIR
+from rlhf_paro.compose import CONF_DIR
 from tests.confs import INLINE
 from tests.test_runs import hold
 

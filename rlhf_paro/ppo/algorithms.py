@@ -18,8 +18,6 @@ token-mean loss (``spec``), so adding one is one registered function.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from dataclasses import dataclass
 
 from rlhf_paro.config import ROLES, Config, ConfigError
@@ -85,13 +83,11 @@ def loss_agg_mode(cfg: Config) -> str:
     return cfg.algorithm.loss_agg_mode or spec(cfg).loss_agg_mode
 
 
-def resolve(cfg: Config) -> Config:
-    """``cfg`` checked against the algorithm it names, with the critic's source set where the
-    algorithm trains one; idempotent. One-line ``ConfigError`` for a combination that cannot run:
-    a critic given to a critic-free algorithm, a group baseline with one sample per prompt,
-    names the math does not know."""
-    from rlhf_paro.ppo.data import with_critic_default
-
+def check(cfg: Config) -> None:
+    """``ConfigError`` in one line for a combination the algorithm cannot run: names the math
+    does not know, a critic given to a critic-free algorithm, a group baseline with one sample
+    per prompt, micro-batches of a trained model that do not tile a mini-batch. Reads the
+    config as the user wrote it, before ``rlhf_paro.resolve`` gives the critic its source."""
     algo, alg = spec(cfg), cfg.algorithm
     if alg.kl_estimator not in core.KL_ESTIMATORS:
         raise ConfigError("algorithm.kl_estimator", f"got {alg.kl_estimator!r}; allowed: "
@@ -107,20 +103,9 @@ def resolve(cfg: Config) -> Config:
         raise ConfigError("rollout.n", f"{algo.name} takes its baseline from the other "
                                        f"samples of a prompt; allowed: 2 or more, got "
                                        f"{cfg.rollout.n}")
-    critic = cfg.critic
-    if not algo.critic:
-        if critic.path is not None or critic.config is not None:
-            raise ConfigError("critic", f"algorithm.adv_estimator={algo.name} trains no "
-                                        "critic; allowed: no critic.path or critic.config "
-                                        "(unset them with ~critic.path), or "
-                                        "adv_estimator=gae")
-    elif critic.path is None and critic.config is None:
-        # A reward model's score head starts the value head (as OpenRLHF does), else the actor.
-        path, config = ((cfg.reward.path, None) if cfg.reward.path is not None else
-                        (cfg.actor.path, copy.deepcopy(cfg.actor.config)))
-        cfg = dataclasses.replace(cfg, critic=dataclasses.replace(critic, path=path,
-                                                                  config=config))
+    if not algo.critic and (cfg.critic.path is not None or cfg.critic.config is not None):
+        raise ConfigError("critic", f"algorithm.adv_estimator={algo.name} trains no "
+                                    "critic; allowed: no critic.path or critic.config "
+                                    "(unset them with ~critic.path), or adv_estimator=gae")
     for role in trained_roles(cfg):
         cfg.check_micro_batches(role)
-    return with_critic_default(cfg) if algo.critic else cfg
-

@@ -16,8 +16,6 @@ same column in every row, and the models' position ids count valid tokens only
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,20 +75,6 @@ def reward_tokenizer(cfg: Config, actor: Any = None) -> Any | None:
     own = load_tokenizer(reward.path, reward.trust_remote_code, "reward.path")
     actor = actor if actor is not None else actor_tokenizer(cfg)
     return None if own.get_vocab() == actor.get_vocab() else own
-
-
-def with_critic_default(cfg: Config) -> Config:
-    """``cfg`` with a critic that reads the actor's tokens: one that starts from the reward model
-    (``Config``'s default) starts from the actor instead when the reward model has another
-    tokenizer; said in one line."""
-    critic = cfg.critic
-    if critic.path is None or critic.path != cfg.reward.path or reward_tokenizer(cfg) is None:
-        return cfg
-    print(f"critic: starts from the actor ({cfg.actor.path or 'its inline config'}), not from "
-          "the reward model, whose tokenizer differs from the actor's", flush=True)
-    critic = dataclasses.replace(critic, path=cfg.actor.path,
-                                 config=copy.deepcopy(cfg.actor.config))
-    return dataclasses.replace(cfg, critic=critic)
 
 
 def vocab_sizes(cfg: Config) -> dict[str, int]:

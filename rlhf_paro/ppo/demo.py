@@ -1,7 +1,10 @@
 """The default run's assets, made the way a user would bring theirs, on first use, then cached.
 
-``conf/ppo_tiny.yaml`` points at them through the keys a user sets (``${demo:NAME}``, resolved by
-``config.py``):
+``conf/ppo_tiny.yaml`` points at them through the keys a user sets (``${demo:NAME}``). Naming
+an asset and making it are two steps: while a conf is composed, ``${demo:NAME}`` (``resolver``,
+which the entry points register) is the asset's path when the cache holds it and stays
+``${demo:NAME}`` otherwise, so ``--help`` and ``--cfg job`` make nothing; ``make_assets``, run by
+``rlhf_paro.resolve`` before a run or a plan, makes what is missing:
 
 - ``actor`` (``actor.path``): a Hugging Face Llama directory (``task.model``) with a real
   ``tokenizers`` word-level tokenizer over the task's symbols, saved by ``save_pretrained``. The
@@ -27,6 +30,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -36,7 +40,9 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from rlhf_paro.config import ConfigError, ModelConfig, TaskConfig
+from rlhf_paro.config import (
+    Config, ConfigError, ModelConfig, PPOConfig, TaskConfig, build, build_config,
+)
 from rlhf_paro.models import build_causal_lm, build_value_model, count_parameters
 from rlhf_paro.ppo import task as task_module
 from rlhf_paro.ppo.task import CountingTask, PreferencePairs, SymbolTokenizer, join
@@ -70,10 +76,60 @@ def cache_key(task: TaskConfig, response_len: int) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def asset(name: str, task: TaskConfig, response_len: int) -> str:
-    """The path of one asset (``ASSETS``), made first if the cache has none."""
+# ``${demo:NAME}`` left in a composed config: an asset not made yet.
+REFERENCE = re.compile(r"\$\{demo:([^}]*)\}")
+
+
+def _entry(task: TaskConfig, response_len: int) -> Path:
+    return cache_root(task) / f"demo-{cache_key(task, response_len)}"
+
+
+def _check_name(name: str) -> None:
     if name not in ASSETS:
         raise ConfigError("demo", f"no asset {name!r}; allowed: {', '.join(ASSETS)}")
+
+
+def resolver(name: str, *, _root_: Any) -> str:
+    """``${demo:NAME}`` while a conf is composed: the asset's path when it is made (or needs no
+    making: the score), else ``${demo:NAME}`` itself, for ``make_assets``. Reads the cache,
+    writes nothing. The cache key is the conf's ``task`` section and ``ppo.max_new_tokens``."""
+    from omegaconf import OmegaConf
+
+    _check_name(name)
+    if name == "score":
+        return SCORE_FUNCTION
+    sections = {key: OmegaConf.to_container(_root_.get(key) or {}, resolve=True)
+                for key in ("task", "ppo")}
+    task = build(TaskConfig, sections["task"], "task")
+    entry = _entry(task, build(PPOConfig, sections["ppo"], "ppo").max_new_tokens)
+    return str(entry / _FILES[name]) if (entry / "meta.json").is_file() else f"${{demo:{name}}}"
+
+
+def make_assets(cfg: Config) -> Config:
+    """``cfg`` with every ``${demo:NAME}`` it still holds replaced by the made asset's path
+    (``make``: once, then cached); ``cfg`` itself when it holds none."""
+    data = cfg.to_dict()
+    found = False
+
+    def replace(value: Any) -> Any:
+        nonlocal found
+        if isinstance(value, dict):
+            return {k: replace(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(replace(v) for v in value)
+        if isinstance(value, str) and REFERENCE.search(value):
+            found = True
+            return REFERENCE.sub(
+                lambda m: asset(m.group(1), cfg.task, cfg.ppo.max_new_tokens), value)
+        return value
+
+    data = replace(data)
+    return build_config(data) if found else cfg
+
+
+def asset(name: str, task: TaskConfig, response_len: int) -> str:
+    """The path of one asset (``ASSETS``), made first if the cache has none."""
+    _check_name(name)
     if name == "score":
         return SCORE_FUNCTION
     return str(make(task, response_len) / _FILES[name])
@@ -81,7 +137,7 @@ def asset(name: str, task: TaskConfig, response_len: int) -> str:
 
 def make(task: TaskConfig, response_len: int) -> Path:
     """The demo's cache entry, made now if missing (a minute or less with the defaults)."""
-    target = cache_root(task) / f"demo-{cache_key(task, response_len)}"
+    target = _entry(task, response_len)
     meta_file = target / "meta.json"
     if meta_file.is_file():
         return target

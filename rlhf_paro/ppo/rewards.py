@@ -28,7 +28,7 @@ from http.client import HTTPException
 from pathlib import Path
 from typing import Any, Callable
 
-from rlhf_paro.config import ConfigError, _check_function_spec
+from rlhf_paro.config import ConfigError, check_function_spec
 
 RewardFunction = Callable[..., Any]
 
@@ -61,11 +61,19 @@ class RewardOutput:
         return out
 
 
+def function_file(spec: str, key: str = "reward.function") -> Path:
+    """The file of ``file.py:name``; ``ConfigError`` naming ``key`` when there is none."""
+    check_function_spec(key, spec)
+    file = spec.rpartition(":")[0]
+    if not Path(file).expanduser().is_file():
+        raise ConfigError(key, f"no file {file!r}; allowed: an existing .py file")
+    return Path(file).expanduser().resolve()
+
+
 def load_function(spec: str, key: str = "reward.function") -> RewardFunction:
     """The function ``name`` of ``file.py:name``, the file run as a fresh module."""
-    _check_function_spec(key, spec)
+    path = function_file(spec, key)
     file, _, name = spec.rpartition(":")
-    path = Path(file).expanduser().resolve()
     module_spec = importlib.util.spec_from_file_location(f"rlhf_paro_user_{path.stem}", path)
     module = importlib.util.module_from_spec(module_spec)
     # Registered before it runs, as an import would: a dataclass in the file looks itself up.

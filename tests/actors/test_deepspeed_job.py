@@ -11,8 +11,8 @@ import ray
 import torch
 
 from rlhf_paro.actors.group import init_ray
-from rlhf_paro.config import load_config
 from rlhf_paro.metrics import read_jsonl
+from tests.confs import load
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -23,7 +23,7 @@ STEPS = 2
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("ppo_ds")
-    cfg = load_config([
+    cfg = load([
         f"cluster.num_devices={N}", f"cluster.group_size={M}",
         "actor.backend=deepspeed", "actor.deepspeed.zero_stage=3",
         "ref.backend=deepspeed", "ref.deepspeed.zero_stage=3",

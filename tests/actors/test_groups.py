@@ -7,9 +7,8 @@ import torch
 
 from rlhf_paro import runs
 from rlhf_paro.actors.actor import ActorWorker
-from rlhf_paro.config import load_config
 from rlhf_paro.ppo.task import task_from_config
-from tests.confs import INLINE
+from tests.confs import INLINE, load
 
 GRPO = [*INLINE, "algorithm.adv_estimator=grpo", "algorithm.kl_coef=0", "rollout.n=4",
         "ppo.rollout_batch_size=8", "ppo.mini_batch_size=32", "actor.micro_batch_size=4",
@@ -17,7 +16,7 @@ GRPO = [*INLINE, "algorithm.adv_estimator=grpo", "algorithm.kl_coef=0", "rollout
 
 
 def test_each_rank_gets_whole_groups_of_one_prompt():
-    cfg = load_config(GRPO)
+    cfg = load(GRPO)
     prompts = runs.Prompts(cfg, task_from_config(cfg))
     per_rank, rows = prompts.next(8, n=4)
     assert rows is None and [len(p) for p in per_rank] == [16, 16]
@@ -33,7 +32,7 @@ def test_each_rank_gets_whole_groups_of_one_prompt():
 
 
 def test_the_actors_group_baseline_uses_exactly_its_group():
-    cfg = load_config(GRPO)
+    cfg = load(GRPO)
     actor = ActorWorker(cfg, "actor", 0, 2)
     # 3 groups of 4 samples on this rank, responses of different lengths.
     mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]] * 3, dtype=torch.float32)

@@ -20,8 +20,8 @@ import sys
 import pytest
 
 from rlhf_paro.actors import checkpoint
-from rlhf_paro.config import load_config
 from rlhf_paro.metrics import required_keys
+from tests.confs import load
 from tests.test_trainer import MARK, Run, _compared, _train
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -47,7 +47,7 @@ def runs(tmp_path_factory) -> dict[str, Run]:
     killed = _train(root / "killed", *SMALL, "trainer.steps=4", cache=cache, kill_after_step=2)
     resumed = _train(root / "killed", *SMALL, "trainer.steps=4", cache=cache)
     # The conf's reward function (the demo's score), served over HTTP on loopback.
-    spec = load_config([*SMALL, f"task.cache_dir={cache}"]).reward.function
+    spec = load([*SMALL, f"task.cache_dir={cache}"]).reward.function
     os.environ[TOKEN_ENV] = "grpo-test-token"  # the run's processes inherit it
     with subprocess.Popen([sys.executable, "-m", "rlhf_paro.reward_server", spec, "--port", "0",
                            "--token-env", TOKEN_ENV], stdout=subprocess.PIPE, text=True) as proc:

@@ -15,8 +15,8 @@ import ray
 import torch
 
 from rlhf_paro.actors.group import init_ray
-from rlhf_paro.config import load_config
 from rlhf_paro.metrics import read_jsonl
+from tests.confs import load
 from tests import hf_assets
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -30,7 +30,7 @@ COMMON = [f"cluster.num_devices={N}", "cluster.group_size=1", "ppo.rollout_batch
 def run(argv):
     from rlhf_paro.trainer import PPOTrainer
 
-    cfg = load_config(argv)
+    cfg = load(argv)
     trainer = PPOTrainer(cfg)
     try:
         trainer.fit()
@@ -43,7 +43,7 @@ def stopped(argv):
     """The one line a run that stops early ends with."""
     from rlhf_paro.trainer import PPOTrainer, RunError
 
-    trainer = PPOTrainer(load_config(argv))
+    trainer = PPOTrainer(load(argv))
     try:
         trainer.fit()
     except RunError as err:

@@ -9,12 +9,12 @@ import ray
 
 from rlhf_paro import models
 from rlhf_paro.actors.group import init_ray
-from rlhf_paro.config import load_config
 from rlhf_paro.metrics import COMM_PHASES, ROLES, read_jsonl, required_keys
 from rlhf_paro.ppo.task import task_from_config
 from rlhf_paro.sharding import Strategy
 from rlhf_paro.sharding.cost import traffic
 from rlhf_paro.sharding.layout import unit_sizes
+from tests.confs import load
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -31,7 +31,7 @@ STEPS = 2
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("ppo")
-    cfg = load_config([
+    cfg = load([
         f"cluster.num_devices={N}", f"cluster.group_size={M}",
         *(f"{role}.strategy={s}" for role, s in STRATEGIES.items()),
         *(f"{role}.offload={mode}" for role, mode in OFFLOAD.items()),

@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from rlhf_paro import models
-from rlhf_paro.config import ConfigError, ModelConfig, load_config
+from rlhf_paro.compose import load_config
+from rlhf_paro.config import ConfigError, ModelConfig
 from rlhf_paro.ppo import data, rewards
-from rlhf_paro.ppo.algorithms import resolve
 from rlhf_paro.ppo.task import join, response_mask
+from rlhf_paro.resolve import resolve
 from tests import dist_utils, hf_assets
+from tests.confs import load
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +34,8 @@ def assets(tmp_path_factory):
 
 
 def config(assets, *extra):
-    return load_config([f"actor.path={assets['llama']}", f"data.train_files={assets['train']}",
-                        *extra])
+    return load([f"actor.path={assets['llama']}", f"data.train_files={assets['train']}",
+                 *extra])
 
 
 def test_prompts_are_tokenized_with_their_columns_and_epochs_are_seeded(assets):
@@ -112,20 +114,22 @@ def test_command_line_keys_replace_the_confs_competing_keys(assets, tmp_path):
     conf.write_text(f"defaults: [ppo_tiny]\nreward:\n  function: {assets['fns']}:length\n"
                     f"data:\n  train_files: {assets['train']}\n  val_files: {assets['train']}\n")
     cfg = load_config([f"conf={conf}", f"actor.path={assets['llama']}",
-                       f"reward.path={assets['rm']}", f"data.train_files={assets['chat']}"])
-    assert cfg.actor.config is None and cfg.ref.path == str(assets["llama"])
-    assert cfg.reward.function is None and cfg.data.val_files is None
-    # The critic (PPO's) starts from the reward model, whose score head starts the value head.
-    assert cfg.critic.path is None and resolve(cfg).critic.path == str(assets["rm"])
+                              f"reward.path={assets['rm']}", f"data.train_files={assets['chat']}"])
+    assert cfg.actor.config is None and cfg.reward.function is None and cfg.data.val_files is None
+    # Composing leaves ref and the critic without a source; resolving gives ref the actor's and
+    # the critic (PPO's) the reward model's, whose score head starts the value head.
+    assert cfg.ref.path is None and cfg.critic.path is None
+    assert (resolve(cfg).ref.path, resolve(cfg).critic.path) == (str(assets["llama"]),
+                                                                  str(assets["rm"]))
     # A reward model of another tokenizer than the actor's: the critic starts from the actor.
     cfg = load_config([f"conf={conf}", f"actor.path={assets['gpt2']}",
-                       f"reward.path={assets['rm']}"])
+                              f"reward.path={assets['rm']}"])
     assert resolve(cfg).critic.path == str(assets["gpt2"])
     cfg = load_config([f"conf={conf}", f"actor.path={assets['llama']}"])
     assert cfg.reward.function.endswith(":length")
     assert resolve(cfg).critic.path == str(assets["llama"])
     cfg = load_config([f"actor.path={assets['llama']}",
-                       f"data.train_files={assets['train']},{assets['chat']}"])
+                              f"data.train_files={assets['train']},{assets['chat']}"])
     assert data.data_files(cfg.data.train_files) == [str(assets["train"]), str(assets["chat"])]
 
 

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_paro.ppo import algorithms
-from rlhf_paro.config import ModelConfig, load_config
+from rlhf_paro.config import ModelConfig
 from rlhf_paro.models import build_model
 from rlhf_paro.ppo import data, demo, rewards
 from rlhf_paro.ppo.task import CountingTask, task_from_config
+from tests.confs import load
 
 # Smaller than the conf's, so the test makes its own demo in seconds.
 SMALL = ["task.sft_steps=20", "task.reward_steps=150", "task.reward_pairs=2048",
@@ -21,7 +21,7 @@ SMALL = ["task.sft_steps=20", "task.reward_steps=150", "task.reward_pairs=2048",
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
-    cfg = load_config([f"task.cache_dir={cache}", *SMALL])
+    cfg = load([f"task.cache_dir={cache}", *SMALL])
     return cfg, cache
 
 
@@ -36,9 +36,9 @@ def test_the_conf_points_at_the_demo_through_the_users_keys_and_it_is_cached(mad
     assert cfg.reward.score_function.endswith("task.py:counting_score")
     # ref is the SFT'd actor; the critic starts from the reward model (same tokenizer).
     assert cfg.ref.path == cfg.actor.path
-    assert algorithms.resolve(cfg).critic.path == cfg.reward.path
+    assert cfg.critic.path == cfg.reward.path
     stamp = (root / "meta.json").stat().st_mtime_ns
-    again = load_config([f"task.cache_dir={cache}", *SMALL])
+    again = load([f"task.cache_dir={cache}", *SMALL])
     assert again.actor.path == cfg.actor.path and (root / "meta.json").stat().st_mtime_ns == stamp
     # Another task, model or response length is another demo.
     key = demo.cache_key(cfg.task, cfg.ppo.max_new_tokens)

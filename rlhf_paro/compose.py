@@ -1,0 +1,327 @@
+"""Composition: conf files, the command line's overrides and interpolations, built into a ``Config``.
+
+``load_config(["conf=ppo_tiny", "actor.strategy=IGG", ...])`` builds a ``Config`` in four steps:
+
+1. read ``conf/ppo_tiny.yaml`` (``conf=NAME``) or a ``.yaml`` path, over the confs its
+   ``defaults:`` list names, merged in order (mappings key by key, anything else replaces);
+2. apply the overrides in order: ``key=value`` sets, ``+key=value`` adds a key to a model's
+   inline ``config`` (the schema's own keys always exist), ``~key`` deletes (a schema key is then
+   back at its default); values are YAML, read as OmegaConf reads conf files. A key given
+   replaces the keys the schema says compete with it (``_drop_competing``);
+3. resolve OmegaConf interpolations: ``${ppo.rollout_batch_size}`` (a key the conf or the command
+   line sets), ``${oc.env:NAME}``, and any an entry point registered (``register_resolver``);
+4. build the dataclasses of ``rlhf_paro.config`` (the schema), checking every key and type.
+
+Nothing here reads a file but the confs or makes anything; what the config names is checked,
+and what it leaves to be derived is set, by ``rlhf_paro.resolve`` afterwards. Like the schema,
+this module imports neither torch nor anything above the config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import inspect
+import re
+import typing
+from pathlib import Path
+from typing import Any, Callable, Iterator, Literal, NamedTuple
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException, UnsupportedValueType
+
+from rlhf_paro.config import (
+    FILE_LIST_KEYS, ROLES, Config, ConfigError, ModelConfig, _field_names, _join, _optional,
+    _unknown_key, build_config,
+)
+
+# conf/ sits next to the package in the repository (and in an editable install).
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+DEFAULT_CONF = "ppo_tiny"
+
+
+def _schema_depth(parts: list[str]) -> int:
+    """How many leading parts of a dotted key are keys of the schema; any after them lie inside
+    a model's inline ``config`` (a mapping the schema leaves open). Raises ``ConfigError`` for a
+    key the schema does not have."""
+    node: Any = Config
+    for depth, part in enumerate(parts):
+        prefix = ".".join(parts[:depth])
+        if not dataclasses.is_dataclass(node):
+            raise ConfigError(prefix, f"is a value, not a section, so it has no key {part!r}")
+        names = _field_names(node)
+        if part not in names:
+            raise _unknown_key(prefix, part, names)
+        node = _optional(typing.get_type_hints(node)[part])
+        if typing.get_origin(node) is dict:
+            return depth + 1
+    return len(parts)
+
+
+# --- conf files and the command line --------------------------------------------------------------
+
+class _YamlLoader(yaml.SafeLoader):
+    """YAML as OmegaConf reads it, for conf files and override values alike: ``1e-5`` is a
+    number (YAML 1.1 reads it as a string) and a date stays a string."""
+
+
+_YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
+# The ConfigError a registered resolver raised, which OmegaConf reports wrapped in several lines.
+_RESOLVER_ERROR: contextvars.ContextVar[ConfigError | None] = contextvars.ContextVar(
+    "rlhf_paro_resolver_error", default=None)
+
+
+def register_resolver(name: str, resolver: Callable[..., Any]) -> None:
+    """Make ``${name:...}`` call ``resolver`` (as OmegaConf calls it, ``_root_`` included) in
+    the confs and overrides composed from now on; a ``ConfigError`` it raises stays one line.
+    Composition registers none: the entry points register theirs (``${demo:NAME}``,
+    ``ppo/demo.py``). Registering the same name again keeps the first."""
+    if OmegaConf.has_resolver(name):
+        return
+
+    @functools.wraps(resolver)
+    def reporting(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return resolver(*args, **kwargs)
+        except ConfigError as err:
+            _RESOLVER_ERROR.set(err)
+            raise
+
+    # OmegaConf 2.4 moved this to register_resolver (2.3 has an older call of that name) and
+    # warns on the old one; a warning would break our one-line errors on stderr.
+    if "annotation_validation" in inspect.signature(OmegaConf.register_resolver).parameters:
+        OmegaConf.register_resolver(name, reporting, annotation_validation="off")
+    else:
+        OmegaConf.register_new_resolver(name, reporting)
+
+
+@contextlib.contextmanager
+def _omegaconf_errors() -> Iterator[None]:
+    """OmegaConf's errors (a bad interpolation, a value it cannot hold) as one-line errors."""
+    try:
+        yield
+    except OmegaConfBaseException as err:
+        failed = _RESOLVER_ERROR.get()
+        if failed is not None:  # a resolver's own one-line error, which OmegaConf wraps
+            _RESOLVER_ERROR.set(None)
+            raise failed from None
+        # The first line is the problem; OmegaConf adds the key and the object type below it.
+        problem = str(err).splitlines()[0] if str(err) else type(err).__name__
+        allowed = ("numbers, strings, booleans, null, lists and mappings"
+                   if isinstance(err, UnsupportedValueType) else
+                   "${key} of a key the conf or the command line sets, ${oc.env:NAME}, "
+                   "or \\${ for a literal ${")
+        raise ConfigError(getattr(err, "full_key", None) or "", f"{problem}; allowed: "
+                                                                  f"{allowed}") from None
+
+
+def conf_path(name: str) -> Path:
+    """``conf=NAME`` -> ``conf/NAME.yaml``; a value ending in .yaml/.yml is a path."""
+    if name.endswith((".yaml", ".yml")):
+        return Path(name).expanduser()
+    return CONF_DIR / f"{name}.yaml"
+
+
+def available_confs() -> list[str]:
+    return sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
+
+
+def _read_conf(path: Path, chain: tuple[Path, ...] = ()) -> DictConfig:
+    """The conf at ``path`` over the confs of its ``defaults`` list, merged in order."""
+    if not path.is_file():
+        allowed = ", ".join(available_confs()) or "none found"
+        name = path.stem if path.parent == CONF_DIR else str(path)
+        raise ConfigError("conf", f"no conf {name!r}; allowed: a .yaml path or one of {allowed}")
+    if path.resolve() in chain:
+        raise ConfigError("defaults", f"{path.name} includes itself through its defaults")
+    try:
+        data = yaml.load(path.read_text(), Loader=_YamlLoader) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError("conf", f"{path.name}{where} is not valid YAML") from None
+    if not isinstance(data, dict):
+        raise ConfigError("conf", f"{path.name} must be a mapping of sections")
+    defaults = data.pop("defaults", []) or []
+    if not isinstance(defaults, list):
+        raise ConfigError("defaults", f"expected a list of conf names, got {defaults!r}")
+    with _omegaconf_errors():
+        merged = OmegaConf.create()
+        for name in defaults:
+            sibling = path.parent / f"{name}.yaml"
+            base = sibling if sibling.is_file() else conf_path(str(name))
+            merged = OmegaConf.merge(merged, _read_conf(base, chain + (path.resolve(),)))
+        # A conf's keys replace its defaults' competing keys, as the command line's do.
+        _drop_competing(merged, set(_dotted_keys(data)))
+        return OmegaConf.merge(merged, OmegaConf.create(data))
+
+
+def _dotted_keys(data: dict[str, Any], prefix: str = "") -> Iterator[str]:
+    """Every key of nested mappings, dotted (``actor``, ``actor.path``, ...)."""
+    for key, value in data.items():
+        dotted = _join(prefix, str(key))
+        yield dotted
+        if isinstance(value, dict):
+            yield from _dotted_keys(value, dotted)
+
+
+class Override(NamedTuple):
+    """One command-line override: ``key=value`` (op ``=``), ``+key=value`` or ``~key``."""
+
+    op: Literal["=", "+", "~"]
+    key: str
+    value: Any  # parsed as YAML; None for ``~``
+
+
+def split_sweep(text: str) -> list[str]:
+    """The values of a sweep ``a,b,c``: the text cut at commas outside brackets, braces and
+    quotes (``[a, b]``, ``{a: 1, b: 2}`` and ``'a,b'`` are one value each)."""
+    values, depth, quote, start = [], 0, "", 0
+    for i, char in enumerate(text):
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth -= 1
+        elif char == "," and depth == 0:
+            values.append(text[start:i])
+            start = i + 1
+    return values + [text[start:]]
+
+
+def parse_overrides(argv: list[str]) -> tuple[str, list[Override]]:
+    """``conf=NAME`` and the overrides of a command line -> (conf name, overrides in order)."""
+    conf = DEFAULT_CONF
+    overrides = []
+    for arg in argv:
+        op = arg[0] if arg[:1] in ("+", "~") else "="
+        key, sep, text = (arg if op == "=" else arg[1:]).partition("=")
+        key = key.strip()
+        if (not sep and op != "~") or not key or any(not part for part in key.split(".")):
+            raise ConfigError(arg, "expected key=value with a dotted key, e.g. "
+                                   "actor.strategy=IGG, +key=value, ~key or conf=ppo_tiny")
+        if op == "~" and sep:
+            raise ConfigError(key, f"~{key} deletes the key and takes no value; allowed: ~{key}")
+        if key == "conf":
+            if op != "=":
+                raise ConfigError(key, "selects the conf; allowed: conf=NAME or conf=path.yaml")
+            conf = text.strip()
+            continue
+        if op != "~" and len(split_sweep(text)) > 1 and key not in FILE_LIST_KEYS:
+            raise ConfigError(key, f"{text!r} is a sweep; allowed: -m to run one job per value, "
+                                   f"a list [{text}], or a quoted string '{text}'")
+        overrides.append(Override(op, key, None if op == "~" else _parse_value(key, text)))
+    return conf, overrides
+
+
+def _parse_value(key: str, text: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_YamlLoader)
+    except yaml.YAMLError:
+        raise ConfigError(key, f"cannot parse {text!r} as a value; allowed: YAML such as 3, "
+                               "1e-5, abc, [a, b], {a: 1} or null") from None
+
+
+def _apply(cfg: DictConfig, override: Override) -> None:
+    """Set, add or delete one key of the composed conf (see the module docstring)."""
+    op, key = override.op, override.key
+    parts = key.split(".")
+    depth = _schema_depth(parts)
+    if op == "+" and depth == len(parts):
+        raise ConfigError(key, f"is a key of the schema, which always has it; allowed: "
+                               f"{key}=VALUE (+ adds keys inside a model's inline config)")
+    node = cfg
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            if op == "~":
+                break
+            node[part] = {}
+        elif not isinstance(child, DictConfig):
+            raise ConfigError(".".join(parts[:i + 1]), f"is {child!r}, not a section, so it has "
+                                                       f"no key {parts[i + 1]!r}")
+        node = node[part]
+    else:
+        last = parts[-1]
+        if op == "~":
+            if last in node:
+                del node[last]
+                return
+        elif op == "+" and last in node:
+            raise ConfigError(key, f"is already set to {node[last]!r}; allowed: {key}=VALUE to "
+                                   "change it")
+        else:
+            node[last] = override.value
+            return
+    # A schema key that is not set has its default already; an inline-config key is just absent.
+    if op == "~" and depth < len(parts):
+        raise ConfigError(key, "is not set, so there is nothing to delete")
+
+
+def _competing() -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
+    """(key -> the keys it replaces, key -> the keys that go when it is replaced), as the schema
+    declares them: each model's ``SOURCES`` replace one another, and ``Config.REPLACES`` and
+    ``Config.GOES_WITH`` name the rules across sections."""
+    replaces = dict(Config.REPLACES)
+    for role in ROLES:
+        sources = [f"{role}.{key}" for key in ModelConfig.SOURCES]
+        replaces.update({key: tuple(other for other in sources if other != key)
+                         for key in sources})
+    return replaces, dict(Config.GOES_WITH)
+
+
+def _mapping_of(key: str) -> str:
+    """``key``, or the open mapping of the schema it lies inside (``actor.config.hidden_size``
+    -> ``actor.config``). A key the schema lacks is returned as it is: ``_apply`` reports it."""
+    parts = key.split(".")
+    try:
+        return ".".join(parts[:_schema_depth(parts)])
+    except ConfigError:
+        return key
+
+
+def _drop_competing(cfg: DictConfig, given: set[str]) -> None:
+    """A key given on the command line replaces the conf's keys that compete with it (unless
+    those are given too), so that a user's few keys are enough whatever the conf holds: a
+    model's ``path`` drops its inline ``config``, and ``data.train_files`` the conf's
+    validation files and score (``_competing``)."""
+    replaces, goes_with = _competing()
+    # A key inside a model's inline config (actor.config.hidden_size) gives that config too.
+    given = given | {_mapping_of(key) for key in given}
+    pending = [other for key in given for other in replaces.get(key, ())]
+    while pending:
+        other = pending.pop()
+        section, _, name = other.partition(".")
+        node = cfg.get(section)
+        if other not in given and isinstance(node, DictConfig) and name in node:
+            del node[name]
+            pending += goes_with.get(other, ())
+
+
+def compose(conf: str, overrides: list[Override]) -> dict[str, Any]:
+    """The conf with the overrides applied and interpolations resolved, as plain data."""
+    cfg = _read_conf(conf_path(conf))
+    with _omegaconf_errors():
+        _drop_competing(cfg, {override.key for override in overrides if override.op != "~"})
+        for override in overrides:
+            _apply(cfg, override)
+        return OmegaConf.to_container(cfg, resolve=True)
+
+
+def load_config(argv: list[str]) -> Config:
+    """The ``Config`` of a command line: ``[conf=NAME|conf=path.yaml] [override ...]``, composed
+    and built; nothing is read but the confs, nothing is made (``resolve`` comes next)."""
+    return build_config(compose(*parse_overrides(argv)))
