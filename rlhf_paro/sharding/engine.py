@@ -529,6 +529,7 @@ class ShardedEngine:
         calls it; no collective. The directory is created if needed; the file is written under a
         temporary name, fsynced and renamed, so it is complete once this returns.
         """
+        self._check_between_steps("save_checkpoint()")  # the contract's message, as DeepSpeed's
         return _checkpoint.write(self.state_dict(), directory, self.topo.rank)
 
     def load_checkpoint(self, directory: str | os.PathLike) -> None:
