@@ -304,9 +304,9 @@ class TrainedWorker(Worker):
 
 def engine_options(cfg: Any, role: str, trained: bool,
                    device: torch.device | str | None = None) -> EngineOptions:
-    """The engine options of ``role`` from its config section (docs/design.md, "The engine
-    contract"): a trained model's carry its optimizer, clipping, accumulation and reduction
-    precision; a frozen model's keep their defaults."""
+    """The engine options of ``role`` from its config section
+    (docs/design.md, "The engine contract"): a trained model's carry its optimizer, clipping,
+    accumulation and reduction precision; a frozen model's keep their defaults."""
     model_cfg = cfg.model(role)
     ds = model_cfg.deepspeed
     training: dict[str, Any] = {}

@@ -112,8 +112,8 @@ class TrainingState(enum.Enum):
 
 
 class ShardedEngine:
-    """A model sharded by one PaRO strategy; a ``TrainEngine`` (docs/design.md, "The engine
-    contract").
+    """A model sharded by one PaRO strategy; a ``TrainEngine``
+    (docs/design.md, "The engine contract").
 
     A frozen strategy (one P level, e.g. ``Strategy.parse("G", frozen=True)``) gives an
     inference-only engine. ``comm`` picks the algorithm of world-scope collectives (``auto``:
@@ -622,9 +622,9 @@ class ShardedEngine:
 
 def shard(model: nn.Module, strategy: Strategy | str, topology: Topology, **options: Any
           ) -> ShardedEngine:
-    """Shard ``model`` in place by ``strategy`` over ``topology`` (docs/design.md, "The engine
-    in parts"); ``options`` are ``ShardedEngine``'s keywords. A string names a strategy, one
-    letter a frozen one."""
+    """Shard ``model`` in place by ``strategy`` over ``topology``
+    (docs/design.md, "The engine in parts"); ``options`` are ``ShardedEngine``'s keywords. A
+    string names a strategy, one letter a frozen one."""
     if isinstance(strategy, str):
         strategy = Strategy.parse(strategy, frozen=len(strategy.strip()) == 1)
     return ShardedEngine(model, strategy, topology, **options)
