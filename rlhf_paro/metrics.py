@@ -25,6 +25,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlhf_paro.sharding.contract import MEMORY_KEYS
 from rlhf_paro.sharding.schedule import TRAINING_PHASES
 from rlhf_paro.config import ROLES, TRAINED_ROLES
 
@@ -38,8 +39,7 @@ ROLE_PHASES = {
 # Comm phases every row has a column for: the engine's four and the actor's generation. Any
 # other phase a meter reports (e.g. a checkpoint's "gather") gets columns when it occurs.
 COMM_PHASES = (*TRAINING_PHASES, "generate")
-# engine.memory()'s keys (m/mem/<key>_bytes) and engine.transfers' (m/offload/<key>).
-MEMORY_KEYS = ("params", "grads", "optim", "host_params", "host_grads", "host_optim")
+# engine.transfers' keys (m/offload/<key>); memory()'s (m/mem/<key>_bytes) are the contract's.
 OFFLOAD_KEYS = ("d2h_bytes", "h2d_bytes", "transfers")
 LOOP_KEYS = (
     "ppo/reward_mean", "ppo/task_score", "ppo/advantage_mean", "ppo/return_mean",

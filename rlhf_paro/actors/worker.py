@@ -1,9 +1,11 @@
 """The per-rank worker every role builds on: its own process group, its model, its engine.
 
 A worker is one Ray actor: rank r of one model. ``setup`` joins the model's own process group
-(gloo on CPU, NCCL on GPU), builds the model identically on every rank (same seed), and wraps it
-with ``shard(...)`` under the model's strategy: a model read from files is built on the meta
-device and each rank reads only its shards from them (docs/design.md, "Setup"). The driver
+(gloo on CPU, NCCL on GPU), builds the model identically on every rank (same seed), and hands
+it to the engine of the model's backend (``sharding.contract``: the PaRO engine under its
+strategy, or DeepSpeed ZeRO), which it drives through the ``TrainEngine`` contract alone. On
+the PaRO engine a model read from files is built on the meta device and each rank reads only
+its shards from them (docs/design.md, "Setup"). The driver
 calls the role's methods on all ranks at once; between steps it collects one ``RankReport`` per
 rank (``report``), which also resets the step's timers, the engine's comm meter and its count of
 host transfers.
@@ -38,7 +40,8 @@ from rlhf_paro import models
 from rlhf_paro.actors import checkpoint
 from rlhf_paro.metrics import RankReport
 from rlhf_paro.ppo import core, data
-from rlhf_paro.sharding import Strategy, Topology, shard
+from rlhf_paro.sharding import Topology
+from rlhf_paro.sharding.contract import EngineOptions, ModelFactory, TrainEngine, build_engine
 
 Batch = dict[str, Any]
 
@@ -51,7 +54,7 @@ NAN_LOSS_ENV = "RLHF_PARO_NAN_LOSS"
 class Worker:
     """Rank ``rank`` of model ``role`` (one of actor, critic, reward, ref)."""
 
-    trained = False  # TrainedWorker overrides: its model gets an optimizer
+    trained = False  # TrainedWorker overrides: its engine gets an optimizer
 
     def __init__(self, cfg: Any, role: str, rank: int, num_ranks: int) -> None:
         self.cfg = cfg
@@ -65,7 +68,7 @@ class Worker:
             # Four models share each CPU slot: one thread per worker, or 4N workers fight
             # over the cores and every collective waits for a descheduled rank.
             torch.set_num_threads(1)
-        self.engine: Any = None
+        self.engine: TrainEngine | None = None  # None: a reward function or server
         self.packed = False  # forwards on packed real tokens (set at setup from the model type)
         self._time_s: dict[str, float] = defaultdict(float)  # role phase -> seconds, this step
         self._tokens = 0  # tokens through the model, this step
@@ -90,45 +93,21 @@ class Worker:
         # N ranks x 4 models loading weights would each draw a progress bar.
         transformers.utils.logging.disable_progress_bar()
         # Built from the same seed on every rank (and ref from the actor's): identical weights.
-        # The engine fills the shards on this device unit by unit: no whole copy lands there.
+        # The backend builds the model the way it shards it (ModelFactory).
         vocab_size = data.vocab_sizes(self.cfg)[self.role]
         # Every forward on the real tokens only, where the architecture allows (``batching``).
         self.packed = models.packs(self.model_cfg, models.hf_config(
             self.role, self.model_cfg, vocab_size).model_type)
-        if self.model_cfg.backend == "deepspeed":
-            self.engine = self._deepspeed_engine(topology, vocab_size)
-        else:
-            model, source = models.build_for_setup(self.role, self.model_cfg, vocab_size,
-                                                   seed=self.cfg.trainer.seed)
-            strategy = Strategy.parse(self.model_cfg.strategy, frozen=not self.trained)
-            self.engine = shard(model, strategy=strategy, topology=topology,
-                                comm=self.cfg.comm.algorithm, model_name=self.role,
-                                precision=self.model_cfg.precision, source=source,
-                                device=self.device, offload=self.model_cfg.offload,
-                                **self.shard_options())
-            self.park()  # offload=params: parked until the model's first phase
+        args = (self.role, self.model_cfg, vocab_size)
+        seed = self.cfg.trainer.seed
+        factory = ModelFactory(lambda: models.build_for_setup(*args, seed=seed),
+                               lambda: models.build_model(*args, seed=seed))
+        self.engine = build_engine(factory, topology, engine_options(
+            self.cfg, self.role, self.trained, self.device))
+        self.park()  # offload=params: parked until the model's first phase
         # Each rank samples and shuffles differently from here on.
         torch.manual_seed(self.cfg.trainer.seed * 1000 + self.rank + 1)
         return os.getpid()
-
-    def shard_options(self) -> dict[str, Any]:
-        """Extra ``shard`` arguments: none for a frozen model."""
-        return {}
-
-    def _deepspeed_engine(self, topology: Topology, vocab_size: int) -> Any:
-        """The model on DeepSpeed ZeRO (``backend=deepspeed``), built whole on every rank and
-        partitioned by DeepSpeed (docs/design.md, "DeepSpeed backend")."""
-        from rlhf_paro.sharding.deepspeed_engine import deepspeed_engine
-
-        ds = self.model_cfg.deepspeed
-        model = models.build_model(self.role, self.model_cfg, vocab_size,
-                                   seed=self.cfg.trainer.seed)
-        options = self.shard_options()
-        return deepspeed_engine(model, topology, zero_stage=ds.zero_stage,
-                                hpz_partition_size=ds.hpz_partition_size,
-                                offload_optimizer=ds.offload_optimizer, model_name=self.role,
-                                precision=self.model_cfg.precision, frozen=not self.trained,
-                                device=self.device, extra=ds.config, **options)
 
     # -- offload=params: the model's parameters in host memory between its phases ---------------
     def park(self) -> None:
@@ -250,14 +229,6 @@ class TrainedWorker(Worker):
         self._skip_run = 0  # of which the latest in a row
         self._longest_skip_run = 0  # the longest run in a row seen during this step
 
-    def shard_options(self) -> dict[str, Any]:
-        """The optimizer, gradient clipping, accumulation and reduction precision ``shard``
-        needs to train."""
-        optim = self.model_cfg.optim
-        return {"optim": optim.adamw(), "max_grad_norm": optim.max_grad_norm,
-                "grad_accum_steps": self.cfg.grad_accum_steps(self.role),
-                "reduce_dtype": self.model_cfg.reduce_dtype}
-
     def record_train(self, stats: dict[str, float]) -> None:
         for key, value in stats.items():
             self._train_stats[key].append(float(value))
@@ -334,6 +305,28 @@ class TrainedWorker(Worker):
         total = self.all_reduce_sum(local)
         per_micro = self.num_ranks * self.engine.grad_accum_steps
         return [(m, float(t) / per_micro) for m, t in zip(minis, total)]
+
+
+def engine_options(cfg: Any, role: str, trained: bool,
+                   device: torch.device | str | None = None) -> EngineOptions:
+    """The engine options of ``role`` from its config section
+    (docs/design.md, "The engine contract"): a trained model's carry its optimizer, clipping,
+    accumulation and reduction precision; a frozen model's keep their defaults."""
+    model_cfg = cfg.model(role)
+    ds = model_cfg.deepspeed
+    training: dict[str, Any] = {}
+    if trained:
+        optim = model_cfg.optim
+        training = dict(optim=optim.adamw(), max_grad_norm=optim.max_grad_norm,
+                        grad_accum_steps=cfg.grad_accum_steps(role),
+                        reduce_dtype=model_cfg.reduce_dtype)
+    return EngineOptions(backend=model_cfg.backend, model_name=role, frozen=not trained,
+                         precision=model_cfg.precision, device=device,
+                         strategy=model_cfg.strategy, comm=cfg.comm.algorithm,
+                         offload=model_cfg.offload, zero_stage=ds.zero_stage,
+                         hpz_partition_size=ds.hpz_partition_size,
+                         offload_optimizer=ds.offload_optimizer, deepspeed_config=ds.config,
+                         **training)
 
 
 def bind_gloo(node_address: str) -> None:

@@ -1,10 +1,11 @@
-"""A model on DeepSpeed ZeRO behind the PaRO engine's surface (docs/design.md, "DeepSpeed backend").
+"""A model on DeepSpeed ZeRO as a ``TrainEngine`` (docs/design.md, "DeepSpeed backend").
 
 ``deepspeed_engine(...)`` wraps ``deepspeed.initialize`` so that a worker drives it exactly as it
-drives ``shard(...)``: ``engine(**inputs)``, ``backward(loss)`` once per micro-batch,
-``step()`` at the accumulation boundary (returning the gradient norm), ``gathered(phase)`` for
-generation, ``memory()``, ``meter`` and checkpoints. What runs underneath is DeepSpeed's own
-ZeRO stage 0-3 (ZeRO++ hpZ and optimizer offload included); nothing of PaRO's schedule.
+drives ``shard(...)``, through the contract of ``contract.py``: ``engine(**inputs)``,
+``backward(loss)`` once per micro-batch, ``step()`` at the accumulation boundary (returning the
+gradient norm), ``gathered(phase)`` for generation, ``memory()``, ``meter`` and checkpoints.
+What runs underneath is DeepSpeed's own ZeRO stage 0-3 (ZeRO++ hpZ and optimizer offload
+included); nothing of PaRO's schedule.
 
 [Note: metering DeepSpeed]
 DeepSpeed's comms logger records each collective's name and message size but not the process
@@ -36,6 +37,8 @@ from torch import nn
 from rlhf_paro.comm.meter import CommMeter, LinkBytes, ring_bytes
 from rlhf_paro.comm.topology import Topology
 from rlhf_paro.sharding._host import Transfers
+from rlhf_paro.sharding.contract import (EngineOptions, MicroBatches, ModelFactory, full_state_dict,
+                                         no_memory)
 from rlhf_paro.sharding.errors import EngineError
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -133,7 +136,7 @@ def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 class DeepSpeedEngine:
-    """One model on DeepSpeed ZeRO; the surface of ``ShardedEngine`` that workers use."""
+    """One model on DeepSpeed ZeRO; a ``TrainEngine``."""
 
     def __init__(self, module: nn.Module, topology: Topology, config: dict[str, Any], *,
                  model_name: str = "model", frozen: bool = False,
@@ -151,10 +154,9 @@ class DeepSpeedEngine:
         self.offload_optimizer = "offload_optimizer" in config["zero_optimization"]
         # Host copies DeepSpeed makes are its own: none are counted here (m/offload/* stay 0).
         self.transfers = Transfers()
-        self.grad_accum_steps = config["gradient_accumulation_steps"]
+        self._micro = MicroBatches(model_name, config["gradient_accumulation_steps"])
         self.frozen = frozen
         self._phase: str | None = None
-        self._micro_batches = 0
         self._own_skips = 0  # stage 0 skips done here (DeepSpeed skips only under ZeRO)
         self._last_skipped = False
         _install_recorder(deepspeed)
@@ -203,15 +205,11 @@ class DeepSpeedEngine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch; DeepSpeed scales the loss by 1/grad_accum_steps."""
-        if self.frozen:
-            raise EngineError(f"model {self.meter.model!r} is frozen; it has no backward")
-        if self._micro_batches >= self.grad_accum_steps:
-            raise EngineError(f"backward() called {self._micro_batches + 1} times without "
-                              f"step(); grad_accum_steps={self.grad_accum_steps}")
+        self._micro.check_backward(not self.frozen)
         with self._metering("backward"):
             self.ds.backward(loss)
-            self._micro_batches += 1
-            if self._micro_batches < self.grad_accum_steps:
+            self._micro.done += 1
+            if self._micro.done < self.grad_accum_steps:
                 self.ds.step()  # DeepSpeed counts micro-steps; off the boundary it only counts
 
     @torch.no_grad()
@@ -220,13 +218,7 @@ class DeepSpeedEngine:
         non-finite norm skips the update on every rank (DeepSpeed's ZeRO stages do so
         themselves; on stage 0 this adapter holds the optimizer back, as the PaRO engine
         does)."""
-        if self.frozen:
-            raise EngineError(f"model {self.meter.model!r} has no optimizer; step() is for "
-                              "trained models")
-        if self._micro_batches != self.grad_accum_steps:
-            raise EngineError(f"step() called after {self._micro_batches} of "
-                              f"grad_accum_steps={self.grad_accum_steps} backward() calls; "
-                              "call it once at the accumulation boundary")
+        self._micro.check_step(not self.frozen)
         skipped_before = self.ds.skipped_steps
         own_skip = False
         with self._metering("step"):
@@ -238,7 +230,7 @@ class DeepSpeedEngine:
                 own_skip = not math.isfinite(norm)
             with _no_update(self.ds.optimizer) if own_skip else contextlib.nullcontext():
                 self.ds.step()  # its counters advance and the gradients are zeroed
-        self._micro_batches = 0
+        self._micro.done = 0
         self._own_skips += own_skip
         self._last_skipped = own_skip or self.ds.skipped_steps > skipped_before
         if self.zero_stage != 0:
@@ -259,8 +251,18 @@ class DeepSpeedEngine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded copies of every entry of ``module.state_dict()``, same keys."""
-        with self.gathered("gather"):
-            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        return full_state_dict(self)
+
+    # -- offload=params is the PaRO engine's: DeepSpeed offloads with offload_optimizer -------
+    @property
+    def params_offloaded(self) -> bool:
+        return False
+
+    def offload_params(self) -> None:
+        self._micro.check_offload("none")
+
+    def onload_params(self) -> None:
+        """Nothing is parked: nothing to bring back."""
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds in P, G and OS on the device and on the host (the keys of
@@ -276,8 +278,8 @@ class DeepSpeedEngine:
             p_bytes = sum(t.numel() * t.element_size() for t in kept)
         else:
             p_bytes = sum(p.numel() * p.element_size() for p in params)
-        out = {"params": p_bytes, "grads": 0, "optim": 0,
-               "host_params": 0, "host_grads": 0, "host_optim": 0}
+        out = no_memory()
+        out["params"] = p_bytes
         if self.frozen:
             return out
         masters = self._master_partitions()
@@ -305,6 +307,7 @@ class DeepSpeedEngine:
         """DeepSpeed's checkpoint of this model (every rank calls it) under ``directory``. A
         frozen model's weights are its source's, unchanged: it writes only a marker, and is
         built from its source again on resume."""
+        self._micro.check_between_steps("save_checkpoint()")
         directory = Path(directory)
         if self.frozen:
             directory.mkdir(parents=True, exist_ok=True)
@@ -317,6 +320,7 @@ class DeepSpeedEngine:
     def load_checkpoint(self, directory: str | os.PathLike) -> None:
         """Load what ``save_checkpoint`` wrote; DeepSpeed needs the same ZeRO stage and
         number of ranks."""
+        self._micro.check_between_steps("loading a checkpoint")
         if self.frozen:
             if not (Path(directory) / _FROZEN_MARKER).is_file():
                 raise EngineError(f"{directory} holds no checkpoint of a frozen DeepSpeed model")
@@ -327,6 +331,11 @@ class DeepSpeedEngine:
                                               load_lr_scheduler_states=False)
         if path is None:
             raise EngineError(f"no DeepSpeed checkpoint under {directory}")
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """backward() calls per step()."""
+        return self._micro.per_step
 
     @property
     def lr(self) -> float:
@@ -421,3 +430,20 @@ def deepspeed_engine(module: nn.Module, topology: Topology, *, zero_stage: int =
                        extra=extra)
     return DeepSpeedEngine(module, topology, config, model_name=model_name, frozen=frozen,
                            device=device)
+
+
+def from_options(factory: ModelFactory, topology: Topology, options: EngineOptions
+                 ) -> DeepSpeedEngine:
+    """The DeepSpeed engine of ``options`` (``contract.BACKENDS["deepspeed"]``): DeepSpeed
+    partitions a model built whole on every rank."""
+    if options.offload != "none":
+        raise ValueError(f"offload={options.offload!r} is the PaRO engine's; a DeepSpeed model "
+                         "offloads with offload_optimizer; allowed: none")
+    return deepspeed_engine(factory.whole(), topology, zero_stage=options.zero_stage,
+                            hpz_partition_size=options.hpz_partition_size,
+                            offload_optimizer=options.offload_optimizer, optim=options.optim,
+                            max_grad_norm=options.max_grad_norm,
+                            grad_accum_steps=options.grad_accum_steps,
+                            precision=options.precision, reduce_dtype=options.reduce_dtype,
+                            model_name=options.model_name, frozen=options.frozen,
+                            device=options.device, extra=options.deepspeed_config)

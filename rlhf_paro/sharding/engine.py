@@ -66,6 +66,8 @@ from rlhf_paro.sharding._flat import DTYPES, FlatBuffer, Read
 from rlhf_paro.sharding._host import OFFLOAD_MODES, Transfers
 from rlhf_paro.sharding._step import BoundaryStep
 from rlhf_paro.sharding._unit import PostBackward, Unit, UnitState, tensors_requiring_grad
+from rlhf_paro.sharding.contract import (EngineOptions, MicroBatches, ModelFactory, full_state_dict,
+                                         no_memory)
 from rlhf_paro.sharding.errors import EngineError
 from rlhf_paro.sharding.layout import split_units
 from rlhf_paro.sharding.schedule import BUCKET_NUMEL, plan, select
@@ -109,10 +111,35 @@ class TrainingState(enum.Enum):
     BACKWARD = "backward"  # from the first pre-backward hook to the end-of-backward callback
 
 
-
-
 class ShardedEngine:
-    """A model sharded by one PaRO strategy; the surface of docs/design.md, "Engine"."""
+    """A model sharded by one PaRO strategy; a ``TrainEngine``
+    (docs/design.md, "The engine contract").
+
+    A frozen strategy (one P level, e.g. ``Strategy.parse("G", frozen=True)``) gives an
+    inference-only engine. ``comm`` picks the algorithm of world-scope collectives (``auto``:
+    one per collective, by ``comm/auto.py``); ``reduce_dtype`` the precision of gradient
+    reductions (fp32 accumulation is fixed).
+
+    ``source(name, start, stop)`` gives elements start..stop of the flattened parameter
+    ``name`` (as ``model.named_parameters()`` names it), e.g. from files (``TensorFiles``);
+    with it the parameters may be on the meta device, and each rank reads only what it keeps,
+    one unit at a time (docs/design.md, "Setup"). Without it the parameters' own values are
+    used. The shards are made on ``device`` (default: where the parameters are), and the
+    module's buffers are moved there.
+
+    ``offload`` (docs/design.md, "Offload"): ``none``; ``optimizer`` keeps the OS level (fp32
+    masters, Adam moments) in host memory and steps it with DeepSpeedCPUAdam (trained models);
+    ``params`` gives the P shards a home in host memory, used by ``offload_params()`` and
+    ``onload_params()`` between the model's phases.
+
+    ``bucket_numel``: units with fewer trainable elements reduce their gradients together, in
+    buckets of at least that many elements (``schedule.py``, [Note: gradient buckets]); 1 makes
+    every unit reduce alone.
+
+    ``unit_classes`` names the module classes cut into units (default: the model's
+    ``_no_split_modules``); ``prefetch`` starts the next unit's gather early; ``verify_gathers``
+    checks every gathered unit against its owners' checksums (tests).
+    """
 
     def __init__(self, module: nn.Module, strategy: Strategy, topology: Topology, *,
                  optim: dict | None = None, max_grad_norm: float | None = None,
@@ -131,8 +158,6 @@ class ShardedEngine:
         if offload == "optimizer" and strategy.frozen:
             raise ValueError(f"offload='optimizer' needs a trained model; strategy "
                              f"{strategy.name} is frozen (allowed: none, params)")
-        if grad_accum_steps < 1:
-            raise ValueError(f"grad_accum_steps={grad_accum_steps} must be a positive integer")
         if bucket_numel < 1:
             raise ValueError(f"bucket_numel={bucket_numel} must be a positive integer")
         if topology.world is None and topology.num_ranks > 1:
@@ -142,7 +167,7 @@ class ShardedEngine:
         self.strategy = strategy
         self.topo = topology
         self.precision = precision
-        self.grad_accum_steps = grad_accum_steps
+        self._micro = MicroBatches(model_name, grad_accum_steps)  # backward() calls this step
         self.reduce_dtype = DTYPES[reduce_dtype]  # [Note: gradient precision]
         self.meter = CommMeter(model_name)
         self.offload = offload  # _host.py, [Note: offload modes]
@@ -160,7 +185,6 @@ class ShardedEngine:
         self.prefetch = prefetch
         self.verify_gathers = verify_gathers
         self.state = TrainingState.IDLE
-        self._micro_batches = 0  # backward() calls since the last step()
         self._hold = 0  # > 0 inside gathered(): hooks neither gather nor free
         self._gather_phase: str | None = None  # phase label of gathers inside gathered()
         self._order: list[Unit] = []  # blocks in forward order, recorded on the first forward
@@ -357,17 +381,12 @@ class ShardedEngine:
 
         A non-finite ``loss`` on any rank makes the next ``step()`` skip on every rank.
         """
-        if self._boundary is None or self._boundary.optimizer is None:
-            raise EngineError(f"model {self.meter.model!r} is frozen (strategy "
-                              f"{self.strategy.name}); it has no backward")
-        if self._micro_batches >= self.grad_accum_steps:
-            raise EngineError(f"backward() called {self._micro_batches + 1} times without "
-                              f"step(); grad_accum_steps={self.grad_accum_steps}")
+        self._micro.check_backward(self._trained)
         # [Note: a step skipped on bad numbers] (_step.py). Before the backward: the boundary's
         # reductions may start inside it ([Note: the boundary starts in the last backward]).
         self._boundary.poison(loss)
         (loss / self.grad_accum_steps).backward()
-        self._micro_batches += 1
+        self._micro.done += 1
 
     @torch.no_grad()
     def step(self) -> float:
@@ -377,13 +396,7 @@ class ShardedEngine:
         is not finite (on any rank), the step is skipped on every rank of the model alike: no
         update, the accumulated gradients dropped, ``skipped_steps`` counts it.
         """
-        if self._boundary is None or self._boundary.optimizer is None:
-            raise EngineError(f"model {self.meter.model!r} has no optimizer (strategy "
-                              f"{self.strategy.name}); step() is for trained models")
-        if self._micro_batches != self.grad_accum_steps:
-            raise EngineError(f"step() called after {self._micro_batches} of "
-                              f"grad_accum_steps={self.grad_accum_steps} backward() calls; "
-                              "call it once at the accumulation boundary")
+        self._micro.check_step(self._trained)
         if self._hold:
             raise EngineError("step() inside gathered(): the gathered copies would go stale")
         # [Note: waits] The optimizer writes the shards that gathers read: finish every gather
@@ -393,7 +406,7 @@ class ShardedEngine:
         while self._reductions:  # [Note: gradient reduction in flight]
             self._finish_reduction()
         norm = self._boundary()
-        self._micro_batches = 0
+        self._micro.done = 0
         return norm
 
     def memory(self) -> dict[str, int]:
@@ -401,7 +414,8 @@ class ShardedEngine:
         by place: ``params``, ``grads``, ``optim`` on the device (P, G, OS); ``host_params``,
         ``host_grads``, ``host_optim`` in host memory: the P shards' home (offload=params, held
         whether parked or not), and the OS gradient's copy and the masters and moments
-        (offload=optimizer). ``cost.offload_memory`` is the same dictionary from sizes alone."""
+        (offload=optimizer): the keys of ``contract.MEMORY_KEYS``. ``cost.offload_memory`` is
+        the same dictionary from sizes alone."""
         bufs = [buf for u in self.units for buf in u.buffers]
         params = sum(buf.shard.numel() * buf.shard.element_size() for buf in bufs
                      if not buf.parked)
@@ -409,11 +423,11 @@ class ShardedEngine:
                           if buf.host is not None)
         grads = sum(u.grad_acc.numel() * u.grad_acc.element_size()
                     for u in self.units if u.grad_acc is not None)
-        optim = ({"optim": 0, "host_optim": 0, "host_grads": 0} if self._boundary is None
-                 else self._boundary.memory())
-        return {"params": params, "grads": grads, "optim": optim["optim"],
-                "host_params": host_params, "host_grads": optim["host_grads"],
-                "host_optim": optim["host_optim"]}
+        out = no_memory()
+        if self._boundary is not None:
+            out.update(self._boundary.memory())  # optim, host_optim, host_grads
+        out.update(params=params, grads=grads, host_params=host_params)
+        return out
 
     # -- offload=params: _host.py, [Note: offload modes] --------------------------------------
     @property
@@ -427,13 +441,10 @@ class ShardedEngine:
         ``onload_params()``. Forward and ``gathered()`` raise ``EngineError`` while parked (so
         no backward or step can follow); checkpoints read and write the host copies. Local: no collective; the copies are
         counted in ``transfers`` (one per flat buffer, its P shard's bytes)."""
-        if self.offload != "params":
-            raise EngineError(f"model {self.meter.model!r} was sharded with "
-                              f"offload={self.offload!r}; offload_params() needs "
-                              "shard(..., offload='params')")
-        if self._hold or self.state == TrainingState.BACKWARD or self._micro_batches:
-            raise EngineError("offload_params() inside gathered() or between backward() and "
-                              "step(): the parameters are in use")
+        self._micro.check_offload(self.offload)
+        if self._hold or self.state == TrainingState.BACKWARD:
+            raise EngineError("offload_params() inside gathered() or backward: the parameters "
+                              "are in use")
         for unit in self.units:  # [Note: waits] a prefetch in flight reads the shards
             unit.free()
             for buf in unit.buffers:
@@ -478,8 +489,7 @@ class ShardedEngine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded copies of every entry of ``module.state_dict()``, same keys."""
-        with self.gathered("gather"):
-            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        return full_state_dict(self)
 
     # -- checkpoints: _checkpoint.py, [Note: checkpoint format] --------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -519,6 +529,7 @@ class ShardedEngine:
         calls it; no collective. The directory is created if needed; the file is written under a
         temporary name, fsynced and renamed, so it is complete once this returns.
         """
+        self._check_between_steps("save_checkpoint()")  # the contract's message, as DeepSpeed's
         return _checkpoint.write(self.state_dict(), directory, self.topo.rank)
 
     def load_checkpoint(self, directory: str | os.PathLike) -> None:
@@ -535,9 +546,10 @@ class ShardedEngine:
             handles.clear()
 
     def _check_between_steps(self, what: str) -> None:
-        if self.state == TrainingState.BACKWARD or self._micro_batches:
-            raise EngineError(f"{what} after {self._micro_batches} backward() call(s) without "
-                              "step(): accumulated gradients are not part of the state")
+        if self.state == TrainingState.BACKWARD:
+            raise EngineError(f"{what} inside backward: accumulated gradients are not part of "
+                              "the state")
+        self._micro.check_between_steps(what)
 
     @torch.no_grad()
     def _load(self, saved: list[_checkpoint.Saved]) -> None:
@@ -581,7 +593,16 @@ class ShardedEngine:
     @property
     def _last_micro_batch(self) -> bool:
         """Inside the backward of the step's last micro-batch (backward() counts it after)."""
-        return self._micro_batches == self.grad_accum_steps - 1
+        return self._micro.last
+
+    @property
+    def _trained(self) -> bool:
+        return self._boundary is not None and self._boundary.optimizer is not None
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """backward() calls per step()."""
+        return self._micro.per_step
 
     @property
     def lr(self) -> float:
@@ -599,45 +620,30 @@ class ShardedEngine:
         return self._boundary is not None and self._boundary.last_skipped
 
 
-def shard(model: nn.Module, strategy: Strategy | str, topology: Topology, *,
-          optim: dict | None = None, max_grad_norm: float | None = None,
-          grad_accum_steps: int = 1, comm: str = "auto", precision: str = "fp32",
-          reduce_dtype: str = "fp32", model_name: str = "model",
-          unit_classes: list[str] | None = None, prefetch: bool = True,
-          verify_gathers: bool = False, source: Read | None = None,
-          device: torch.device | str | None = None, offload: str = "none",
-          bucket_numel: int = BUCKET_NUMEL) -> ShardedEngine:
-    """Shard ``model`` in place by ``strategy`` over ``topology`` (docs/design.md, "Engine").
-
-    A frozen strategy (one P level, e.g. ``Strategy.parse("G", frozen=True)``) gives an
-    inference-only engine. ``comm`` picks the algorithm of world-scope collectives (``auto``:
-    one per collective, by ``comm/auto.py``); ``reduce_dtype`` the precision of gradient
-    reductions (fp32 accumulation is fixed).
-
-    ``source(name, start, stop)`` gives elements start..stop of the flattened parameter
-    ``name`` (as ``model.named_parameters()`` names it), e.g. from files (``TensorFiles``);
-    with it the parameters may be on the meta device, and each rank reads only what it keeps,
-    one unit at a time (docs/design.md, "Setup"). Without it the parameters' own values are
-    used. The shards are made on ``device`` (default: where the parameters are), and the
-    module's buffers are moved there.
-
-    ``offload`` (docs/design.md, "Offload"): ``none``; ``optimizer`` keeps the OS level (fp32
-    masters, Adam moments) in host memory and steps it with DeepSpeedCPUAdam (trained models);
-    ``params`` gives the P shards a home in host memory, used by ``offload_params()`` and
-    ``onload_params()`` between the model's phases.
-
-    ``bucket_numel``: units with fewer trainable elements reduce their gradients together, in
-    buckets of at least that many elements (``schedule.py``, [Note: gradient buckets]); 1 makes
-    every unit reduce alone.
-    """
+def shard(model: nn.Module, strategy: Strategy | str, topology: Topology, **options: Any
+          ) -> ShardedEngine:
+    """Shard ``model`` in place by ``strategy`` over ``topology``
+    (docs/design.md, "The engine in parts"); ``options`` are ``ShardedEngine``'s keywords. A
+    string names a strategy, one letter a frozen one."""
     if isinstance(strategy, str):
         strategy = Strategy.parse(strategy, frozen=len(strategy.strip()) == 1)
-    return ShardedEngine(model, strategy, topology, optim=optim, max_grad_norm=max_grad_norm,
-                         grad_accum_steps=grad_accum_steps, comm=comm, precision=precision,
-                         reduce_dtype=reduce_dtype, model_name=model_name,
-                         unit_classes=unit_classes, prefetch=prefetch,
-                         verify_gathers=verify_gathers, source=source, device=device,
-                         offload=offload, bucket_numel=bucket_numel)
+    return ShardedEngine(model, strategy, topology, **options)
+
+
+def from_options(factory: ModelFactory, topology: Topology, options: EngineOptions
+                 ) -> ShardedEngine:
+    """The PaRO engine of ``options`` (``contract.BACKENDS["paro"]``): the model built with its
+    source, so that each rank reads only what it keeps."""
+    if options.strategy is None:
+        raise ValueError("backend 'paro' needs a strategy; allowed: a triple such as IGG, a "
+                         "preset, or one P level for a frozen model")
+    module, source = factory.with_source()
+    return ShardedEngine(module, Strategy.parse(options.strategy, frozen=options.frozen),
+                         topology, optim=options.optim, max_grad_norm=options.max_grad_norm,
+                         grad_accum_steps=options.grad_accum_steps, comm=options.comm,
+                         precision=options.precision, reduce_dtype=options.reduce_dtype,
+                         model_name=options.model_name, source=source, device=options.device,
+                         offload=options.offload)
 
 
 def _values(module: nn.Module, source: Read | None, device: torch.device | str | None

@@ -40,3 +40,27 @@ def test_gloo_keeps_the_interface_a_user_named_and_defaults_for_an_unknown_addre
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     bind_gloo("203.0.113.77")  # gloo's own default stays (the hostname's address)
     assert "GLOO_SOCKET_IFNAME" not in os.environ
+
+
+def test_engine_options_carry_a_trained_models_step_and_each_backends_own_keys():
+    from rlhf_paro.actors.worker import engine_options
+    from rlhf_paro.config import load_config
+    from tests.confs import INLINE
+
+    cfg = load_config([*INLINE, "actor.optim.lr=3e-6", "actor.optim.max_grad_norm=0.5",
+                       "actor.reduce_dtype=bf16", "comm.algorithm=ring",
+                       "critic.backend=deepspeed", "critic.deepspeed.zero_stage=2",
+                       "+critic.deepspeed.config.wall_clock_breakdown=true"])
+    actor = engine_options(cfg, "actor", trained=True, device="cpu")
+    assert (actor.backend, actor.model_name, actor.frozen, actor.strategy, actor.comm) == \
+        ("paro", "actor", False, cfg.actor.strategy, "ring")
+    assert actor.optim == cfg.actor.optim.adamw() and actor.optim["lr"] == 3e-6
+    assert (actor.max_grad_norm, actor.reduce_dtype, actor.grad_accum_steps) == \
+        (0.5, "bf16", cfg.grad_accum_steps("actor"))
+    critic = engine_options(cfg, "critic", trained=True)
+    assert (critic.backend, critic.zero_stage, critic.deepspeed_config) == \
+        ("deepspeed", 2, {"wall_clock_breakdown": True})
+    # A frozen model gets no optimizer, whatever its section says.
+    ref = engine_options(cfg, "ref", trained=False)
+    assert ref.frozen and ref.optim is None and ref.max_grad_norm is None
+    assert (ref.grad_accum_steps, ref.reduce_dtype) == (1, "fp32")
