@@ -44,10 +44,9 @@ def test_gloo_keeps_the_interface_a_user_named_and_defaults_for_an_unknown_addre
 
 def test_engine_options_carry_a_trained_models_step_and_each_backends_own_keys():
     from rlhf_paro.actors.worker import engine_options
-    from rlhf_paro.config import load_config
-    from tests.confs import INLINE
+    from tests.confs import INLINE, load
 
-    cfg = load_config([*INLINE, "actor.optim.lr=3e-6", "actor.optim.max_grad_norm=0.5",
+    cfg = load([*INLINE, "actor.optim.lr=3e-6", "actor.optim.max_grad_norm=0.5",
                        "actor.reduce_dtype=bf16", "comm.algorithm=ring",
                        "critic.backend=deepspeed", "critic.deepspeed.zero_stage=2",
                        "+critic.deepspeed.config.wall_clock_breakdown=true"])
