@@ -25,6 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 
+from rlhf_paro.comm.meter import FORWARD  # noqa: E402
 from rlhf_paro.config import ROLES  # noqa: E402
 from rlhf_paro.metrics import required_keys  # noqa: E402
 
@@ -309,7 +310,7 @@ def _traffic(fig, cell, rows, run, roles) -> None:
             if k.endswith("_bytes") and k.count("/") == 3]
     phases = [p for p in dict.fromkeys(k[2] for k in keys if k[1] == "comm")
               if any(np.nan_to_num(_series(rows, f"{m}/comm/{p}/{link}_bytes")).any()
-                     for m in roles for link in ("intra", "inter"))] or ["forward"]
+                     for m in roles for link in ("intra", "inter"))] or [FORWARD]
     sub = cell.subgridspec(1, 2, wspace=0.05)
     tables = {}
     for link in ("intra", "inter"):

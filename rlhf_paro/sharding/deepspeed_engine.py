@@ -33,7 +33,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from rlhf_paro.comm.meter import CommMeter, LinkBytes, ring_bytes
+from rlhf_paro.comm.meter import (BACKWARD, BOUNDARY, CHECKPOINT, FORWARD, GATHER, OTHER, UPDATE,
+                                  CommMeter, LinkBytes, ring_bytes)
 from rlhf_paro.comm.topology import Topology
 from rlhf_paro.sharding._host import Transfers
 from rlhf_paro.sharding.errors import EngineError
@@ -41,6 +42,9 @@ from rlhf_paro.sharding.errors import EngineError
 ZERO_STAGES = (0, 1, 2, 3)
 _TAG = "deepspeed"  # the one checkpoint tag this adapter writes under its directory
 _FROZEN_MARKER = "deepspeed_frozen"  # what a frozen model's checkpoint holds
+# Inside step(): not a phase of its own, each collective is BOUNDARY or UPDATE by its op
+# ([Note: DeepSpeed's phases]).
+_IN_STEP = "step"
 
 # cdb method -> the PaRO op whose ring model counts it, the buffer that op counts (the whole
 # gathered or reduced buffer), and the method's leading parameters. DeepSpeed's wrappers hide
@@ -183,9 +187,9 @@ class DeepSpeedEngine:
     def _record(self, method: str, numel: int, elem_size: int, group_ranks: list[int],
                 seconds: float) -> None:
         op = _METERED[method][0]
-        phase = self._phase or "other"
-        if phase == "step":  # [Note: DeepSpeed's phases]
-            phase = "update" if op == "all_gather" else "boundary"
+        phase = self._phase or OTHER
+        if phase == _IN_STEP:  # [Note: DeepSpeed's phases]
+            phase = UPDATE if op == "all_gather" else BOUNDARY
         sent = ring_bytes(op, numel, elem_size, len(group_ranks))
         me = group_ranks.index(self.topo.rank)
         successor = group_ranks[(me + 1) % len(group_ranks)]
@@ -198,7 +202,7 @@ class DeepSpeedEngine:
 
     # -- the engine surface ------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with self._metering("forward"):
+        with self._metering(FORWARD):
             return self.ds(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -208,7 +212,7 @@ class DeepSpeedEngine:
         if self._micro_batches >= self.grad_accum_steps:
             raise EngineError(f"backward() called {self._micro_batches + 1} times without "
                               f"step(); grad_accum_steps={self.grad_accum_steps}")
-        with self._metering("backward"):
+        with self._metering(BACKWARD):
             self.ds.backward(loss)
             self._micro_batches += 1
             if self._micro_batches < self.grad_accum_steps:
@@ -229,7 +233,7 @@ class DeepSpeedEngine:
                               "call it once at the accumulation boundary")
         skipped_before = self.ds.skipped_steps
         own_skip = False
-        with self._metering("step"):
+        with self._metering(_IN_STEP):
             if self.zero_stage == 0:
                 # The gradients are all-reduced by now, the same on every rank.
                 norm = float(torch.linalg.vector_norm(torch.stack(
@@ -247,7 +251,7 @@ class DeepSpeedEngine:
         return norm
 
     @contextlib.contextmanager
-    def gathered(self, phase: str = "gather") -> Iterator[nn.Module]:
+    def gathered(self, phase: str = GATHER) -> Iterator[nn.Module]:
         """Full parameters (ZeRO-3 gathers them; the other stages hold them whole)."""
         with self._metering(phase):
             if self.zero_stage != 3:
@@ -259,7 +263,7 @@ class DeepSpeedEngine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded copies of every entry of ``module.state_dict()``, same keys."""
-        with self.gathered("gather"):
+        with self.gathered(GATHER):
             return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
     def memory(self) -> dict[str, int]:
@@ -310,7 +314,7 @@ class DeepSpeedEngine:
             directory.mkdir(parents=True, exist_ok=True)
             (directory / _FROZEN_MARKER).write_text(f"{self.zero_stage}\n")
             return directory
-        with self._metering("checkpoint"):
+        with self._metering(CHECKPOINT):
             self.ds.save_checkpoint(str(directory), tag=_TAG)
         return directory
 
@@ -321,7 +325,7 @@ class DeepSpeedEngine:
             if not (Path(directory) / _FROZEN_MARKER).is_file():
                 raise EngineError(f"{directory} holds no checkpoint of a frozen DeepSpeed model")
             return
-        with self._metering("checkpoint"):
+        with self._metering(CHECKPOINT):
             path, _ = self.ds.load_checkpoint(str(directory), tag=_TAG,
                                               load_optimizer_states=True,
                                               load_lr_scheduler_states=False)
