@@ -258,7 +258,8 @@ def load_prompts(cfg: Config, tokenizer: Any, split: str = "train") -> PromptSet
         for c in others:
             out.columns[c].append(row[c])
     if out.num_skipped:
-        print(f"[data] {key}: skipped {out.num_skipped} of {sum(len(t) for _, t in tables)} prompts longer than "
+        num_rows = sum(len(table) for _, table in tables)
+        print(f"[data] {key}: skipped {out.num_skipped} of {num_rows} prompts longer than "
               f"data.max_prompt_length={data.max_prompt_length} tokens", flush=True)
     if not out.ids:
         raise ConfigError("data.max_prompt_length", f"every prompt of {', '.join(files)} is "
