@@ -25,20 +25,24 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlhf_paro.comm.meter import GENERATE
 from rlhf_paro.sharding.contract import MEMORY_KEYS
 from rlhf_paro.sharding.schedule import TRAINING_PHASES
 from rlhf_paro.config import ROLES, TRAINED_ROLES
 
-# Wall-time phases of each role (m/time_s/<phase>).
+# Wall-time phases of a role (m/time_s/<phase>), timed by the workers; the actor's generation
+# is a comm phase too (comm/meter.py).
+INFERENCE, TRAIN = "inference", "train"
 ROLE_PHASES = {
-    "actor": ("generate", "inference", "train"),
-    "critic": ("inference", "train"),
-    "reward": ("inference",),
-    "ref": ("inference",),
+    "actor": (GENERATE, INFERENCE, TRAIN),
+    "critic": (INFERENCE, TRAIN),
+    "reward": (INFERENCE,),
+    "ref": (INFERENCE,),
 }
 # Comm phases every row has a column for: the engine's four and the actor's generation. Any
-# other phase a meter reports (e.g. a checkpoint's "gather") gets columns when it occurs.
-COMM_PHASES = (*TRAINING_PHASES, "generate")
+# other phase a meter reports (comm.meter.PHASES, e.g. a checkpoint's GATHER) gets columns when
+# it occurs.
+COMM_PHASES = (*TRAINING_PHASES, GENERATE)
 # engine.transfers' keys (m/offload/<key>); memory()'s (m/mem/<key>_bytes) are the contract's.
 OFFLOAD_KEYS = ("d2h_bytes", "h2d_bytes", "transfers")
 LOOP_KEYS = (

@@ -5,14 +5,17 @@ curves (task score and reward, KL and its coefficient), where the time of a step
 model's throughput, each model's P/G/OS bytes per device, and each model's bytes on intra- and
 inter-group links per phase. The models are the run's (``run_roles``): four for PPO, fewer
 without a critic or a reference model. Training runs it at the end; it also works on a run in
-progress.
+progress, or one a kill stopped: a line that is not a row (the last one, cut short) is skipped
+and a metric a row lacks is a gap in its curve, each said in one line on stderr.
 """
 
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import sys
+import warnings
 
 import matplotlib
 
@@ -22,8 +25,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 
+from rlhf_paro.comm.meter import FORWARD  # noqa: E402
 from rlhf_paro.config import ROLES  # noqa: E402
-from rlhf_paro.metrics import read_jsonl  # noqa: E402
+from rlhf_paro.metrics import required_keys  # noqa: E402
 
 COLORS = {"actor": "#3b6fb6", "critic": "#e07b39", "reward": "#3a9a5b", "ref": "#8e6bbf"}
 STATE_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optim": "#55a868"}
@@ -39,15 +43,84 @@ def human_bytes(n: float) -> str:
 
 
 def smooth(y: np.ndarray, window: int) -> np.ndarray:
-    """Trailing mean over ``window`` steps (shorter at the start), to read a noisy curve."""
-    c = np.cumsum(np.insert(y, 0, 0.0))
+    """Trailing mean over ``window`` steps (shorter at the start), to read a noisy curve; a
+    missing value (NaN) is left out of the means it falls in, NaN where a window has none."""
+    known = np.isfinite(y)
+    c = np.cumsum(np.insert(np.where(known, y, 0.0), 0, 0.0))
+    n = np.cumsum(np.insert(known, 0, False))
     idx = np.arange(1, len(y) + 1)
     lo = np.maximum(idx - window, 0)
-    return (c[idx] - c[lo]) / (idx - lo)
+    count = n[idx] - n[lo]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(count > 0, (c[idx] - c[lo]) / count, np.nan)
+
+
+def _value(value: object) -> float:
+    """A metric as a float; NaN (a gap) for anything that is not a real number."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return float(value) if ok else np.nan
 
 
 def _series(rows: list[dict], key: str) -> np.ndarray:
-    return np.array([r.get(key, np.nan) for r in rows], dtype=float)
+    return np.array([_value(r.get(key)) for r in rows], dtype=float)
+
+
+def _latest(rows: list[dict], key: str) -> float:
+    """The newest value of ``key`` (rows of a run stopped mid-way may lack it); NaN if none."""
+    for row in reversed(rows):
+        value = _value(row.get(key))
+        if np.isfinite(value):
+            return value
+    return np.nan
+
+
+def read_rows(path: str) -> tuple[list[tuple[int, dict]], list[str]]:
+    """(rows, notes): each row of a metrics.jsonl with its line number (from 1), and one line
+    for each line skipped because it is not a row with a step (the last line of a killed run is
+    cut short)."""
+    rows, notes = [], []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                why = "cut short" if not line.endswith("\n") else "not JSON"
+                notes.append(f"skipped {path} line {number}: {why}")
+                continue
+            if not isinstance(row, dict) or not isinstance(row.get("step"), numbers.Real):
+                notes.append(f"skipped {path} line {number}: not a row with a numeric 'step'")
+                continue
+            rows.append((number, row))
+    return rows, notes
+
+
+def lacking(path: str, rows: list[tuple[int, dict]], roles: tuple[str, ...]) -> list[str]:
+    """One line for the rows that lack metrics every row of a run of ``roles`` holds
+    (docs/design.md, "Metrics"), which the dashboard draws as gaps; none if no row lacks one."""
+    expected = required_keys(roles)
+    short = [(number, [k for k in expected if k not in row]) for number, row in rows]
+    short = [(number, keys) for number, keys in short if keys]
+    if not short:
+        return []
+    number, keys = short[0]
+    return [f"{path}: {len(short)} of {len(rows)} rows lack metrics, drawn as gaps (line "
+            f"{number} lacks {len(keys)}, the first {keys[0]!r})"]
+
+
+def read_run(path: str) -> tuple[dict, list[str]]:
+    """(run.json's contents, notes): ``{}`` and one line when it is missing or unreadable."""
+    if not os.path.exists(path):
+        return {}, []
+    try:
+        with open(path) as f:
+            run = json.load(f)
+    except (ValueError, OSError) as err:
+        return {}, [f"skipped {path}: {type(err).__name__}: {str(err).splitlines()[0]}"]
+    if not isinstance(run, dict):
+        return {}, [f"skipped {path}: not a JSON object"]
+    return run, []
 
 
 def _strategy(run: dict, role: str) -> str:
@@ -62,13 +135,17 @@ def run_roles(run: dict, rows: list[dict]) -> tuple[str, ...]:
     return tuple(role for role in ROLES if role in present)
 
 
-def draw(output_dir: str, path: str | None = None) -> str:
-    """Draw the dashboard of the run in ``output_dir``; returns the PNG's path."""
-    rows = read_jsonl(os.path.join(output_dir, "metrics.jsonl"))
+def draw(output_dir: str, path: str | None = None, notes: list[str] | None = None) -> str:
+    """Draw the dashboard of the run in ``output_dir``; returns the PNG's path. What was
+    skipped in reading it is appended to ``notes``, one line each."""
+    metrics = os.path.join(output_dir, "metrics.jsonl")
+    numbered, skipped = read_rows(metrics)
+    run, unread = read_run(os.path.join(output_dir, "run.json"))
+    rows = [row for _, row in numbered]
+    if notes is not None:
+        notes += skipped + unread + lacking(metrics, numbered, run_roles(run, rows) or ROLES)
     if not rows:
-        raise ValueError(f"{output_dir}/metrics.jsonl has no rows yet")
-    run_path = os.path.join(output_dir, "run.json")
-    run = json.load(open(run_path)) if os.path.exists(run_path) else {}
+        raise ValueError(f"{metrics} has no rows yet")
     fig = figure(rows, run)
     path = path or os.path.join(output_dir, "dashboard.png")
     fig.savefig(path)
@@ -78,6 +155,13 @@ def draw(output_dir: str, path: str | None = None) -> str:
 
 def figure(rows: list[dict], run: dict) -> plt.Figure:
     """The dashboard of the metrics rows ``rows`` of the run ``run`` (run.json's contents)."""
+    with warnings.catch_warnings():
+        # A metric no row has is an empty panel, not a warning about the mean of nothing.
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return _figure(rows, run)
+
+
+def _figure(rows: list[dict], run: dict) -> plt.Figure:
     roles = run_roles(run, rows)
     steps = _series(rows, "step")
     window = max(1, len(rows) // 8)
@@ -202,21 +286,22 @@ def _throughput(ax, rows, steps, run, window, roles) -> None:
 
 
 def _memory(ax, rows, run, roles) -> None:
-    last = rows[-1]
     y = np.arange(len(roles))[::-1]
     left = np.zeros(len(roles))
     for state, color in STATE_COLORS.items():
-        values = np.array([last[f"{r}/mem/{state}_bytes"] for r in roles], dtype=float)
+        values = np.nan_to_num([_latest(rows, f"{r}/mem/{state}_bytes") for r in roles])
         ax.barh(y, values, left=left, color=color, label={"params": "P (parameters)",
                 "grads": "G (gradients)", "optim": "OS (optimizer state)"}[state], height=0.6)
         left += values
     for yi, role, total in zip(y, roles, left):
-        peak = last[f"{role}/mem/peak_bytes"]
+        peak = _latest(rows, f"{role}/mem/peak_bytes")
         # Offloaded states (rows of runs before offload have no host keys).
-        host = sum(last.get(f"{role}/mem/host_{state}_bytes", 0) for state in STATE_COLORS)
+        host = np.nansum([_latest(rows, f"{role}/mem/host_{state}_bytes")
+                          for state in STATE_COLORS])
         offloaded = f", host {human_bytes(host)}" if host else ""
-        ax.text(total, yi, f"  {human_bytes(total)}  (process peak {human_bytes(peak)}"
-                f"{offloaded})", va="center", fontsize=8.5, color="#333")
+        peak = f"process peak {human_bytes(peak)}" if np.isfinite(peak) else "no peak"
+        ax.text(total, yi, f"  {human_bytes(total)}  ({peak}{offloaded})", va="center",
+                fontsize=8.5, color="#333")
     ax.set_yticks(y, [f"{r}\n{_strategy(run, r)}" for r in roles])
     for tick, role in zip(ax.get_yticklabels(), roles):
         tick.set_color(COLORS[role])
@@ -230,15 +315,16 @@ def _memory(ax, rows, run, roles) -> None:
 def _traffic(fig, cell, rows, run, roles) -> None:
     """Two heatmaps (intra, inter): bytes per step, all ranks of the model, by phase."""
     # Phases in the order the metrics list them, those with no traffic at all left out.
-    keys = [k.split("/") for k in rows[-1] if k.endswith("_bytes") and k.count("/") == 3]
+    keys = [k.split("/") for k in dict.fromkeys(k for r in rows for k in r)
+            if k.endswith("_bytes") and k.count("/") == 3]
     phases = [p for p in dict.fromkeys(k[2] for k in keys if k[1] == "comm")
-              if any(r.get(f"{m}/comm/{p}/{link}_bytes", 0) for r in rows for m in roles
-                     for link in ("intra", "inter"))] or ["forward"]
+              if any(np.nan_to_num(_series(rows, f"{m}/comm/{p}/{link}_bytes")).any()
+                     for m in roles for link in ("intra", "inter"))] or [FORWARD]
     sub = cell.subgridspec(1, 2, wspace=0.05)
     tables = {}
     for link in ("intra", "inter"):
-        tables[link] = np.array([[np.mean([r.get(f"{m}/comm/{p}/{link}_bytes", 0) for r in rows])
-                                  for p in phases] for m in roles])
+        tables[link] = np.nan_to_num([[np.nanmean(_series(rows, f"{m}/comm/{p}/{link}_bytes"))
+                                       for p in phases] for m in roles])
     positive = np.concatenate([t[t > 0] for t in tables.values()])
     norm = LogNorm(positive.min(), positive.max()) if positive.size else None
     cmaps = {"intra": plt.get_cmap("Blues"), "inter": plt.get_cmap("Oranges")}
@@ -271,10 +357,17 @@ def main(argv: list[str] | None = None) -> None:
     metrics = os.path.join(argv[0], "metrics.jsonl")
     if not os.path.exists(metrics):
         sys.exit(f"no metrics at {metrics}; pass the trainer.output_dir of a run")
+    notes: list[str] = []
     try:
-        print(draw(argv[0]))
+        path = draw(argv[0], notes=notes)
     except ValueError as err:
-        sys.exit(str(err))
+        path = None
+        notes.append(str(err))
+    for note in notes:
+        print(note, file=sys.stderr)
+    if path is None:
+        raise SystemExit(1)
+    print(path)
 
 
 if __name__ == "__main__":

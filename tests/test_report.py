@@ -12,7 +12,7 @@ import pytest
 from matplotlib.text import Text
 
 from rlhf_paro.metrics import COMM_PHASES, ROLES, read_jsonl, required_keys
-from rlhf_paro.report import draw, figure, human_bytes, run_roles
+from rlhf_paro.report import draw, figure, human_bytes, read_rows, run_roles
 
 STRATEGIES = {"actor": "IGG", "critic": "NIG", "reward": "I", "ref": "G"}
 
@@ -87,3 +87,66 @@ def test_cli_without_metrics_exits_with_one_line(tmp_path):
     assert proc.returncode != 0
     assert proc.stderr.strip().count("\n") == 0 and "metrics" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _report(run) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlhf_paro.report", str(run)],
+                          capture_output=True, text=True)
+
+
+def test_a_last_line_cut_by_a_kill_is_skipped_and_named(tmp_path):
+    # Before: "Unterminated string ... column 492", naming no file, and no dashboard.
+    run = tmp_path / "run"
+    _write_run(run)
+    metrics = run / "metrics.jsonl"
+    text = metrics.read_text()
+    metrics.write_text(text[:len(text) - len(text.splitlines()[-1]) // 2])
+    proc = _report(run)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == [f"skipped {metrics} line 6: cut short"]
+    assert proc.stdout.strip() == str(run / "dashboard.png")
+    with open(run / "dashboard.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_rows_that_lack_metrics_are_drawn_with_gaps_and_said_in_one_line(tmp_path):
+    # Before: a KeyError traceback for a row without the memory keys.
+    run = tmp_path / "run"
+    _write_run(run)
+    metrics = run / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    del rows[1]["step"]  # line 2: no step, no place on the x axis
+    del rows[3]["actor/mem/params_bytes"], rows[3]["timing_s/train"]  # line 4
+    for role in ROLES:  # line 6, the newest row: no memory at all
+        for key in [k for k in rows[5] if k.startswith(f"{role}/mem/")]:
+            del rows[5][key]
+    rows[2]["ppo/task_score"] = "high"  # not a number: a gap too
+    metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (run / "run.json").write_text("{")
+    proc = _report(run)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines[0] == f"skipped {metrics} line 2: not a row with a numeric 'step'"
+    assert lines[1].startswith(f"skipped {run / 'run.json'}: JSONDecodeError: ")
+    assert lines[2] == (f"{metrics}: 2 of 5 rows lack metrics, drawn as gaps (line 4 lacks 2, "
+                        "the first 'actor/mem/params_bytes')")
+    assert len(lines) == 3 and (run / "dashboard.png").is_file()
+    numbered, _ = read_rows(str(metrics))
+    fig = figure([row for _, row in numbered], {})
+    text = " ".join(t.get_text() for t in fig.findobj(Text))
+    plt.close(fig)
+    # The memory panel shows each model's newest values, line 5's (step 4: 5 bytes each of P, G
+    # and OS, on the device and on the host, peak 5 bytes), and the title the 5 rows drawn.
+    assert text.count("15 B  (process peak 5 B, host 15 B)") == len(ROLES)
+    assert "PPO, 5 steps" in text
+
+
+def test_no_rows_at_all_is_one_line_naming_the_file(tmp_path):
+    run = tmp_path / "run"
+    _write_run(run)
+    metrics = run / "metrics.jsonl"
+    metrics.write_text('{"step": 0, "ppo/task_')
+    proc = _report(run)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines() == [f"skipped {metrics} line 1: cut short",
+                                        f"{metrics} has no rows yet"]

@@ -52,6 +52,55 @@ def test_bad_input_exits_with_one_line_and_writes_nothing(tmp_path, args, names)
     assert not out.exists() and os.listdir(tmp_path) == []
 
 
+@pytest.fixture(scope="module")
+def user_files(tmp_path_factory):
+    """A user's model directory, prompt file and reward functions (tests/hf_assets.py)."""
+    from tests import hf_assets
+
+    root = tmp_path_factory.mktemp("user")
+    return {"llama": hf_assets.save_llama(root / "llama", hf_assets.word_tokenizer()),
+            "prompts": hf_assets.write_prompts(root / "prompts.jsonl", 8),
+            "fns": hf_assets.write_reward_functions(root / "fns.py")}
+
+
+# A user's file that stops the interpreter on import. Before, SystemExit(0) from a reward file
+# ended the run with exit 0, no output and no training.
+EXITS = {"exit_0": "raise SystemExit(0)", "base_exception": "class Stop(BaseException):\n"
+                                                           "    pass\nraise Stop('here')"}
+
+
+@pytest.mark.parametrize("key", ["reward.function", "reward.score_function"])
+@pytest.mark.parametrize("body", list(EXITS))
+def test_a_reward_file_that_exits_on_import_is_one_line_and_exit_2(tmp_path, user_files, key,
+                                                                     body):
+    file = tmp_path / "exits.py"
+    file.write_text(EXITS[body] + "\n\ndef score(prompts, responses, **columns):\n"
+                                  "    return [1.0] * len(responses)\n")
+    function = f"{file}:score" if key == "reward.function" else f"{user_files['fns']}:length"
+    out = tmp_path / "out"
+    proc = _train(f"actor.path={user_files['llama']}", f"data.train_files={user_files['prompts']}",
+                  f"reward.function={function}", f"{key}={file}:score",
+                  f"trainer.output_dir={out}", cwd=tmp_path)
+    said = "SystemExit: 0" if body == "exit_0" else "Stop: here"
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert proc.stderr.strip() == f"error: {key}: {file} fails on import: {said}", proc.stderr
+    assert not out.exists()
+
+
+def test_a_bad_prompt_row_is_one_line_and_exit_2(tmp_path, user_files):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_bytes(user_files["prompts"].read_bytes() + b'{"prompt": null, "start": 1}\n')
+    out = tmp_path / "out"
+    proc = _train(f"actor.path={user_files['llama']}", f"data.train_files={prompts}",
+                  f"reward.function={user_files['fns']}:length", f"trainer.output_dir={out}",
+                  cwd=tmp_path)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert proc.stderr.strip() == (f"error: data.prompt_key: {str(prompts)!r} row 9: 'prompt' is "
+                                   "null; allowed: a string, or chat messages with "
+                                   "data.apply_chat_template=true"), proc.stderr
+    assert not out.exists()
+
+
 def test_gpu_conf_without_gpus_says_what_it_needs(tmp_path):
     conf = "ppo_llama7b" if (CONF_DIR / "ppo_llama7b.yaml").is_file() else "ppo_tiny"
     out = tmp_path / "out"

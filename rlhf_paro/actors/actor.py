@@ -12,6 +12,8 @@ from typing import Any
 import torch
 
 from rlhf_paro.actors.worker import Batch, TrainedWorker, Worker
+from rlhf_paro.comm.meter import GENERATE
+from rlhf_paro.metrics import INFERENCE
 from rlhf_paro.ppo import algorithms, core
 from rlhf_paro.ppo.data import actor_tokenizer, tokenizer_dir
 from rlhf_paro.ppo.task import join, response_mask, task_from_config
@@ -42,7 +44,7 @@ class ActorWorker(TrainedWorker):
         num_tokens = prompts.shape[0] * (prompts.shape[1] + ppo.max_new_tokens)
         sampling = ({"do_sample": False} if greedy else
                     {"do_sample": True, "temperature": ppo.temperature, "top_k": ppo.top_k})
-        with self.timed("generate", num_tokens), self.engine.gathered(phase="generate") as model:
+        with self.timed(GENERATE, num_tokens), self.engine.gathered(phase=GENERATE) as model:
             model.eval()
             out = model.generate(prompts.to(self.device), prompt_mask.to(self.device),
                                  max_new_tokens=ppo.max_new_tokens,
@@ -68,7 +70,7 @@ class ActorWorker(TrainedWorker):
     def old_logprobs(self) -> None:
         """Log-probs of this rank's rollout under the policy that sampled it (kept here)."""
         rollout = self._rollout
-        with self.timed("inference", rollout["sequences"].numel()):
+        with self.timed(INFERENCE, rollout["sequences"].numel()):
             self._old_logp = self.in_micro_batches(rollout, lambda rows: logprobs(self, rows))
 
     @torch.no_grad()

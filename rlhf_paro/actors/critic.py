@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlhf_paro.actors.worker import Batch, TrainedWorker
+from rlhf_paro.metrics import INFERENCE
 from rlhf_paro.ppo import core
 
 
@@ -16,7 +17,7 @@ class CriticWorker(TrainedWorker):
         # offload=params: back on the device from here to the end of train(); parked while the
         # actor generates.
         self.unpark()
-        with self.timed("inference", rollout["sequences"].numel()):
+        with self.timed(INFERENCE, rollout["sequences"].numel()):
             self._old_values = self.in_micro_batches(rollout, self._values)
         return self._old_values
 

@@ -19,7 +19,7 @@ import torch
 
 from rlhf_paro.actors.worker import Batch, Worker, peak_bytes
 from rlhf_paro.config import ConfigError
-from rlhf_paro.metrics import RankReport
+from rlhf_paro.metrics import INFERENCE, RankReport
 from rlhf_paro.ppo import data, rewards
 
 
@@ -62,7 +62,7 @@ class RewardWorker(Worker):
         prompts = responses = None
         if rows is not None:
             prompts, responses = rows["texts"], self._responses(rollout)
-        with self.timed("inference", rollout["sequences"].numel()):
+        with self.timed(INFERENCE, rollout["sequences"].numel()):
             if self.has_model:  # offload=params: parked again once its one phase is over
                 batch = (rollout if self.reward_tokenizer is None
                          else self._encoded(prompts, responses))

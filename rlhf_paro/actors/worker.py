@@ -38,7 +38,7 @@ import transformers
 
 from rlhf_paro import models
 from rlhf_paro.actors import checkpoint
-from rlhf_paro.metrics import RankReport
+from rlhf_paro.metrics import TRAIN, RankReport
 from rlhf_paro.ppo import core, data
 from rlhf_paro.sharding import Topology
 from rlhf_paro.sharding.contract import EngineOptions, ModelFactory, TrainEngine, build_engine
@@ -266,13 +266,13 @@ class TrainedWorker(Worker):
         for _ in range(self.cfg.ppo.ppo_epochs):
             for mini, divisor in self._mini_batches(mask, agg):
                 for idx in micro_batches(mini, self.model_cfg.micro_batch_size):
-                    with self.timed("train", len(idx) * seq_len):
+                    with self.timed(TRAIN, len(idx) * seq_len):
                         loss, stats = micro_loss(idx, divisor)
                         if poisoned:
                             loss = loss * float("nan")
                         self.engine.backward(loss)
                     self.record_train({"loss": loss.item(), **stats})
-                with self.timed("train", 0):
+                with self.timed(TRAIN, 0):
                     skipped_before = self.engine.skipped_steps
                     grad_norm = self.engine.step()
                 self._count_skip(self.engine.skipped_steps > skipped_before)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from rlhf_paro.comm import rings
 from rlhf_paro.comm.auto import resolve
-from rlhf_paro.comm.meter import ALGORITHM_CHOICES, CommMeter, LinkBytes, native_bytes
+from rlhf_paro.comm.meter import ALGORITHM_CHOICES, VERIFY, CommMeter, LinkBytes, native_bytes
 from rlhf_paro.comm.topology import Topology
 
 
@@ -160,7 +160,7 @@ class Communicator:
         the world), metered in the phase ``verify`` like any other collective."""
         own = shard.detach().double().sum().reshape(1)
         sums = own.new_empty(self.size(scope))
-        self.all_gather(sums, own, scope, "verify")
+        self.all_gather(sums, own, scope, VERIFY)
         return sums
 
 

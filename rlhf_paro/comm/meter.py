@@ -22,6 +22,17 @@ ALGORITHM_NAMES = ("native", "ring", "hring", "horing", "horing_pipelined")
 AUTO = "auto"
 ALGORITHM_CHOICES = (AUTO, *ALGORITHM_NAMES)  # the values of comm.algorithm
 
+# The phases a collective is metered under, the <phase> of m/comm/<phase>/* (docs/design.md,
+# "Metrics"). The schedule's four come first, in the order of a step (sharding/schedule.py's rows
+# name them); the others happen outside a training step.
+FORWARD, BACKWARD, BOUNDARY, UPDATE = "forward", "backward", "boundary", "update"
+GENERATE = "generate"  # every unit gathered for the actor's generation
+GATHER = "gather"  # every unit gathered for anything else: a full state dict, an export
+VERIFY = "verify"  # checksums of gathered chunks (verify_gathers)
+CHECKPOINT = "checkpoint"  # a DeepSpeed model saving or loading its own checkpoint
+OTHER = "other"  # a DeepSpeed collective outside the engine's calls (its setup)
+PHASES = (FORWARD, BACKWARD, BOUNDARY, UPDATE, GENERATE, GATHER, VERIFY, CHECKPOINT, OTHER)
+
 
 class CommRecord(NamedTuple):
     model: str

@@ -6,6 +6,11 @@ messages ``[{"role": ..., "content": ...}]`` rendered with the tokenizer's chat 
 (``data.apply_chat_template=true``; a string is then one user message). The row's other columns
 travel with the prompt to a reward function (``ppo/rewards.py``).
 
+Every row is checked as it is read: text that is not UTF-8, a prompt that is neither a string
+nor chat messages (null, a number), or messages the chat template refuses (an unknown role) stop
+the run before it starts, in one line naming the file and the row, counted from 1 (a .jsonl
+file's line).
+
 Policy for long prompts: a prompt of more than ``data.max_prompt_length`` tokens is skipped and
 the number skipped is printed once when the file is read; a file with no prompt left is an error.
 
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -111,7 +116,10 @@ class PromptSet:
                          {k: [v[i] for i in index] for k, v in self.columns.items()})
 
 
-def _read(files: list[str], key: str) -> Any:
+def _read(files: list[str], key: str) -> list[tuple[str, Any]]:
+    """Each file with its table. The tables are not joined into one: the rows are checked one
+    by one (``_tokenized``), and files whose columns have different types (a string prompt in
+    one, chat messages in another) are as good as one file that mixes them."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -130,48 +138,112 @@ def _read(files: list[str], key: str) -> Any:
         if len(part) == 0:
             raise ConfigError(key, f"{file!r} holds no rows; allowed: at least one prompt")
         parts.append(part)
-    return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+    return list(zip(files, parts))
+
+
+def _rows(tables: list[tuple[str, Any]], key: str) -> Iterator[tuple[str, Any]]:
+    """(where, row) for each row of each file: ``where`` names the file and the row there,
+    counted from 1 (a .jsonl file's line). Text that is not UTF-8 is found only here: the
+    reader keeps the bytes as they are, and decoding the row fails."""
+    for file, table in tables:
+        rows = iter(table)
+        for number in range(1, len(table) + 1):
+            where = f"{file!r} row {number}"
+            try:
+                row = next(rows)
+            except UnicodeDecodeError:
+                raise ConfigError(key, f"{where} is not UTF-8 text; allowed: UTF-8 files"
+                                  ) from None
+            yield where, row
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name} ({str(value)[:40]})"
+
+
+def _messages(prompt: Any) -> list[dict[str, str]] | None:
+    """``prompt`` as chat messages: a string is one user message; None if it is neither a
+    string nor a list of ``{"role": str, "content": str}``."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if not isinstance(prompt, list) or not prompt:
+        return None
+    for message in prompt:
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            return None
+    return prompt
+
+
+def _tokenized(prompt: Any, where: str, data: Any, tokenizer: Any) -> tuple[str, list[int]]:
+    """(text as the model sees it, token ids) of one row's prompt; ``ConfigError`` naming the
+    row for anything else than a string or chat messages, or messages the template refuses."""
+    key = data.prompt_key
+    if not data.apply_chat_template:
+        if isinstance(prompt, str):
+            return prompt, tokenizer(prompt)["input_ids"]
+        if _messages(prompt) is not None:
+            raise ConfigError("data.prompt_key", f"{where}: {key!r} holds chat messages; "
+                                                 "allowed: data.apply_chat_template=true")
+        raise ConfigError("data.prompt_key", f"{where}: {key!r} is {_kind(prompt)}; allowed: "
+                                             "a string, or chat messages with "
+                                             "data.apply_chat_template=true")
+    messages = _messages(prompt)
+    if messages is None:
+        raise ConfigError("data.prompt_key", f"{where}: {key!r} is {_kind(prompt)}; allowed: a "
+                                             "string or a list of chat messages "
+                                             '{"role": "...", "content": "..."}')
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=False)
+    except Exception as err:  # the template is the user's: jinja2 errors, raise_exception()
+        detail = str(err).splitlines()[0] if str(err) else ""
+        raise ConfigError("data.apply_chat_template",
+                          f"{where}: the chat template refuses its messages "
+                          f"({type(err).__name__}{': ' + detail if detail else ''})") from None
+    return text, tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def load_prompts(cfg: Config, tokenizer: Any, split: str = "train") -> PromptSet:
     """The prompts of ``data.train_files`` (or ``val_files``), tokenized; ``ConfigError`` for a
-    missing column, messages without a chat template, an empty file or nothing short enough."""
+    missing column, messages without a chat template, an empty file or nothing short enough,
+    and, naming the file and the row, text that is not UTF-8, a prompt that is neither a string
+    nor chat messages (null, a number), or messages the chat template refuses."""
     data = cfg.data
     key = f"data.{split}_files"
     files = data_files(data.train_files if split == "train" else data.val_files)
-    table = _read(files, key)
-    if data.prompt_key not in table.column_names:
-        raise ConfigError("data.prompt_key", f"no column {data.prompt_key!r} in {', '.join(files)}"
-                                             f"; allowed: {', '.join(table.column_names)}")
+    tables = _read(files, key)
+    columns = tables[0][1].column_names
+    if data.prompt_key not in columns:
+        raise ConfigError("data.prompt_key", f"no column {data.prompt_key!r} in {files[0]!r}"
+                                             f"; allowed: {', '.join(columns)}")
+    for file, table in tables[1:]:
+        if sorted(table.column_names) != sorted(columns):
+            raise ConfigError(key, f"{file!r} has the columns {', '.join(table.column_names)} "
+                                   f"and {files[0]!r} {', '.join(columns)}; allowed: files "
+                                   "with the same columns")
     if data.apply_chat_template and not getattr(tokenizer, "chat_template", None):
         raise ConfigError("data.apply_chat_template", "the actor's tokenizer has no chat "
                                                       "template; allowed: false")
-    others = [c for c in table.column_names if c != data.prompt_key]
+    others = [c for c in columns if c != data.prompt_key]
     out = PromptSet([], [], {c: [] for c in others})
-    for row in table:
-        prompt = row[data.prompt_key]
-        if data.apply_chat_template:
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                 tokenize=False)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        elif isinstance(prompt, str):
-            text = prompt
-            ids = tokenizer(text)["input_ids"]
-        else:
-            raise ConfigError("data.prompt_key", f"{data.prompt_key!r} holds chat messages; "
-                                                 "allowed: data.apply_chat_template=true")
+    for where, row in _rows(tables, key):
+        text, ids = _tokenized(row[data.prompt_key], where, data, tokenizer)
         if len(ids) > data.max_prompt_length:
             out.num_skipped += 1
             continue
         if not ids:
-            raise ConfigError(key, f"an empty prompt in {', '.join(files)}")
+            raise ConfigError(key, f"{where}: an empty prompt")
         out.ids.append(ids)
         out.texts.append(text)
         for c in others:
             out.columns[c].append(row[c])
     if out.num_skipped:
-        print(f"[data] {key}: skipped {out.num_skipped} of {len(table)} prompts longer than "
+        num_rows = sum(len(table) for _, table in tables)
+        print(f"[data] {key}: skipped {out.num_skipped} of {num_rows} prompts longer than "
               f"data.max_prompt_length={data.max_prompt_length} tokens", flush=True)
     if not out.ids:
         raise ConfigError("data.max_prompt_length", f"every prompt of {', '.join(files)} is "

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from rlhf_paro.comm.collectives import Communicator, Pending
+from rlhf_paro.comm.meter import BOUNDARY, UPDATE
 from rlhf_paro.sharding._checkpoint import OPTIMIZER_KINDS, Slot
 from rlhf_paro.sharding._host import Transfers, cpu_adam, host_zeros
 from rlhf_paro.sharding._unit import Unit
@@ -62,9 +63,9 @@ class BoundaryStep:
         self.comm = comm
         self.max_grad_norm = max_grad_norm
         self.reduce_dtype = reduce_dtype
-        self._reduce = select(collectives, "boundary", "grads")
-        self._norm = select(collectives, "boundary", "norm")
-        self._update = select(collectives, "update", "trained")
+        self._reduce = select(collectives, BOUNDARY, "grads")
+        self._norm = select(collectives, BOUNDARY, "norm")
+        self._update = select(collectives, UPDATE, "trained")
         self.transfers = transfers
         # offload=optimizer: masters, moments and a copy of the OS gradient live in host memory
         # (_host.py, [Note: offload modes]); the masters are then never views of P.

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import (TYPE_CHECKING, Any, Callable, ContextManager, NamedTuple, Protocol,
                     runtime_checkable)
 
+from rlhf_paro.comm.meter import GATHER
 from rlhf_paro.sharding.errors import EngineError
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ class TrainEngine(Protocol):
 
     def step(self) -> float: ...  # the global gradient norm before clipping
 
-    def gathered(self, phase: str = "gather") -> ContextManager[nn.Module]: ...
+    def gathered(self, phase: str = GATHER) -> ContextManager[nn.Module]: ...
 
     def memory(self) -> dict[str, int]: ...  # MEMORY_KEYS -> bytes
 
@@ -203,5 +204,5 @@ def no_memory() -> dict[str, int]:
 def full_state_dict(engine: TrainEngine) -> dict[str, torch.Tensor]:
     """Unsharded copies of every entry of ``engine.module.state_dict()``, same keys: every rank
     gathers (phase ``gather``)."""
-    with engine.gathered("gather"):
+    with engine.gathered(GATHER):
         return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}

@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 
 from rlhf_paro.comm.collectives import DryRunCommunicator
-from rlhf_paro.comm.meter import CommMeter, LinkBytes
+from rlhf_paro.comm.meter import BOUNDARY, CommMeter, LinkBytes
 from rlhf_paro.comm.topology import Topology
 from rlhf_paro.sharding._flat import DTYPES
 from rlhf_paro.sharding._host import OFFLOAD_MODES
@@ -144,7 +144,7 @@ def _rank_traffic(strategy: Strategy, units: Sequence[UnitSizes], topo: Topology
             for _ in range(s):
                 run([c], tensor, comm)
     if any(u.trainable for u in units):
-        run(select(collectives, "boundary", "norm"),
+        run(select(collectives, BOUNDARY, "norm"),
             torch.empty(1, dtype=elem["norm"], device="meta"), comm)
     totals = {phase: meter.totals(phase) for phase in TRAINING_PHASES}
     return {phase: LinkBytes(t["intra_bytes"], t["inter_bytes"]) for phase, t in totals.items()}

@@ -34,7 +34,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from rlhf_paro.comm.meter import CommMeter, LinkBytes, ring_bytes
+from rlhf_paro.comm.meter import (BACKWARD, BOUNDARY, CHECKPOINT, FORWARD, GATHER, OTHER, UPDATE,
+                                  CommMeter, LinkBytes, ring_bytes)
 from rlhf_paro.comm.topology import Topology
 from rlhf_paro.sharding._host import Transfers
 from rlhf_paro.sharding.contract import (EngineOptions, MicroBatches, ModelFactory, full_state_dict,
@@ -44,6 +45,9 @@ from rlhf_paro.sharding.errors import EngineError
 ZERO_STAGES = (0, 1, 2, 3)
 _TAG = "deepspeed"  # the one checkpoint tag this adapter writes under its directory
 _FROZEN_MARKER = "deepspeed_frozen"  # what a frozen model's checkpoint holds
+# Inside step(): not a phase of its own, each collective is BOUNDARY or UPDATE by its op
+# ([Note: DeepSpeed's phases]).
+_IN_STEP = "step"
 
 # cdb method -> the PaRO op whose ring model counts it, the buffer that op counts (the whole
 # gathered or reduced buffer), and the method's leading parameters. DeepSpeed's wrappers hide
@@ -185,9 +189,9 @@ class DeepSpeedEngine:
     def _record(self, method: str, numel: int, elem_size: int, group_ranks: list[int],
                 seconds: float) -> None:
         op = _METERED[method][0]
-        phase = self._phase or "other"
-        if phase == "step":  # [Note: DeepSpeed's phases]
-            phase = "update" if op == "all_gather" else "boundary"
+        phase = self._phase or OTHER
+        if phase == _IN_STEP:  # [Note: DeepSpeed's phases]
+            phase = UPDATE if op == "all_gather" else BOUNDARY
         sent = ring_bytes(op, numel, elem_size, len(group_ranks))
         me = group_ranks.index(self.topo.rank)
         successor = group_ranks[(me + 1) % len(group_ranks)]
@@ -200,13 +204,13 @@ class DeepSpeedEngine:
 
     # -- the engine surface ------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with self._metering("forward"):
+        with self._metering(FORWARD):
             return self.ds(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch; DeepSpeed scales the loss by 1/grad_accum_steps."""
         self._micro.check_backward(not self.frozen)
-        with self._metering("backward"):
+        with self._metering(BACKWARD):
             self.ds.backward(loss)
             self._micro.done += 1
             if self._micro.done < self.grad_accum_steps:
@@ -221,7 +225,7 @@ class DeepSpeedEngine:
         self._micro.check_step(not self.frozen)
         skipped_before = self.ds.skipped_steps
         own_skip = False
-        with self._metering("step"):
+        with self._metering(_IN_STEP):
             if self.zero_stage == 0:
                 # The gradients are all-reduced by now, the same on every rank.
                 norm = float(torch.linalg.vector_norm(torch.stack(
@@ -239,7 +243,7 @@ class DeepSpeedEngine:
         return norm
 
     @contextlib.contextmanager
-    def gathered(self, phase: str = "gather") -> Iterator[nn.Module]:
+    def gathered(self, phase: str = GATHER) -> Iterator[nn.Module]:
         """Full parameters (ZeRO-3 gathers them; the other stages hold them whole)."""
         with self._metering(phase):
             if self.zero_stage != 3:
@@ -313,7 +317,7 @@ class DeepSpeedEngine:
             directory.mkdir(parents=True, exist_ok=True)
             (directory / _FROZEN_MARKER).write_text(f"{self.zero_stage}\n")
             return directory
-        with self._metering("checkpoint"):
+        with self._metering(CHECKPOINT):
             self.ds.save_checkpoint(str(directory), tag=_TAG)
         return directory
 
@@ -325,7 +329,7 @@ class DeepSpeedEngine:
             if not (Path(directory) / _FROZEN_MARKER).is_file():
                 raise EngineError(f"{directory} holds no checkpoint of a frozen DeepSpeed model")
             return
-        with self._metering("checkpoint"):
+        with self._metering(CHECKPOINT):
             path, _ = self.ds.load_checkpoint(str(directory), tag=_TAG,
                                               load_optimizer_states=True,
                                               load_lr_scheduler_states=False)

@@ -59,7 +59,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from rlhf_paro.comm.collectives import Communicator, Pending
-from rlhf_paro.comm.meter import CommMeter
+from rlhf_paro.comm.meter import BACKWARD, FORWARD, GATHER, CommMeter
 from rlhf_paro.comm.topology import Topology
 from rlhf_paro.sharding import _checkpoint
 from rlhf_paro.sharding._flat import DTYPES, FlatBuffer, Read
@@ -175,7 +175,7 @@ class ShardedEngine:
         self._parked = False  # offload_params() moved the P shards to host memory
         self.comm = Communicator(topology, self.meter, comm)
         self.schedule = plan(strategy)  # the collectives this strategy runs (schedule.py)
-        self._grad_reduce = select(self.schedule, "backward", "grads")
+        self._grad_reduce = select(self.schedule, BACKWARD, "grads")
         # Gradients that stay at the N level (G = N) of an fp32 model are added by autograd
         # straight into the fp32 accumulator ([Note: gradients land in flat buffers]).
         self._direct_grads = not self._grad_reduce and precision == "fp32"
@@ -206,7 +206,7 @@ class ShardedEngine:
     def _build_units(self, unit_classes: list[str] | None, dtype: torch.dtype, read: Read,
                      device: torch.device) -> list[Unit]:
         """The units, filled one at a time from ``read`` ([Note: setup memory])."""
-        gather = select(self.schedule, "forward", "params")
+        gather = select(self.schedule, FORWARD, "params")
         names = {id(p): name for name, p in self.module.named_parameters()}
         # A bf16 model's optimizer keeps fp32 masters of the trained values at the OS level.
         master = (self.strategy.optim if not self.strategy.frozen and dtype != torch.float32
@@ -238,7 +238,7 @@ class ShardedEngine:
     def _phase(self) -> str:
         if self._gather_phase is not None:
             return self._gather_phase
-        return "backward" if self.state == TrainingState.BACKWARD else "forward"
+        return BACKWARD if self.state == TrainingState.BACKWARD else FORWARD
 
     def _gather_now(self, unit: Unit, phase: str) -> None:
         unit.gather(self.comm, phase)
@@ -296,7 +296,7 @@ class ShardedEngine:
         if unit.trainable is not None and self._boundary is not None:
             # [Note: gradients land in flat buffers]
             unit.trainable.attach_grads(unit.grad_acc if self._direct_grads else None)
-        self._gather_now(unit, "backward")
+        self._gather_now(unit, BACKWARD)
         self._prefetch(unit, -1)
 
     @torch.no_grad()
@@ -465,7 +465,7 @@ class ShardedEngine:
                               "offloaded to host memory; call onload_params() first")
 
     @contextlib.contextmanager
-    def gathered(self, phase: str = "gather") -> Iterator[nn.Module]:
+    def gathered(self, phase: str = GATHER) -> Iterator[nn.Module]:
         """Full parameters of every unit (for generation or evaluation), freed afterwards."""
         if self.state == TrainingState.BACKWARD:
             raise EngineError("gathered() cannot be used during backward")

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Sequence
 
+from rlhf_paro.comm.meter import BACKWARD, BOUNDARY, FORWARD, UPDATE
 from rlhf_paro.sharding.strategy import Level, Strategy
 
 if TYPE_CHECKING:
@@ -74,13 +75,13 @@ class Row:
 
 
 SCHEDULE: tuple[Row, ...] = (
-    Row("forward", "all_gather", "params", "P", "N", "micro", trained=False),
-    Row("backward", "all_gather", "params", "P", "N", "micro"),
-    Row("backward", "reduce_scatter", "grads", "N", "G", "micro"),
-    Row("boundary", "reduce_scatter", "grads", "G", "OS", "step"),
-    Row("boundary", "all_reduce", "grads", "OS", "OS", "step", over="replicas"),
-    Row("boundary", "all_reduce", "norm", "OS", "OS", "step", over="shards"),
-    Row("update", "all_gather", "trained", "OS", "P", "step"),
+    Row(FORWARD, "all_gather", "params", "P", "N", "micro", trained=False),
+    Row(BACKWARD, "all_gather", "params", "P", "N", "micro"),
+    Row(BACKWARD, "reduce_scatter", "grads", "N", "G", "micro"),
+    Row(BOUNDARY, "reduce_scatter", "grads", "G", "OS", "step"),
+    Row(BOUNDARY, "all_reduce", "grads", "OS", "OS", "step", over="replicas"),
+    Row(BOUNDARY, "all_reduce", "norm", "OS", "OS", "step", over="shards"),
+    Row(UPDATE, "all_gather", "trained", "OS", "P", "step"),
 )
 TRAINING_PHASES = tuple(dict.fromkeys(row.phase for row in SCHEDULE))
 

@@ -18,15 +18,18 @@ c_k its compute, r_k its gradient reduce-scatter. What runs where is read from t
 engine hands it (a unit's padded flat buffer at the coarser of the two levels):
 
   - gathers are prefetched one unit ahead, so they hide behind the compute of the unit before;
-    only native collectives run asynchronously, so a world gather on a ring schedule of ours
-    (``comm.algorithm`` other than native) runs inline and hides nothing;
+    the model takes only native collectives as asynchronous, so a world gather on a ring
+    schedule of ours (``comm.algorithm`` other than native) runs inline and hides nothing;
   - the backward reduce-scatter is synchronous: the next unit's compute waits for it, and it
     waits for the prefetch in flight (one communication lane per rank);
   - the boundary (reduce to the OS level, the norm) and the update (gather OS -> P) run
     between micro-batches with nothing to hide behind.
+The engine overlaps more (async ring collectives, reductions in flight, buckets, the boundary
+started in the last backward: docs/design.md, "Step time"); the model overstates what a step
+leaves exposed.
 
 [Note: reductions of other systems]
-This engine reduces a unit's gradient with one reduce-scatter, synchronously, and its own ring
+The model reduces a unit's gradient with one reduce-scatter, synchronously, and our ring
 schedules share the native collectives' links. To predict runs of another system the model
 takes three departures, each off by default:
   - ``overlap_reduce``: the reduction of unit k runs on the communication lane during unit
@@ -75,7 +78,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 from rlhf_paro.comm.auto import resolve
-from rlhf_paro.comm.meter import AUTO
+from rlhf_paro.comm.meter import AUTO, BACKWARD, BOUNDARY, FORWARD, UPDATE
 from rlhf_paro.comm.rings import OPS
 from rlhf_paro.comm.simulate import Links, scope_seconds
 from rlhf_paro.comm.topology import Topology
@@ -230,7 +233,7 @@ def _unit_comm(strategy: Strategy, w: Workload, topo: Topology, machine: Machine
         per_micro = per_step = 0.0
         for c in collectives:
             key = {"params": "gather", "grads": "reduce"}.get(c.what, "update")
-            if c.phase == "boundary":
+            if c.phase == BOUNDARY:
                 key = "boundary"
             for numel in buffers[c.what]:
                 count = 1.0
@@ -240,12 +243,12 @@ def _unit_comm(strategy: Strategy, w: Workload, topo: Topology, machine: Machine
                 else:
                     t = collective_seconds(c, numel, elem[c.what], topo, machine, algorithm)
                 runs = collective_algorithm(c, numel, elem[c.what], topo, algorithm)
-                if c.phase == "forward":  # the backward gathers the same again
+                if c.phase == FORWARD:  # the backward gathers the same again
                     secs["gather"] += t
                     prefetch = prefetch and asynchronous(c, runs)
-                elif c.phase != "backward" or c.what != "params":
+                elif c.phase != BACKWARD or c.what != "params":
                     secs[key] += t
-                if c.phase == "backward" and c.what == "grads":
+                if c.phase == BACKWARD and c.what == "grads":
                     reduce_async = reduce_async and asynchronous(c, runs)
                 if c.per == "micro":
                     per_micro += count
@@ -283,7 +286,7 @@ def forward_time(strategy: Strategy, w: Workload, topo: Topology, machine: Machi
     total = _pass(gathers, [u.prefetch for u in comm], computes, [0.0] * len(comm))
     compute = sum(computes)
     return StepTime(total, compute, total - compute, max(0.0, compute + sum(gathers) - total),
-                    {"forward": sum(gathers)}, round(sum(u.per_micro for u in comm)),
+                    {FORWARD: sum(gathers)}, round(sum(u.per_micro for u in comm)),
                     micro_batch, 1)
 
 
@@ -317,11 +320,11 @@ def step_time(strategy: Strategy, w: Workload, topo: Topology, machine: Machine,
     norm = sum(scope_seconds(c.op, c.scope, NORM_BYTES, topo.num_groups, topo.group_size,
                              machine.links)
                for c in plan(strategy) if c.what == "norm")
-    by_phase = {"forward": num_micro * sum(gathers),
-                "backward": num_micro * sum(u.gather + u.reduce for u in comm),
-                "boundary": sum(u.boundary for u in comm) + norm,
-                "update": sum(u.update for u in comm)}
-    total = num_micro * (t_fwd + t_bwd) + by_phase["boundary"] + by_phase["update"]
+    by_phase = {FORWARD: num_micro * sum(gathers),
+                BACKWARD: num_micro * sum(u.gather + u.reduce for u in comm),
+                BOUNDARY: sum(u.boundary for u in comm) + norm,
+                UPDATE: sum(u.update for u in comm)}
+    total = num_micro * (t_fwd + t_bwd) + by_phase[BOUNDARY] + by_phase[UPDATE]
     compute = num_micro * (sum(fwd) + sum(bwd))
     messages = (num_micro * sum(u.per_micro for u in comm) + sum(u.per_step for u in comm)
                 + sum(1 for c in plan(strategy)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import ray
 import torch
 
 from rlhf_paro import models
@@ -62,6 +63,23 @@ def test_chat_messages_go_through_the_template(assets):
     assert prompts.texts[0].endswith("assistant : ")
 
 
+def test_files_of_string_prompts_and_chat_prompts_go_together(assets, tmp_path):
+    # Each file is its own table: a string column in one and messages in the other is no
+    # reason to refuse them (datasets could not join the two tables: a ValueError traceback).
+    cfg = config(assets, f"data.train_files={assets['train']},{assets['chat']}",
+                 "data.apply_chat_template=true")
+    prompts = data.load_prompts(cfg, data.actor_tokenizer(cfg))
+    assert len(prompts) == 48 and len(prompts.columns["start"]) == 48
+    assert prompts.texts[:24] == prompts.texts[24:]  # the same prompts, as text and as messages
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"prompt": "count : a", "answer": 1}) + "\n")
+    cfg = config(assets, f"data.train_files={assets['train']},{other}")
+    with pytest.raises(ConfigError, match=r"^data.train_files: '.*other.jsonl' has the columns "
+                                          r"prompt, answer and '.*train.jsonl' prompt, start; "
+                                          r"allowed: files with the same columns$"):
+        data.load_prompts(cfg, data.actor_tokenizer(cfg))
+
+
 def test_long_prompts_are_skipped_and_counted(assets, capsys):
     cfg = config(assets, "data.max_prompt_length=5")
     prompts = data.load_prompts(cfg, data.actor_tokenizer(cfg))
@@ -107,6 +125,77 @@ def test_bad_input_is_one_line_naming_the_key(assets, tmp_path, mistake, key):
         models.check_model_configs(cfg, runs.check_inputs(cfg))
     message = str(info.value)
     assert message.startswith(key) and "\n" not in message, message
+
+
+# A chat template as models ship them: an unknown role is refused with raise_exception().
+STRICT_TEMPLATE = ("{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant']"
+                   " %}{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+                   "{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+                   "{% if add_generation_prompt %}assistant : {% endif %}")
+GOOD = json.dumps({"prompt": "count : a b", "start": "0"}).encode() + b"\n"
+CHAT = [{"role": "user", "content": "count : a"}]
+
+# (the bad row, extra keys, the key named, what the line says after naming the row). Before,
+# these were a UnicodeDecodeError or jinja2 TemplateError traceback, or "'prompt' holds chat
+# messages" for a null or numeric prompt, with a TypeError when that advice was followed.
+BAD_ROWS = {
+    "not_utf8": (b'{"prompt": "count : \xff\xfe b", "start": "1"}\n', [], "data.train_files",
+                 " is not UTF-8 text; allowed: UTF-8 files"),
+    "not_utf8_column": (b'{"prompt": "count : b", "start": "\xff"}\n', [], "data.train_files",
+                        " is not UTF-8 text; allowed: UTF-8 files"),
+    "unknown_role": (json.dumps({"prompt": [{"role": "wizard", "content": "count : a"}],
+                                 "start": "1"}).encode() + b"\n",
+                     ["data.apply_chat_template=true"], "data.apply_chat_template",
+                     ": the chat template refuses its messages (TemplateError: unknown role "
+                     "wizard)"),
+    "null": (b'{"prompt": null, "start": "1"}\n', [], "data.prompt_key",
+             ": 'prompt' is null; allowed: a string, or chat messages with "
+             "data.apply_chat_template=true"),
+    "null_with_template": (b'{"prompt": null, "start": "1"}\n', ["data.apply_chat_template=true"],
+                           "data.prompt_key", ": 'prompt' is null; allowed: a string or a list "
+                                              "of chat messages"),
+    "number": (b'{"prompt": 7, "start": "1"}\n', [], "data.prompt_key",
+               ": 'prompt' is an int (7); allowed: a string"),
+    "messages_not_dicts": (b'{"prompt": ["count", "a"], "start": "1"}\n',
+                           ["data.apply_chat_template=true"], "data.prompt_key",
+                           ": 'prompt' is a list (['count', 'a']); allowed: a string or a list of "
+                           "chat messages"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ROWS))
+def test_a_bad_prompt_row_is_one_line_naming_the_file_and_the_row(assets, tmp_path, case):
+    from rlhf_paro import train
+
+    rows, extra, key, said = BAD_ROWS[case]
+    llama = tmp_path / "llama"
+    if case == "unknown_role":
+        tokenizer = hf_assets.word_tokenizer()
+        tokenizer.chat_template = STRICT_TEMPLATE
+        hf_assets.save_llama(llama, tokenizer)
+        # Chat messages of known roles pass the same template.
+        ok = tmp_path / "ok.jsonl"
+        ok.write_text(json.dumps({"prompt": CHAT, "start": "0"}) + "\n")
+        cfg = load_config([f"actor.path={llama}", f"data.train_files={ok}", *extra])
+        assert data.load_prompts(cfg, data.actor_tokenizer(cfg)).texts == [
+            "user : count : a assistant : "]
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    good.write_bytes(GOOD * 3)
+    bad.write_bytes(GOOD + rows + GOOD)
+    argv = [f"actor.path={llama if llama.exists() else assets['llama']}",
+            f"reward.function={assets['fns']}:length",
+            f"data.train_files={good},{bad}", *extra]
+    # Rows are counted from 1 in each file: the bad one is the second row of the second file.
+    for split, files in (("train", []), ("val", [f"data.val_files={bad}"])):
+        cfg = load_config([*argv, *files])
+        if split == "val":
+            cfg.data.train_files = str(good)
+            key = key.replace("train_files", "val_files")
+        with pytest.raises(ConfigError) as info:
+            train.prepare(cfg, "ppo_tiny")  # the entry point's checks, before Ray starts
+        line = str(info.value)
+        assert line.startswith(f"{key}: {str(bad)!r} row 2{said}") and "\n" not in line, line
+    assert not ray.is_initialized()
 
 
 def test_command_line_keys_replace_the_confs_competing_keys(assets, tmp_path):
