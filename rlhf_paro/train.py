@@ -21,26 +21,26 @@ from rlhf_paro import cli
 from rlhf_paro.config import RAY_ADDRESS_ALLOWED, Config, ConfigError
 
 
-class Terminated(BaseException):
-    """SIGTERM where there is no step to finish first: the run stops at once, as on Ctrl-C.
-    A ``BaseException``, like ``KeyboardInterrupt``, so that no ``except Exception`` keeps it."""
-
-
-def _terminate(signum: int, frame: FrameType | None) -> None:
-    raise Terminated
+def _stop_before_the_run(signum: int, frame: FrameType | None) -> None:
+    """SIGINT or SIGTERM before a run started (reading the config, making the demo): one line
+    and the signal's exit status at once. Nothing has started that needs stopping, and an
+    exception raised from here could land in a ``__del__``, where Python only prints it and
+    goes on (seen on a loaded machine)."""
+    word = "interrupted" if signum == signal.SIGINT else "terminated (SIGTERM)"
+    print(f"error: {word} before the run started", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> None:
-    signal.signal(signal.SIGTERM, _terminate)
+    previous = {sig: signal.signal(sig, _stop_before_the_run)
+                for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        cli.main(sys.argv[1:] if argv is None else argv, prog="rlhf_paro.train", about=__doc__,
-                 prepare=prepare, execute=run)
-    except KeyboardInterrupt:  # before a run started (reading the config, making the demo)
-        print("error: interrupted before the run started", file=sys.stderr)
-        raise SystemExit(130) from None
-    except Terminated:
-        print("error: terminated (SIGTERM) before the run started", file=sys.stderr)
-        raise SystemExit(143) from None
+        cli.main(sys.argv[1:] if argv is None else argv, prog="rlhf_paro.train",
+                 about=__doc__, prepare=prepare, execute=run)
+    finally:  # a caller in the same process gets its own handlers back
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def prepare(cfg: Config, conf: str) -> Config:
@@ -91,6 +91,8 @@ def _run(cfg: Config, argv: list[str]) -> None:
         stop.requested = True
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
+    # Ctrl-C in the run is a KeyboardInterrupt, which the trainer turns into a RunError.
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         trainer = PPOTrainer(cfg, stop)
         dashboard = trainer.fit()
@@ -116,6 +118,7 @@ def _run(cfg: Config, argv: list[str]) -> None:
         # sized for its own devices.
         ray.shutdown()
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
     if stopped is not None:
         print(f"error: {stopped}; resume with: {resume_command(argv, stopped.resume)}",
               file=sys.stderr)
