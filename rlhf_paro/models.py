@@ -189,11 +189,15 @@ class CausalLM(nn.Module):
                          response_len: int, temperature: float) -> torch.Tensor:
         rows = batching.pack(input_ids, attention_mask)
         index, row, col = batching.response_predictors(rows, response_len)
-        # The LM head runs only where a response token is predicted (a 1-D logits_to_keep).
+        width = rows.input_ids.shape[1]
+        here, there = rows.slots[index], rows.slots[index + 1]
+        # The LM head runs only at the columns where some row predicts a response token.
+        keep = torch.unique(here % width)
         logits = self.lm(input_ids=rows.input_ids, position_ids=rows.position_ids,
-                         use_cache=False, logits_to_keep=index).logits[0]
-        logits = logits.float() / temperature
-        targets = rows.input_ids[0, index + 1]
+                         use_cache=False, logits_to_keep=keep).logits
+        logits = logits[here // width, torch.searchsorted(keep, here % width)].float()
+        logits = logits / temperature
+        targets = rows.input_ids.reshape(-1)[there]
         picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         out = logits.new_zeros(input_ids.shape[0], response_len)
         out[row, col] = picked - logits.logsumexp(-1)
@@ -237,10 +241,10 @@ class ValueModel(nn.Module):
                        response_len: int | None) -> torch.Tensor:
         rows = batching.pack(input_ids, attention_mask)
         hidden = self.backbone(input_ids=rows.input_ids, position_ids=rows.position_ids,
-                               use_cache=False).last_hidden_state[0]
+                               use_cache=False).last_hidden_state
         values = self.value_head(hidden).squeeze(-1).float()
         if not self.per_token:
-            return values[batching.last_tokens(rows)]
+            return values.reshape(-1)[rows.slots[batching.last_tokens(rows)]]
         values = batching.unpack(values, rows)
         return values if response_len is None else values[:, -response_len - 1:-1]
 

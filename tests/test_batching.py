@@ -31,19 +31,23 @@ def _rollout(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return ids, torch.cat([prompt, response], 1), response.float()
 
 
-def test_pack_keeps_the_real_tokens_in_row_order_and_unpack_puts_them_back():
+def test_pack_places_whole_sequences_longest_first_and_unpack_puts_every_token_back():
     ids, mask, _ = _rollout()
+    lengths = mask.sum(1).tolist()  # [11, 2, 6, 2, 9]
     packed = batching.pack(ids, mask)
-    assert packed.input_ids.shape == (1, int(mask.sum()))
-    assert packed.input_ids[0].tolist() == [t for row, m in zip(ids.tolist(), mask.tolist())
-                                            for t, keep in zip(row, m) if keep]
-    # Positions restart at 0 in every row: 5 + 2, then 1 + 1, ...
-    assert packed.position_ids[0, :8].tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
-    assert packed.position_ids[0, 11:13].tolist() == [0, 1]
-    assert torch.equal(batching.unpack(packed.input_ids[0], packed), ids)
-    # The last real token of each row: cumulative lengths - 1.
-    lengths = mask.sum(1)
-    assert batching.last_tokens(packed).tolist() == (lengths.cumsum(0) - 1).tolist()
+    # Rows as wide as the longest sequence (11); first fit, longest first: [11], [9, 2], [6, 2].
+    assert batching.first_fit_decreasing(lengths, 11) == [[0], [4, 1], [2, 3]]
+    assert packed.input_ids.shape == (3, 11)
+    assert packed.input_ids[1, :9].tolist() == ids[4][mask[4].bool()].tolist()
+    assert packed.input_ids[1, 9:].tolist() == ids[1][mask[1].bool()].tolist()
+    # Positions restart at 0 for every sequence, and for a row's unused tail.
+    assert packed.position_ids[1].tolist() == [*range(9), 0, 1]
+    assert packed.position_ids[2].tolist() == [*range(6), 0, 1, 0, 1, 2]
+    assert torch.equal(batching.unpack(packed.input_ids, packed), ids)
+    # The last real token of each row, numbered in row-major order: cumulative lengths - 1.
+    assert batching.last_tokens(packed).tolist() == (mask.sum(1).cumsum(0) - 1).tolist()
+    # A wider row takes more sequences.
+    assert batching.first_fit_decreasing(lengths, 20) == [[0, 4], [2, 1, 3]]
 
 
 def test_response_predictors_list_exactly_the_valid_response_tokens():
@@ -53,8 +57,10 @@ def test_response_predictors_list_exactly_the_valid_response_tokens():
     got = torch.zeros(5, 6)
     got[row, col] = 1.0
     assert torch.equal(got, action)
-    # Each predictor is followed, in the packed row, by the token it predicts.
-    assert torch.equal(packed.input_ids[0, index + 1], ids[row, 5 + col])
+    # Each predictor is followed, in its packed row, by the token it predicts.
+    flat = packed.input_ids.reshape(-1)
+    assert torch.equal(packed.slots[index + 1], packed.slots[index] + 1)
+    assert torch.equal(flat[packed.slots[index + 1]], ids[row, 5 + col])
 
 
 def _tiny(model_type: str) -> transformers.PreTrainedModel:
