@@ -78,3 +78,68 @@ def last_tokens(packed: Packed) -> Tensor:
     """``(B,)`` packed position of each row's last real token; every row has one (a prompt is
     never empty)."""
     return torch.bincount(packed.rows, minlength=packed.shape[0]).cumsum(0) - 1
+
+
+# -- micro-batches by tokens -----------------------------------------------------------------------
+# [Note: micro-batches by tokens] A trained model's mini-batch on a rank is split into
+# micro-batches of up to ``<model>.max_tokens_per_micro_batch`` real tokens (``split_by_tokens``).
+# Ranks then hold different numbers of micro-batches, but the engine's collectives run per
+# micro-batch and its loss scale 1/grad_accum_steps and boundary (in the last backward) need the
+# count in advance: the worker agrees on the largest count over the model's ranks, sets it on the
+# engine (``set_micro_batches``), and a rank with fewer runs filler micro-batches
+# (``fill_to``): the forward and backward of the mini-batch's shortest sequence with its loss
+# times 0, which joins every collective and adds nothing to the gradient. The divisor of each
+# micro-batch's loss is the global count / (ranks x agreed count), so the engine's mean over
+# ranks and micro-batches stays the aggregate over the global mini-batch (docs/design.md,
+# "Batching").
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Rows of a rank's rollout that one forward and backward run on."""
+
+    rows: Tensor  # (b,) indices into the rollout
+    weight: float  # 1.0; 0.0 for a filler that only joins the collectives
+
+
+def split_by_tokens(rows: Tensor, num_tokens: Tensor, max_tokens: int) -> list[Tensor]:
+    """``rows`` in their order, cut into consecutive micro-batches of at most ``max_tokens``
+    real tokens each (``num_tokens[r]``: row r's count, its attention mask's sum). Raises
+    ``ValueError`` naming the longest sequence when one row alone exceeds the budget."""
+    lengths = num_tokens[rows].tolist()
+    longest = max(lengths, default=0)
+    if longest > max_tokens:
+        raise ValueError(f"max_tokens_per_micro_batch={max_tokens} is smaller than the longest "
+                         f"sequence of the mini-batch, {longest} tokens; allowed: at least "
+                         f"{longest}")
+    cuts, used = [0], 0
+    for i, n in enumerate(lengths):
+        if used + n > max_tokens:
+            cuts.append(i)
+            used = 0
+        used += n
+    cuts.append(len(lengths))
+    return [rows[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+def split_by_rows(rows: Tensor, size: int) -> list[Tensor]:
+    """``rows`` in their order, cut into micro-batches of ``size`` rows (the last may be short)."""
+    return [rows[i:i + size] for i in range(0, len(rows), size)]
+
+
+def micro_divisor(global_count: float, num_ranks: int, num_micro: int) -> float:
+    """What a micro-batch's loss sum is divided by so that the engine's mean over ranks and its
+    1/``num_micro`` scale give the aggregate over the global mini-batch (``global_count``: its
+    ``core.agg_count`` over all ranks; ``num_micro``: the count agreed over ranks)."""
+    return global_count / (num_ranks * num_micro)
+
+
+def fill_to(micros: list[Tensor], count: int, num_tokens: Tensor) -> list[MicroBatch]:
+    """``micros`` as weighted micro-batches, followed by fillers up to ``count`` (the largest
+    count over ranks): each filler is the shortest row of ``micros`` with weight 0."""
+    if len(micros) > count:
+        raise ValueError(f"{len(micros)} micro-batches exceed the agreed count {count}")
+    rows = torch.cat(micros)
+    shortest = rows[num_tokens[rows].argmin()].reshape(1)
+    return ([MicroBatch(m, 1.0) for m in micros]
+            + [MicroBatch(shortest, 0.0)] * (count - len(micros)))

@@ -93,3 +93,38 @@ def test_packed_values_and_scores_equal_the_padded_ones_and_so_do_their_gradient
         (critic(ids, mask, 6, packed=packed) * action).sum().backward()
         grads.append(critic.value_head.weight.grad.clone())
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-5)
+
+
+# --- micro-batches by tokens ----------------------------------------------------------------------
+
+def test_split_by_tokens_fills_each_micro_batch_up_to_the_budget_in_order():
+    num_tokens = torch.tensor([5, 3, 4, 2, 6, 1])
+    rows = torch.tensor([4, 0, 1, 3, 2, 5])  # a shuffled mini-batch: 6, 5, 3, 2, 4, 1 tokens
+    micros = batching.split_by_tokens(rows, num_tokens, max_tokens=8)
+    # 6 (+5 would be 11) | 5 + 3 = 8 | 2 + 4 + 1 = 7: a new micro-batch only when the next
+    # row would go over the budget, rows kept in the mini-batch's order.
+    assert [m.tolist() for m in micros] == [[4], [0, 1], [3, 2, 5]]
+    assert all(int(num_tokens[m].sum()) <= 8 for m in micros)
+    # The budget of the longest sequence (6 | 5 | 3 + 2 | 4 + 1), and one that holds all.
+    assert [m.tolist() for m in batching.split_by_tokens(rows, num_tokens, 6)] == [
+        [4], [0], [1, 3], [2, 5]]
+    assert [m.tolist() for m in batching.split_by_tokens(rows, num_tokens, 21)] == [rows.tolist()]
+
+
+def test_split_by_tokens_names_the_longest_sequence_when_it_does_not_fit():
+    with pytest.raises(ValueError) as err:
+        batching.split_by_tokens(torch.tensor([0, 1]), torch.tensor([5, 9]), max_tokens=7)
+    assert str(err.value) == ("max_tokens_per_micro_batch=7 is smaller than the longest "
+                              "sequence of the mini-batch, 9 tokens; allowed: at least 9")
+
+
+def test_fill_to_pads_with_the_shortest_row_at_weight_zero():
+    num_tokens = torch.tensor([5, 3, 4, 2, 6, 1])
+    micros = [torch.tensor([4]), torch.tensor([0, 1])]
+    filled = batching.fill_to(micros, 4, num_tokens)
+    assert [(m.rows.tolist(), m.weight) for m in filled] == [
+        ([4], 1.0), ([0, 1], 1.0), ([1], 0.0), ([1], 0.0)]  # row 1 (3 tokens) is the shortest
+    assert [(m.rows.tolist(), m.weight) for m in batching.fill_to(micros, 2, num_tokens)] == [
+        ([4], 1.0), ([0, 1], 1.0)]
+    with pytest.raises(ValueError, match="3 micro-batches exceed the agreed count 2"):
+        batching.fill_to(micros + micros[:1], 2, num_tokens)
