@@ -72,7 +72,8 @@ class Worker:
         self.engine: TrainEngine | None = None  # None: a reward function or server
         self.packed = False  # forwards on packed real tokens (set at setup from the model type)
         self._time_s: dict[str, float] = defaultdict(float)  # role phase -> seconds, this step
-        self._tokens = 0  # tokens through the model, this step
+        self._tokens = 0  # token positions the model computed on, this step
+        self._real_tokens = 0  # of which real tokens (the rest is padding)
 
     # -- rendezvous --------------------------------------------------------------------------
     def free_address(self) -> tuple[str, int]:
@@ -134,19 +135,28 @@ class Worker:
 
     # -- per-step accounting -----------------------------------------------------------------
     @contextlib.contextmanager
-    def timed(self, phase: str, tokens: int) -> Iterator[None]:
-        """Time a role phase (``generate``, ``inference``, ``train``) and count its tokens."""
+    def timed(self, phase: str) -> Iterator[None]:
+        """Time a role phase (``generate``, ``inference``, ``train``)."""
         start = time.perf_counter()
         try:
             yield
         finally:
             self._time_s[phase] += time.perf_counter() - start
-            self._tokens += tokens
+
+    def count_tokens(self, attention_mask: torch.Tensor, packed: bool | None = None) -> None:
+        """Count a forward over rows with this ``attention_mask``: the token positions it
+        computes on (the real tokens when packed, every position of the padded rows otherwise;
+        ``packed`` None: as this worker's forwards run) and the real tokens among them."""
+        real = int(attention_mask.sum())
+        self._tokens += real if (self.packed if packed is None else packed) \
+            else attention_mask.numel()
+        self._real_tokens += real
 
     def report(self) -> RankReport:
         """This step's report; resets the timers, the token count and the comm meter."""
         report = RankReport(
             tokens=self._tokens,
+            real_tokens=self._real_tokens,
             time_s=dict(self._time_s),
             comm=self.engine.meter.by_phase(),
             memory=self.engine.memory(),
@@ -154,7 +164,7 @@ class Worker:
             offload=self.engine.transfers.totals(),
         )
         self._time_s.clear()
-        self._tokens = 0
+        self._tokens = self._real_tokens = 0
         self.engine.meter.reset()
         self.engine.transfers.reset()
         return report
@@ -207,18 +217,16 @@ class Worker:
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
         return values.cpu()
 
-    def computed_tokens(self, attention_mask: torch.Tensor) -> int:
-        """Token positions a forward on rows with this ``attention_mask`` computes on: the real
-        tokens when packed, every position of the padded rows otherwise."""
-        return int(attention_mask.sum()) if self.packed else attention_mask.numel()
-
     def in_micro_batches(self, rollout: Batch, fn: Callable[[Batch], torch.Tensor]
                          ) -> torch.Tensor:
-        """``fn`` on ``micro_batch_size`` rows at a time (bounds activation memory), results
-        concatenated on the CPU, ready to travel."""
+        """The forward ``fn`` on ``micro_batch_size`` rows at a time (bounds activation memory),
+        its tokens counted, results concatenated on the CPU, ready to travel."""
         rows = torch.arange(rollout["sequences"].shape[0])
-        return torch.cat([fn({k: v[idx] for k, v in rollout.items()}).float().cpu()
-                          for idx in batching.split_by_rows(rows, self.model_cfg.micro_batch_size)])
+        out = []
+        for idx in batching.split_by_rows(rows, self.model_cfg.micro_batch_size):
+            self.count_tokens(rollout["attention_mask"][idx])
+            out.append(fn({k: v[idx] for k, v in rollout.items()}).float().cpu())
+        return torch.cat(out)
 
     def forward(self, batch: Batch, train: bool = False, **kwargs: Any) -> torch.Tensor:
         """The model's forward on rows of a rollout (log-probs, values or scores)."""
@@ -279,8 +287,8 @@ class TrainedWorker(Worker):
             for micros, divisor in self._mini_batches(mask, agg):
                 self.engine.set_micro_batches(len(micros))
                 for micro in micros:
-                    with self.timed("train", self.computed_tokens(
-                            self._rollout["attention_mask"][micro.rows])):
+                    self.count_tokens(self._rollout["attention_mask"][micro.rows])
+                    with self.timed("train"):
                         loss, stats = micro_loss(micro.rows, divisor)
                         if micro.weight != 1.0:
                             loss = loss * micro.weight
@@ -289,7 +297,7 @@ class TrainedWorker(Worker):
                         self.engine.backward(loss)
                     if micro.weight:
                         self.record_train({"loss": loss.item(), **stats})
-                with self.timed("train", 0):
+                with self.timed("train"):
                     skipped_before = self.engine.skipped_steps
                     grad_norm = self.engine.step()
                 self._count_skip(self.engine.skipped_steps > skipped_before)
