@@ -15,6 +15,10 @@ sequence up to the rounding of differently shaped products (docs/design.md, "Bat
 
 Packing is boolean indexing with the attention mask: ``mask.nonzero()`` walks the real tokens
 in row-major order, which is the packed order, so unpacking is the same index put back.
+
+Also here, as pure functions: a trained model's micro-batches (by sequences or by a token
+budget, with the fillers that keep the ranks' counts equal), and the assignment of a step's
+sequence groups to ranks and mini-batches by real tokens.
 """
 
 from __future__ import annotations
@@ -143,3 +147,48 @@ def fill_to(micros: list[Tensor], count: int, num_tokens: Tensor) -> list[MicroB
     shortest = rows[num_tokens[rows].argmin()].reshape(1)
     return ([MicroBatch(m, 1.0) for m in micros]
             + [MicroBatch(shortest, 0.0)] * (count - len(micros)))
+
+
+# -- balanced ranks ---------------------------------------------------------------------------------
+# [Note: balanced ranks] The rank with the most real tokens sets the pace of every collective, so
+# a step's sequences are better dealt to ranks by their real tokens than in rollout order. The
+# unit is a group of ``rollout.n`` samples of one prompt (a group baseline needs its samples on
+# one rank); each part gets as many groups (so every rank trains on as many sequences), and the
+# assignment is a pure function of the lengths (ties go to the lower index), so every rank
+# computes the same one. Not wired into a run yet: it needs the rollout's rows moved between
+# ranks after generation.
+
+
+def balanced_parts(weights: Tensor, num_parts: int) -> list[Tensor]:
+    """Indices of ``weights`` in ``num_parts`` parts of equal size with sums as even as the
+    sorted greedy gets them: heaviest first, each to the lightest part that still has room
+    (ties: the lower part). Each part's indices ascending."""
+    num = len(weights)
+    if num_parts < 1 or num % num_parts:
+        raise ValueError(f"{num} items do not split into {num_parts} parts of equal size")
+    size = num // num_parts
+    # Stable sort: equal weights keep their index order, so the result is deterministic.
+    order = sorted(range(num), key=lambda i: -float(weights[i]))
+    sums, parts = [0.0] * num_parts, [[] for _ in range(num_parts)]
+    for i in order:
+        part = min((p for p in range(num_parts) if len(parts[p]) < size), key=lambda p: sums[p])
+        parts[part].append(i)
+        sums[part] += float(weights[i])
+    return [torch.tensor(sorted(p), dtype=torch.long) for p in parts]
+
+
+def balance_groups(num_tokens: Tensor, group_size: int, num_ranks: int, num_minis: int
+                   ) -> list[list[Tensor]]:
+    """Rows of a step's rollout (``num_tokens[r]``: row r's real tokens; rows ``g * group_size``
+    to ``(g + 1) * group_size - 1`` one group) dealt to ``num_ranks`` ranks and, on each, to
+    ``num_minis`` mini-batches, by real tokens (``balanced_parts``, groups kept whole): the rows
+    of rank r's mini-batch m are ``result[r][m]``."""
+    if len(num_tokens) % group_size:
+        raise ValueError(f"{len(num_tokens)} rows are not whole groups of {group_size}")
+    per_group = num_tokens.reshape(-1, group_size).sum(-1)
+    rows = torch.arange(len(num_tokens)).reshape(-1, group_size)
+    out = []
+    for groups in balanced_parts(per_group, num_ranks):
+        minis = balanced_parts(per_group[groups], num_minis)
+        out.append([rows[groups[m]].flatten() for m in minis])
+    return out
