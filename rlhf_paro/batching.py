@@ -149,7 +149,7 @@ def fill_to(micros: list[Tensor], count: int, num_tokens: Tensor) -> list[MicroB
             + [MicroBatch(shortest, 0.0)] * (count - len(micros)))
 
 
-# -- balanced ranks ---------------------------------------------------------------------------------
+# -- balanced ranks ------------------------------------------------------------------------------
 # [Note: balanced ranks] The rank with the most real tokens sets the pace of every collective, so
 # a step's sequences are better dealt to ranks by their real tokens than in rollout order. The
 # unit is a group of ``rollout.n`` samples of one prompt (a group baseline needs its samples on

@@ -130,7 +130,7 @@ def test_fill_to_pads_with_the_shortest_row_at_weight_zero():
         batching.fill_to(micros + micros[:1], 2, num_tokens)
 
 
-# --- balanced ranks ---------------------------------------------------------------------------------
+# --- balanced ranks ------------------------------------------------------------------------------
 
 def test_balanced_parts_deal_the_heaviest_first_to_the_lightest_part_with_room():
     weights = torch.tensor([9, 8, 7, 6, 5, 4, 3, 2])
