@@ -21,6 +21,10 @@ CPU (docs/design.md, "Batching").
 Real tokens are numbered in row-major order of the padded layout (``mask.nonzero()``); each has
 its place in the padded layout (``rows``, ``cols``) and its slot in the packed rows
 (``slots``, flat over ``K * W``), so unpacking is one index.
+
+Also here, as pure functions: a trained model's micro-batches (by sequences or by a token
+budget, with the fillers that keep the ranks' counts equal), and the assignment of a step's
+sequence groups to ranks and mini-batches by real tokens.
 """
 
 from __future__ import annotations
@@ -118,3 +122,113 @@ def last_tokens(packed: Packed) -> Tensor:
     """``(B,)`` the number of each row's last real token; every row has one (a prompt is never
     empty)."""
     return torch.bincount(packed.rows, minlength=packed.shape[0]).cumsum(0) - 1
+
+
+# -- micro-batches by tokens -----------------------------------------------------------------------
+# [Note: micro-batches by tokens] A trained model's mini-batch on a rank is split into
+# micro-batches of up to ``<model>.max_tokens_per_micro_batch`` real tokens (``split_by_tokens``).
+# Ranks then hold different numbers of micro-batches, but the engine's collectives run per
+# micro-batch and its loss scale 1/grad_accum_steps and boundary (in the last backward) need the
+# count in advance: the worker agrees on the largest count over the model's ranks, sets it on the
+# engine (``set_micro_batches``), and a rank with fewer runs filler micro-batches
+# (``fill_to``): the forward and backward of the mini-batch's shortest sequence with its loss
+# times 0, which joins every collective and adds nothing to the gradient. The divisor of each
+# micro-batch's loss is the global count / (ranks x agreed count), so the engine's mean over
+# ranks and micro-batches stays the aggregate over the global mini-batch (docs/design.md,
+# "Batching").
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Rows of a rank's rollout that one forward and backward run on."""
+
+    rows: Tensor  # (b,) indices into the rollout
+    weight: float  # 1.0; 0.0 for a filler that only joins the collectives
+
+
+def split_by_tokens(rows: Tensor, num_tokens: Tensor, max_tokens: int) -> list[Tensor]:
+    """``rows`` in their order, cut into consecutive micro-batches of at most ``max_tokens``
+    real tokens each (``num_tokens[r]``: row r's count, its attention mask's sum). Raises
+    ``ValueError`` naming the longest sequence when one row alone exceeds the budget."""
+    lengths = num_tokens[rows].tolist()
+    longest = max(lengths, default=0)
+    if longest > max_tokens:
+        raise ValueError(f"max_tokens_per_micro_batch={max_tokens} is smaller than the longest "
+                         f"sequence of the mini-batch, {longest} tokens; allowed: at least "
+                         f"{longest}")
+    cuts, used = [0], 0
+    for i, n in enumerate(lengths):
+        if used + n > max_tokens:
+            cuts.append(i)
+            used = 0
+        used += n
+    cuts.append(len(lengths))
+    return [rows[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+def split_by_rows(rows: Tensor, size: int) -> list[Tensor]:
+    """``rows`` in their order, cut into micro-batches of ``size`` rows (the last may be short)."""
+    return [rows[i:i + size] for i in range(0, len(rows), size)]
+
+
+def micro_divisor(global_count: float, num_ranks: int, num_micro: int) -> float:
+    """What a micro-batch's loss sum is divided by so that the engine's mean over ranks and its
+    1/``num_micro`` scale give the aggregate over the global mini-batch (``global_count``: its
+    ``core.agg_count`` over all ranks; ``num_micro``: the count agreed over ranks)."""
+    return global_count / (num_ranks * num_micro)
+
+
+def fill_to(micros: list[Tensor], count: int, num_tokens: Tensor) -> list[MicroBatch]:
+    """``micros`` as weighted micro-batches, followed by fillers up to ``count`` (the largest
+    count over ranks): each filler is the shortest row of ``micros`` with weight 0."""
+    if len(micros) > count:
+        raise ValueError(f"{len(micros)} micro-batches exceed the agreed count {count}")
+    rows = torch.cat(micros)
+    shortest = rows[num_tokens[rows].argmin()].reshape(1)
+    return ([MicroBatch(m, 1.0) for m in micros]
+            + [MicroBatch(shortest, 0.0)] * (count - len(micros)))
+
+
+# -- balanced ranks ------------------------------------------------------------------------------
+# [Note: balanced ranks] The rank with the most real tokens sets the pace of every collective, so
+# a step's sequences are better dealt to ranks by their real tokens than in rollout order. The
+# unit is a group of ``rollout.n`` samples of one prompt (a group baseline needs its samples on
+# one rank); each part gets as many groups (so every rank trains on as many sequences), and the
+# assignment is a pure function of the lengths (ties go to the lower index), so every rank
+# computes the same one. Not wired into a run yet: it needs the rollout's rows moved between
+# ranks after generation.
+
+
+def balanced_parts(weights: Tensor, num_parts: int) -> list[Tensor]:
+    """Indices of ``weights`` in ``num_parts`` parts of equal size with sums as even as the
+    sorted greedy gets them: heaviest first, each to the lightest part that still has room
+    (ties: the lower part). Each part's indices ascending."""
+    num = len(weights)
+    if num_parts < 1 or num % num_parts:
+        raise ValueError(f"{num} items do not split into {num_parts} parts of equal size")
+    size = num // num_parts
+    # Stable sort: equal weights keep their index order, so the result is deterministic.
+    order = sorted(range(num), key=lambda i: -float(weights[i]))
+    sums, parts = [0.0] * num_parts, [[] for _ in range(num_parts)]
+    for i in order:
+        part = min((p for p in range(num_parts) if len(parts[p]) < size), key=lambda p: sums[p])
+        parts[part].append(i)
+        sums[part] += float(weights[i])
+    return [torch.tensor(sorted(p), dtype=torch.long) for p in parts]
+
+
+def balance_groups(num_tokens: Tensor, group_size: int, num_ranks: int, num_minis: int
+                   ) -> list[list[Tensor]]:
+    """Rows of a step's rollout (``num_tokens[r]``: row r's real tokens; rows ``g * group_size``
+    to ``(g + 1) * group_size - 1`` one group) dealt to ``num_ranks`` ranks and, on each, to
+    ``num_minis`` mini-batches, by real tokens (``balanced_parts``, groups kept whole): the rows
+    of rank r's mini-batch m are ``result[r][m]``."""
+    if len(num_tokens) % group_size:
+        raise ValueError(f"{len(num_tokens)} rows are not whole groups of {group_size}")
+    per_group = num_tokens.reshape(-1, group_size).sum(-1)
+    rows = torch.arange(len(num_tokens)).reshape(-1, group_size)
+    out = []
+    for groups in balanced_parts(per_group, num_ranks):
+        minis = balanced_parts(per_group[groups], num_minis)
+        out.append([rows[groups[m]].flatten() for m in minis])
+    return out

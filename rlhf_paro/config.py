@@ -204,6 +204,10 @@ class ModelConfig:
     # Forward and backward on the real tokens only, a micro-batch's sequences packed into one
     # row (docs/design.md, "Batching"); null: packed wherever the architecture supports it.
     packing: bool | None = None
+    # Trained models: each mini-batch of a rank split into micro-batches of up to this many real
+    # tokens (attention_mask), the count agreed over ranks (docs/design.md, "Batching"); null:
+    # micro_batch_size sequences per micro-batch.
+    max_tokens_per_micro_batch: int | None = None
     lora: LoraConfig = field(default_factory=LoraConfig)
     # Actor only: a local tokenizer directory (None: the actor's path); AutoTokenizer loads it.
     tokenizer: str | None = None
@@ -232,6 +236,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _positive("micro_batch_size", self.micro_batch_size)
+        if self.max_tokens_per_micro_batch is not None:
+            _positive("max_tokens_per_micro_batch", self.max_tokens_per_micro_batch)
         if self.max_micro_batch_size is not None and \
                 self.max_micro_batch_size < self.micro_batch_size:
             raise ConfigError("max_micro_batch_size", f"{self.max_micro_batch_size} is below "
@@ -606,6 +612,7 @@ class Config:
             if model.lora.enabled and role in FROZEN_ROLES:
                 raise ConfigError(f"{role}.lora.enabled", "LoRA trains adapters; allowed only "
                                                           "for actor and critic")
+            self._check_token_budget(role, model)
             allowed, why = OFFLOAD_ALLOWED[role]
             if model.offload not in allowed:
                 raise ConfigError(f"{role}.offload", f"{model.offload!r}: {why}; allowed: "
@@ -623,6 +630,27 @@ class Config:
         if self.task.prompt_len > self.ppo.max_prompt_len:
             raise ConfigError("task.prompt_len", f"{self.task.prompt_len} exceeds "
                               f"ppo.max_prompt_len={self.ppo.max_prompt_len}")
+
+    def _check_token_budget(self, role: str, model: ModelConfig) -> None:
+        """``max_tokens_per_micro_batch``: trained models on the PaRO engine, and room for the
+        longest sequence a step can hold (prompt bound + ppo.max_new_tokens)."""
+        budget, key = model.max_tokens_per_micro_batch, f"{role}.max_tokens_per_micro_batch"
+        if budget is None:
+            return
+        if role in FROZEN_ROLES:
+            raise ConfigError(key, "splits a trained model's mini-batches; allowed: null")
+        if model.backend == "deepspeed":
+            raise ConfigError(key, "needs a micro-batch count per step, which DeepSpeed fixes "
+                                   "at initialize; allowed: null on backend=deepspeed")
+        prompt_key, prompt = (("data.max_prompt_length", self.data.max_prompt_length)
+                              if self.data.train_files is not None
+                              else ("ppo.max_prompt_len", self.ppo.max_prompt_len))
+        longest = prompt + self.ppo.max_new_tokens
+        if budget < longest:
+            raise ConfigError(key, f"{budget} is smaller than the longest sequence a step can "
+                                   f"hold, {longest} tokens ({prompt_key}={prompt} + "
+                                   f"ppo.max_new_tokens={self.ppo.max_new_tokens}); allowed: "
+                                   f"null or at least {longest}")
 
     def _check_deepspeed(self, role: str, model: ModelConfig) -> None:
         """Every rule of a model's ``deepspeed`` section: its own values on any backend, how

@@ -14,7 +14,8 @@ Every rank of every model sends the driver one ``RankReport`` per step (``actors
   memory (``d2h_bytes``, ``h2d_bytes``) and the copies (``transfers``) under offload; kept apart
   from ``m/comm/*``, which is traffic between ranks.
 - ``m/time_s/<phase>`` is the slowest rank's wall time in that phase; ``m/tokens_per_s`` is every
-  token the model processed (all ranks, all phases) over the model's busy time (slowest rank).
+  token position the model computed on (all ranks, all phases: the real tokens of a packed
+  forward, every position of a padded one) over the model's busy time (slowest rank).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ LOOP_KEYS = (
     "ppo/reward_mean", "ppo/task_score", "ppo/advantage_mean", "ppo/return_mean",
     "ppo/response_length",
     "timing_s/generate", "timing_s/make_experience", "timing_s/train", "timing_s/step",
-    "perf/samples_per_s",
+    "perf/samples_per_s", "perf/tokens_per_s", "perf/padding_fraction",
 )
 # Loop keys of a run with a reference policy (ppo/algorithms.py drops ref when no KL is used).
 KL_KEYS = ("ppo/kl", "ppo/kl_coef")
@@ -78,7 +79,7 @@ def required_keys(roles: tuple[str, ...] = ROLES) -> list[str]:
 class RankReport:
     """What one rank of one model did during one step."""
 
-    tokens: int  # tokens through the model (prompt + response), every phase
+    tokens: int  # token positions the model computed on (prompt + response), every phase
     time_s: dict[str, float]  # wall time per role phase
     comm: dict[str, dict[str, float]]  # CommMeter.by_phase()
     memory: dict[str, int]  # engine.memory(): bytes on the device and in host memory
@@ -89,6 +90,7 @@ class RankReport:
     # Trained models: the longest run of optimizer steps skipped in a row (a non-finite loss or
     # gradient norm) that this step saw, counting a run that began in earlier steps.
     skip_run: int = 0
+    real_tokens: int = 0  # of ``tokens``, the real ones: the rest is padding
 
 
 def model_metrics(role: str, reports: list[RankReport]) -> dict[str, float]:
@@ -117,6 +119,15 @@ def model_metrics(role: str, reports: list[RankReport]) -> dict[str, float]:
         name = key if "/" in key else f"{role}/{key}"
         row[name] = sum(values) / len(values)
     return row
+
+
+def padding_fraction(reports: dict[str, list[RankReport]]) -> float:
+    """``perf/padding_fraction``: of the token positions every model computed on during the
+    step (all ranks, all phases), the fraction that were padding (0 for packed forwards;
+    generation runs padded)."""
+    computed = sum(r.tokens for per_rank in reports.values() for r in per_rank)
+    real = sum(r.real_tokens for per_rank in reports.values() for r in per_rank)
+    return 1.0 - real / computed if computed else 0.0
 
 
 class MetricsLogger:

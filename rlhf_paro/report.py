@@ -263,7 +263,10 @@ def _timing(ax, rows, steps) -> None:
     ax.stackplot(steps, *parts, labels=[k.replace("_", " ") for k in TIMING_COLORS],
                  colors=list(TIMING_COLORS.values()), alpha=0.85)
     rate = np.nanmean(_series(rows, "perf/samples_per_s"))
-    ax.set_title(f"Time per step ({rate:.1f} samples/s on average)")
+    padding = _series(rows, "perf/padding_fraction")
+    # Rows of runs from before the metric have none.
+    padded = "" if np.isnan(padding).all() else f", {np.nanmean(padding):.0%} padding"
+    ax.set_title(f"Time per step ({rate:.1f} samples/s{padded} on average)")
     ax.set_ylabel("seconds")
     ax.set_xlabel("step")
     ax.legend(loc="upper right", frameon=False, ncol=3)

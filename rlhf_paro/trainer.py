@@ -44,7 +44,7 @@ from rlhf_paro.actors.group import (
 from rlhf_paro.actors.ref import RefWorker
 from rlhf_paro.actors.reward import RewardWorker
 from rlhf_paro.config import RAY_ADDRESS_ALLOWED, Config, ConfigError
-from rlhf_paro.metrics import MetricsLogger, model_metrics
+from rlhf_paro.metrics import MetricsLogger, model_metrics, padding_fraction
 from rlhf_paro.ppo import algorithms, core
 from rlhf_paro.ppo.rewards import RewardFunctionError
 from rlhf_paro.ppo.task import task_from_config
@@ -370,6 +370,9 @@ class PPOTrainer:
             "timing_s/train": trained - experienced,
             "timing_s/step": done - start,
             "perf/samples_per_s": gen["count"] / (done - start),
+            # The rollout's real tokens (prompts and responses, all ranks) over the step.
+            "perf/tokens_per_s": gen["real_tokens"] / (done - start),
+            "perf/padding_fraction": padding_fraction(reports),
         })
         return row
 

@@ -99,3 +99,79 @@ def test_packed_values_and_scores_equal_the_padded_ones_and_so_do_their_gradient
         (critic(ids, mask, 6, packed=packed) * action).sum().backward()
         grads.append(critic.value_head.weight.grad.clone())
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-5)
+
+
+# --- micro-batches by tokens ----------------------------------------------------------------------
+
+def test_split_by_tokens_fills_each_micro_batch_up_to_the_budget_in_order():
+    num_tokens = torch.tensor([5, 3, 4, 2, 6, 1])
+    rows = torch.tensor([4, 0, 1, 3, 2, 5])  # a shuffled mini-batch: 6, 5, 3, 2, 4, 1 tokens
+    micros = batching.split_by_tokens(rows, num_tokens, max_tokens=8)
+    # 6 (+5 would be 11) | 5 + 3 = 8 | 2 + 4 + 1 = 7: a new micro-batch only when the next
+    # row would go over the budget, rows kept in the mini-batch's order.
+    assert [m.tolist() for m in micros] == [[4], [0, 1], [3, 2, 5]]
+    assert all(int(num_tokens[m].sum()) <= 8 for m in micros)
+    # The budget of the longest sequence (6 | 5 | 3 + 2 | 4 + 1), and one that holds all.
+    assert [m.tolist() for m in batching.split_by_tokens(rows, num_tokens, 6)] == [
+        [4], [0], [1, 3], [2, 5]]
+    assert [m.tolist() for m in batching.split_by_tokens(rows, num_tokens, 21)] == [rows.tolist()]
+
+
+def test_split_by_tokens_names_the_longest_sequence_when_it_does_not_fit():
+    with pytest.raises(ValueError) as err:
+        batching.split_by_tokens(torch.tensor([0, 1]), torch.tensor([5, 9]), max_tokens=7)
+    assert str(err.value) == ("max_tokens_per_micro_batch=7 is smaller than the longest "
+                              "sequence of the mini-batch, 9 tokens; allowed: at least 9")
+
+
+def test_fill_to_pads_with_the_shortest_row_at_weight_zero():
+    num_tokens = torch.tensor([5, 3, 4, 2, 6, 1])
+    micros = [torch.tensor([4]), torch.tensor([0, 1])]
+    filled = batching.fill_to(micros, 4, num_tokens)
+    assert [(m.rows.tolist(), m.weight) for m in filled] == [
+        ([4], 1.0), ([0, 1], 1.0), ([1], 0.0), ([1], 0.0)]  # row 1 (3 tokens) is the shortest
+    assert [(m.rows.tolist(), m.weight) for m in batching.fill_to(micros, 2, num_tokens)] == [
+        ([4], 1.0), ([0, 1], 1.0)]
+    with pytest.raises(ValueError, match="3 micro-batches exceed the agreed count 2"):
+        batching.fill_to(micros + micros[:1], 2, num_tokens)
+
+
+# --- balanced ranks ------------------------------------------------------------------------------
+
+def test_balanced_parts_deal_the_heaviest_first_to_the_lightest_part_with_room():
+    weights = torch.tensor([9, 8, 7, 6, 5, 4, 3, 2])
+    parts = batching.balanced_parts(weights, 2)
+    # 9 -> A, 8 -> B, 7 -> B (8 < 9), 6 -> A, 5 -> A (15 = 15: the lower part), 4 -> B, 3 -> B
+    # (19 < 20, B now full), 2 -> A: 22 and 22 tokens, where the halves in order hold 30 and 14.
+    assert [p.tolist() for p in parts] == [[0, 3, 4, 7], [1, 2, 5, 6]]
+    assert [int(weights[p].sum()) for p in parts] == [22, 22]
+    with pytest.raises(ValueError, match="8 items do not split into 3 parts of equal size"):
+        batching.balanced_parts(weights, 3)
+
+
+def test_balance_groups_keeps_groups_whole_and_evens_the_ranks_tokens():
+    gen = torch.Generator().manual_seed(0)
+    group_size, num_ranks, num_minis = 4, 2, 2
+    # 8 groups of 4 samples: short ones first, long ones last (a skewed rollout).
+    num_tokens = torch.cat([torch.randint(5, 10, (16,), generator=gen),
+                            torch.randint(40, 60, (16,), generator=gen)])
+    plan = batching.balance_groups(num_tokens, group_size, num_ranks, num_minis)
+    rows = torch.cat([m for rank in plan for m in rank])
+    assert sorted(rows.tolist()) == list(range(32))  # every row once
+    for rank in plan:
+        assert [len(m) for m in rank] == [8, 8]  # as many sequences per rank and mini-batch
+        for mini in rank:  # whole groups: each group's 4 rows together
+            groups = mini.div(group_size, rounding_mode="floor")
+            assert all((groups == g).sum() == group_size for g in groups.unique())
+    per_rank = [int(num_tokens[torch.cat(rank)].sum()) for rank in plan]
+    contiguous = [int(part.sum()) for part in num_tokens.chunk(num_ranks)]
+    group_max = int(num_tokens.reshape(-1, group_size).sum(-1).max())
+    # Greedy over 8 groups: the ranks differ by less than one group; in order they differ by
+    # the short half against the long half.
+    assert max(per_rank) - min(per_rank) < group_max
+    assert max(per_rank) - min(per_rank) < (max(contiguous) - min(contiguous)) / 4
+    # A pure function of the lengths: every rank computes the same plan.
+    again = batching.balance_groups(num_tokens.clone(), group_size, num_ranks, num_minis)
+    assert all(torch.equal(a, b) for r, s in zip(plan, again) for a, b in zip(r, s))
+    with pytest.raises(ValueError, match="30 rows are not whole groups of 4"):
+        batching.balance_groups(num_tokens[:30], group_size, num_ranks, num_minis)

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from rlhf_paro.metrics import (LOOP_KEYS, MetricsLogger, RankReport, model_metrics, read_jsonl,
-                               required_keys)
+from rlhf_paro.metrics import (LOOP_KEYS, MetricsLogger, RankReport, model_metrics,
+                               padding_fraction, read_jsonl, required_keys)
 
 
 def _report(rank: int) -> RankReport:
@@ -104,3 +104,19 @@ def test_a_resumed_logger_replaces_the_rows_after_its_step_and_goes_on_with_the_
     assert resumed.wandb_id == first.wandb_id
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(first.wandb_id in r.name for r in runs)  # one run id
+
+
+def test_padding_fraction_is_the_padding_share_of_every_position_computed_on():
+    # A packed model computes on its real tokens only; a padded one on 100 positions of which
+    # 40 are real; generation (actor) on 60 padded positions of which 30 are real.
+    def report(tokens, real):
+        return RankReport(tokens=tokens, real_tokens=real, time_s={}, comm={}, memory={},
+                          peak_bytes=0)
+
+    reports = {"critic": [report(40, 40), report(20, 20)], "ref": [report(100, 40)],
+               "actor": [report(60, 30)]}
+    # (60 + 30) padding positions of 220.
+    assert padding_fraction(reports) == pytest.approx(90 / 220)
+    assert padding_fraction({"critic": reports["critic"]}) == 0.0
+    assert padding_fraction({"reward": [report(0, 0)]}) == 0.0  # nothing computed, nothing padded
+    assert {"perf/tokens_per_s", "perf/padding_fraction"} <= set(LOOP_KEYS)

@@ -41,10 +41,9 @@ class ActorWorker(TrainedWorker):
             prompts, prompt_mask = prompts["input_ids"], prompts["attention_mask"]
         else:
             prompt_mask = torch.ones_like(prompts)
-        num_tokens = prompts.shape[0] * (prompts.shape[1] + ppo.max_new_tokens)
         sampling = ({"do_sample": False} if greedy else
                     {"do_sample": True, "temperature": ppo.temperature, "top_k": ppo.top_k})
-        with self.timed(GENERATE, num_tokens), self.engine.gathered(phase=GENERATE) as model:
+        with self.timed(GENERATE), self.engine.gathered(phase=GENERATE) as model:
             model.eval()
             out = model.generate(prompts.to(self.device), prompt_mask.to(self.device),
                                  max_new_tokens=ppo.max_new_tokens,
@@ -58,7 +57,10 @@ class ActorWorker(TrainedWorker):
         sequences, attention_mask = join(prompts, responses, action_mask, prompt_mask)
         rollout = {"sequences": sequences, "attention_mask": attention_mask,
                    "action_mask": action_mask}
-        stats = {"count": float(len(prompts)), "response_length": float(action_mask.sum())}
+        # Generation runs padded (a key/value cache per row): every position of the rows.
+        self.count_tokens(attention_mask, packed=False)
+        stats = {"count": float(len(prompts)), "response_length": float(action_mask.sum()),
+                 "real_tokens": float(attention_mask.sum())}
         if self.cfg.data.train_files is None:
             score = self.task.score(prompts, responses, action_mask)
             stats["task_score"] = float(score.sum())
@@ -70,7 +72,7 @@ class ActorWorker(TrainedWorker):
     def old_logprobs(self) -> None:
         """Log-probs of this rank's rollout under the policy that sampled it (kept here)."""
         rollout = self._rollout
-        with self.timed(INFERENCE, rollout["sequences"].numel()):
+        with self.timed(INFERENCE):
             self._old_logp = self.in_micro_batches(rollout, lambda rows: logprobs(self, rows))
 
     @torch.no_grad()

@@ -17,7 +17,7 @@ class CriticWorker(TrainedWorker):
         # offload=params: back on the device from here to the end of train(); parked while the
         # actor generates.
         self.unpark()
-        with self.timed(INFERENCE, rollout["sequences"].numel()):
+        with self.timed(INFERENCE):
             self._old_values = self.in_micro_batches(rollout, self._values)
         return self._old_values
 

@@ -16,5 +16,5 @@ class RefWorker(Worker):
     def logprobs(self, rollout: Batch) -> torch.Tensor:
         """(B, T) log-probs of this rank's rollout under the reference policy."""
         # offload=params: parked again once its one phase of the step is over.
-        with self.timed(INFERENCE, rollout["sequences"].numel()), self.on_device():
+        with self.timed(INFERENCE), self.on_device():
             return self.in_micro_batches(rollout, lambda rows: logprobs(self, rows))

@@ -62,13 +62,15 @@ class RewardWorker(Worker):
         prompts = responses = None
         if rows is not None:
             prompts, responses = rows["texts"], self._responses(rollout)
-        with self.timed(INFERENCE, rollout["sequences"].numel()):
+        with self.timed(INFERENCE):
             if self.has_model:  # offload=params: parked again once its one phase is over
                 batch = (rollout if self.reward_tokenizer is None
                          else self._encoded(prompts, responses))
                 with self.on_device():
                     out, extras = self.in_micro_batches(batch, self.forward), {}
             else:
+                # A function or server reads the real tokens, no padding.
+                self.count_tokens(rollout["attention_mask"], packed=True)
                 reward = self._modelless(step, prompts, responses, rows["columns"])
                 out, extras = torch.tensor(reward.scores), reward.extras
         if rows is not None:
@@ -123,10 +125,11 @@ class RewardWorker(Worker):
     def report(self) -> RankReport:
         if self.engine is not None:
             return super().report()
-        report = RankReport(tokens=self._tokens, time_s=dict(self._time_s), comm={}, memory={},
+        report = RankReport(tokens=self._tokens, real_tokens=self._real_tokens,
+                            time_s=dict(self._time_s), comm={}, memory={},
                             peak_bytes=peak_bytes(self.device))
         self._time_s.clear()
-        self._tokens = 0
+        self._tokens = self._real_tokens = 0
         return report
 
 

@@ -36,8 +36,9 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from rlhf_paro import models
+from rlhf_paro import batching, models
 from rlhf_paro.actors import checkpoint
+from rlhf_paro.config import ConfigError
 from rlhf_paro.metrics import TRAIN, RankReport
 from rlhf_paro.ppo import core, data
 from rlhf_paro.sharding import Topology
@@ -71,7 +72,8 @@ class Worker:
         self.engine: TrainEngine | None = None  # None: a reward function or server
         self.packed = False  # forwards on packed real tokens (set at setup from the model type)
         self._time_s: dict[str, float] = defaultdict(float)  # role phase -> seconds, this step
-        self._tokens = 0  # tokens through the model, this step
+        self._tokens = 0  # token positions the model computed on, this step
+        self._real_tokens = 0  # of which real tokens (the rest is padding)
 
     # -- rendezvous --------------------------------------------------------------------------
     def free_address(self) -> tuple[str, int]:
@@ -133,19 +135,28 @@ class Worker:
 
     # -- per-step accounting -----------------------------------------------------------------
     @contextlib.contextmanager
-    def timed(self, phase: str, tokens: int) -> Iterator[None]:
-        """Time a role phase (``generate``, ``inference``, ``train``) and count its tokens."""
+    def timed(self, phase: str) -> Iterator[None]:
+        """Time a role phase (``generate``, ``inference``, ``train``)."""
         start = time.perf_counter()
         try:
             yield
         finally:
             self._time_s[phase] += time.perf_counter() - start
-            self._tokens += tokens
+
+    def count_tokens(self, attention_mask: torch.Tensor, packed: bool | None = None) -> None:
+        """Count a forward over rows with this ``attention_mask``: the token positions it
+        computes on (the real tokens when packed, every position of the padded rows otherwise;
+        ``packed`` None: as this worker's forwards run) and the real tokens among them."""
+        real = int(attention_mask.sum())
+        self._tokens += real if (self.packed if packed is None else packed) \
+            else attention_mask.numel()
+        self._real_tokens += real
 
     def report(self) -> RankReport:
         """This step's report; resets the timers, the token count and the comm meter."""
         report = RankReport(
             tokens=self._tokens,
+            real_tokens=self._real_tokens,
             time_s=dict(self._time_s),
             comm=self.engine.meter.by_phase(),
             memory=self.engine.memory(),
@@ -153,7 +164,7 @@ class Worker:
             offload=self.engine.transfers.totals(),
         )
         self._time_s.clear()
-        self._tokens = 0
+        self._tokens = self._real_tokens = 0
         self.engine.meter.reset()
         self.engine.transfers.reset()
         return report
@@ -200,13 +211,22 @@ class Worker:
         dist.all_reduce(values)
         return values.cpu()
 
+    def all_reduce_max(self, values: torch.Tensor) -> torch.Tensor:
+        """The largest of small integers over this model's ranks (outside the engine)."""
+        values = values.to(self.device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        return values.cpu()
+
     def in_micro_batches(self, rollout: Batch, fn: Callable[[Batch], torch.Tensor]
                          ) -> torch.Tensor:
-        """``fn`` on ``micro_batch_size`` rows at a time (bounds activation memory), results
-        concatenated on the CPU, ready to travel."""
+        """The forward ``fn`` on ``micro_batch_size`` rows at a time (bounds activation memory),
+        its tokens counted, results concatenated on the CPU, ready to travel."""
         rows = torch.arange(rollout["sequences"].shape[0])
-        return torch.cat([fn({k: v[idx] for k, v in rollout.items()}).float().cpu()
-                          for idx in micro_batches(rows, self.model_cfg.micro_batch_size)])
+        out = []
+        for idx in batching.split_by_rows(rows, self.model_cfg.micro_batch_size):
+            self.count_tokens(rollout["attention_mask"][idx])
+            out.append(fn({k: v[idx] for k, v in rollout.items()}).float().cpu())
+        return torch.cat(out)
 
     def forward(self, batch: Batch, train: bool = False, **kwargs: Any) -> torch.Tensor:
         """The model's forward on rows of a rollout (log-probs, values or scores)."""
@@ -259,20 +279,25 @@ class TrainedWorker(Worker):
         ``micro_loss(indices, divisor)`` returns the loss of one micro-batch (rows ``indices``
         of the rollout) and its metrics; ``divisor`` makes it a share of the global
         mini-batch's aggregate ``agg`` (``core.aggregate``: the global count of tokens or
-        sequences over ranks x micro-batches). ``step`` is the PPO step.
+        sequences over ranks x micro-batches). ``step`` is the PPO step. A filler micro-batch
+        ([Note: micro-batches by tokens]) runs with its loss times 0 and records no metrics.
         """
-        seq_len = self._rollout["sequences"].shape[1]
         poisoned = os.environ.get(NAN_LOSS_ENV) == f"{self.role}:{self.rank}:{step}"
         for _ in range(self.cfg.ppo.ppo_epochs):
-            for mini, divisor in self._mini_batches(mask, agg):
-                for idx in micro_batches(mini, self.model_cfg.micro_batch_size):
-                    with self.timed(TRAIN, len(idx) * seq_len):
-                        loss, stats = micro_loss(idx, divisor)
+            for micros, divisor in self._mini_batches(mask, agg):
+                self.engine.set_micro_batches(len(micros))
+                for micro in micros:
+                    self.count_tokens(self._rollout["attention_mask"][micro.rows])
+                    with self.timed(TRAIN):
+                        loss, stats = micro_loss(micro.rows, divisor)
+                        if micro.weight != 1.0:
+                            loss = loss * micro.weight
                         if poisoned:
                             loss = loss * float("nan")
                         self.engine.backward(loss)
-                    self.record_train({"loss": loss.item(), **stats})
-                with self.timed(TRAIN, 0):
+                    if micro.weight:
+                        self.record_train({"loss": loss.item(), **stats})
+                with self.timed(TRAIN):
                     skipped_before = self.engine.skipped_steps
                     grad_norm = self.engine.step()
                 self._count_skip(self.engine.skipped_steps > skipped_before)
@@ -295,16 +320,31 @@ class TrainedWorker(Worker):
                              directory, tokenizer, self.model_cfg.lora.merge_on_export)
         dist.barrier()
 
-    def _mini_batches(self, mask: torch.Tensor, agg: str) -> list[tuple[torch.Tensor, float]]:
-        """This rank's shuffled mini-batches, each with its divisor: the global mini-batch's
-        count under ``agg`` (valid tokens or sequences, summed over ranks) / (ranks *
-        micro-batches per step)."""
+    def _mini_batches(self, mask: torch.Tensor, agg: str
+                      ) -> list[tuple[list[batching.MicroBatch], float]]:
+        """This rank's shuffled mini-batches, each as its micro-batches and their divisor: the
+        global mini-batch's count under ``agg`` (valid tokens or sequences, summed over ranks)
+        / (ranks x micro-batches per step). Under ``max_tokens_per_micro_batch`` the
+        micro-batch count is the largest over ranks, fillers making up the rest
+        ([Note: micro-batches by tokens])."""
         size = self.cfg.ppo.mini_batch_size // self.num_ranks
-        minis = micro_batches(torch.randperm(mask.shape[0]), size)
+        minis = batching.split_by_rows(torch.randperm(mask.shape[0]), size)
         local = torch.tensor([core.agg_count(mask[m], agg) for m in minis], dtype=torch.float64)
         total = self.all_reduce_sum(local)
-        per_micro = self.num_ranks * self.engine.grad_accum_steps
-        return [(m, float(t) / per_micro) for m, t in zip(minis, total)]
+        budget = self.model_cfg.max_tokens_per_micro_batch
+        num_tokens = self._rollout["attention_mask"].sum(-1)
+        if budget is None:
+            splits = [batching.split_by_rows(m, self.model_cfg.micro_batch_size) for m in minis]
+            counts = [len(s) for s in splits]  # the same on every rank: as many rows each
+        else:
+            try:
+                splits = [batching.split_by_tokens(m, num_tokens, budget) for m in minis]
+            except ValueError as err:
+                raise ConfigError(f"{self.role}.max_tokens_per_micro_batch", str(err)) from None
+            counts = self.all_reduce_max(torch.tensor([len(s) for s in splits])).tolist()
+        return [(batching.fill_to(split, k, num_tokens),
+                 batching.micro_divisor(float(t), self.num_ranks, k))
+                for split, k, t in zip(splits, counts, total)]
 
 
 def engine_options(cfg: Any, role: str, trained: bool,
@@ -359,7 +399,3 @@ def peak_bytes(device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     # Linux reports ru_maxrss in KiB.
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-def micro_batches(indices: torch.Tensor, size: int) -> list[torch.Tensor]:
-    return [indices[i:i + size] for i in range(0, len(indices), size)]

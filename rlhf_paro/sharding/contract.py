@@ -42,7 +42,9 @@ class TrainEngine(Protocol):
     """One model on one rank, sharded by some backend: what the workers call.
 
     A step is ``grad_accum_steps`` calls of ``backward(loss)`` (each after a forward through
-    ``engine(**inputs)``), then one ``step()``; anything else in between raises ``EngineError``
+    ``engine(**inputs)``), then one ``step()``; ``set_micro_batches(k)`` between steps makes
+    the following steps k calls (the same k on every rank: the backward's collectives run per
+    micro-batch); anything else in between raises ``EngineError``
     (``MicroBatches``), as do ``backward()`` and ``step()`` on a frozen model. Checkpoints are
     written and read between steps only. ``offload_params()`` parks the parameters in host
     memory between phases, where the backend keeps them there (``offload='params'``); forward
@@ -57,6 +59,8 @@ class TrainEngine(Protocol):
     def grad_accum_steps(self) -> int: ...  # backward() calls per step()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def set_micro_batches(self, num_micro: int) -> None: ...  # grad_accum_steps from now on
 
     def backward(self, loss: torch.Tensor) -> None: ...
 
@@ -164,6 +168,14 @@ class MicroBatches:
     def last(self) -> bool:
         """Inside the backward of the step's last micro-batch (``done`` counts it after)."""
         return self.done == self.per_step - 1
+
+    def set_per_step(self, per_step: int) -> None:
+        """``per_step`` backward() calls per step from the next step on; between steps only
+        (the loss scale and the boundary of a step in progress depend on it)."""
+        if per_step < 1:
+            raise ValueError(f"grad_accum_steps={per_step} must be a positive integer")
+        self.check_between_steps("set_micro_batches()")
+        self.per_step = per_step
 
     def check_backward(self, trained: bool) -> None:
         if not trained:

@@ -207,6 +207,16 @@ class DeepSpeedEngine:
         with self._metering(FORWARD):
             return self.ds(*args, **kwargs)
 
+    def set_micro_batches(self, num_micro: int) -> None:
+        """Only the count the engine was built with: DeepSpeed fixes its accumulation at
+        ``initialize`` (its ZeRO optimizers keep their own copy of the count, and its boundary is
+        the running micro-step count modulo it), so a per-step count would misplace the
+        boundary (the config refuses max_tokens_per_micro_batch on this backend)."""
+        if num_micro != self._micro.per_step:
+            raise EngineError(f"backend deepspeed keeps grad_accum_steps={self._micro.per_step} "
+                              f"from initialize; set_micro_batches({num_micro}) needs the "
+                              "PaRO engine")
+
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch; DeepSpeed scales the loss by 1/grad_accum_steps."""
         self._micro.check_backward(not self.frozen)

@@ -376,6 +376,10 @@ class ShardedEngine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
+    def set_micro_batches(self, num_micro: int) -> None:
+        """``num_micro`` backward() calls per step from the next step on (between steps)."""
+        self._micro.set_per_step(num_micro)
+
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch; the loss is scaled by 1/grad_accum_steps.
 

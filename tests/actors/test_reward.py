@@ -71,7 +71,9 @@ def rollout(assets) -> tuple[dict[str, torch.Tensor], dict]:
         mask[i, :len(words)] = 1
     prompt = torch.full((len(RESPONSES), 2), tokenizer.bos_token_id)
     rows = {"texts": ["count : a b"] * len(RESPONSES), "columns": {"start": STARTS}}
-    return {"sequences": torch.cat([prompt, ids], 1), "action_mask": mask}, rows
+    return {"sequences": torch.cat([prompt, ids], 1),
+            "attention_mask": torch.cat([torch.ones_like(prompt), mask], 1),
+            "action_mask": mask}, rows
 
 
 def test_a_server_reward_joins_no_group_and_sums_its_extras_for_the_metrics(assets, server,
@@ -87,7 +89,11 @@ def test_a_server_reward_joins_no_group_and_sums_its_extras_for_the_metrics(asse
     # Starts 2 and 4 are even: those two items carry the extra, the sum of which is 6.
     assert reward.score_sums() == {"count": 4.0, "task_score": 7.0, "reward/start": 6.0,
                                    "reward/start:count": 2.0}
-    assert reward.report().time_s["inference"] > 0
+    report = reward.report()
+    assert report.time_s["inference"] > 0
+    # A server reads the real tokens, no padding: 2 prompt tokens per response and its words.
+    real = 2 * len(RESPONSES) + sum(map(len, RESPONSES))
+    assert (report.tokens, report.real_tokens) == (real, real)
 
 
 def test_the_score_function_gives_task_score_and_its_extras_win_a_shared_name(assets, server,

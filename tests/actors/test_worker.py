@@ -63,3 +63,18 @@ def test_engine_options_carry_a_trained_models_step_and_each_backends_own_keys()
     ref = engine_options(cfg, "ref", trained=False)
     assert ref.frozen and ref.optim is None and ref.max_grad_norm is None
     assert (ref.grad_accum_steps, ref.reduce_dtype) == (1, "fp32")
+
+
+@pytest.mark.parametrize("packed, computed", [(True, 5), (False, 8)])
+def test_a_forward_counts_the_positions_it_computes_on_and_the_real_tokens(packed, computed):
+    import torch
+
+    from rlhf_paro.actors.worker import Worker
+
+    worker = object.__new__(Worker)  # the counters only: no process group, no model
+    worker.packed, worker._tokens, worker._real_tokens = packed, 0, 0
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]])  # 5 real tokens in 8 positions
+    worker.count_tokens(mask)
+    assert (worker._tokens, worker._real_tokens) == (computed, 5)
+    worker.count_tokens(mask, packed=False)  # generation runs padded on any model
+    assert (worker._tokens, worker._real_tokens) == (computed + 8, 10)

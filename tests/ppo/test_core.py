@@ -439,3 +439,50 @@ def test_group_estimators_per_rank_equal_the_full_batch(name):
         # another summation order (<= 6 terms of order 1, error <= 6 * u).
         torch.testing.assert_close(rank_adv, adv[rows], rtol=0, atol=1e-12)
         torch.testing.assert_close(rank_ret, ret[rows], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("agg", core.LOSS_AGG_MODES)
+def test_token_budget_micro_batches_keep_the_global_aggregate_on_fake_ranks(agg):
+    """Micro-batches by tokens (batching.split_by_tokens): fake rank 0 holds four long
+    sequences, rank 1 four short ones, so a budget of 8 tokens splits them into 4 and 2
+    micro-batches. Both run the agreed 4 (rank 1 two fillers of weight 0), each micro-batch's
+    loss divided by batching.micro_divisor(global count, 2 ranks, 4); the engine scales by 1/4
+    and averages over ranks. Loss and gradient equal the unsplit mini-batch's aggregate."""
+    from rlhf_paro import batching
+
+    response = torch.tensor([6, 6, 5, 6, 1, 1, 2, 1])  # real response tokens per row
+    mask = (torch.arange(6)[None, :] < response[:, None]).double()
+    num_tokens = response + 2  # a prompt of 2 tokens: 8 8 7 8 | 3 3 4 3
+    gen = torch.Generator().manual_seed(4)
+    old, adv = (torch.randn(8, 6, generator=gen, dtype=torch.float64).tanh() for _ in range(2))
+    current = (old + 0.3 * torch.randn(8, 6, generator=gen, dtype=torch.float64).tanh()
+               ).requires_grad_(True)
+
+    def loss_fn(rows, divisor=None):
+        return core.policy_loss(current[rows], old[rows], adv[rows], mask[rows], 0.2, divisor,
+                                agg)[0]
+
+    full = loss_fn(torch.arange(8))
+    (full_grad,) = torch.autograd.grad(full, current)
+
+    ranks = [torch.tensor([2, 0, 3, 1]), torch.tensor([6, 4, 7, 5])]  # shuffled mini-batches
+    splits = [batching.split_by_tokens(rows, num_tokens, max_tokens=8) for rows in ranks]
+    assert [len(s) for s in splits] == [4, 2]
+    agreed = max(len(s) for s in splits)  # the worker's all-reduce MAX
+    divisor = batching.micro_divisor(core.agg_count(mask, agg), len(ranks), agreed)
+
+    def engine_mean(divisor):
+        per_rank = [sum(m.weight * loss_fn(m.rows, divisor)
+                        for m in batching.fill_to(split, agreed, num_tokens)) / agreed
+                    for split in splits]
+        return torch.stack(per_rank).mean()  # the gradient's mean over ranks
+
+    split_loss = engine_mean(divisor)
+    (split_grad,) = torch.autograd.grad(split_loss, current)
+    # Same float64 terms summed in another order (see the tolerance of the test above).
+    torch.testing.assert_close(split_loss, full, rtol=0, atol=1e-12)
+    torch.testing.assert_close(split_grad, full_grad, rtol=0, atol=1e-12)
+    # A divisor from the configured accumulation (4 rows / micro_batch_size 2 = 2 micro-batches)
+    # while the engine divides by the agreed 4 would halve the loss.
+    wrong = engine_mean(batching.micro_divisor(core.agg_count(mask, agg), len(ranks), 2))
+    torch.testing.assert_close(wrong, full / 2, rtol=0, atol=1e-12)

@@ -18,6 +18,32 @@ def test_step_before_the_accumulation_boundary_is_an_error() -> None:
         engine.step()
 
 
+def test_set_micro_batches_sets_the_next_steps_count_and_its_loss_scale() -> None:
+    """An engine built for 2 micro-batches per step and set to 3 takes the same step as one
+    built for 3 (each loss scaled by 1/3); a count changes only between steps."""
+    x = torch.ones(2, 3)
+
+    def trained(grad_accum_steps: int):
+        torch.manual_seed(0)
+        return shard(TwoLayer(), Strategy.parse("NNN"), Topology(1, 1), grad_accum_steps=
+                     grad_accum_steps, optim={"lr": 0.1})
+
+    reference, engine = trained(3), trained(2)
+    engine.set_micro_batches(3)
+    for k in (1, 2, 3):
+        reference.backward(reference(x * k))
+        engine.backward(engine(x * k))
+        if k == 1:
+            with pytest.raises(EngineError, match="set_micro_batches\\(\\) after 1 backward"):
+                engine.set_micro_batches(1)
+    assert engine.step() == reference.step()  # the gradient norms
+    for (name, p), q in zip(engine.module.state_dict().items(),
+                            reference.module.state_dict().values()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+    with pytest.raises(ValueError, match="grad_accum_steps=0 must be a positive integer"):
+        engine.set_micro_batches(0)
+
+
 def test_too_many_backward_calls_without_step_is_an_error() -> None:
     engine = shard(TwoLayer(), "NNN", Topology(1, 1), grad_accum_steps=1)
     engine.backward(engine(torch.ones(2, 3)))
