@@ -36,8 +36,8 @@ from torch import Tensor
 
 # Model types whose Hugging Face implementation reads packed position ids as separate sequences
 # (tests/test_batching.py checks each against its padded forward on a random tiny model).
-PACKED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
-                      "olmo2", "smollm3")
+PACKED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
+                      "phi3", "olmo2", "smollm3")
 
 
 @dataclass(frozen=True)
@@ -125,17 +125,17 @@ def last_tokens(packed: Packed) -> Tensor:
 
 
 # -- micro-batches by tokens -----------------------------------------------------------------------
-# [Note: micro-batches by tokens] A trained model's mini-batch on a rank is split into
-# micro-batches of up to ``<model>.max_tokens_per_micro_batch`` real tokens (``split_by_tokens``).
-# Ranks then hold different numbers of micro-batches, but the engine's collectives run per
-# micro-batch and its loss scale 1/grad_accum_steps and boundary (in the last backward) need the
-# count in advance: the worker agrees on the largest count over the model's ranks, sets it on the
-# engine (``set_micro_batches``), and a rank with fewer runs filler micro-batches
-# (``fill_to``): the forward and backward of the mini-batch's shortest sequence with its loss
-# times 0, which joins every collective and adds nothing to the gradient. The divisor of each
-# micro-batch's loss is the global count / (ranks x agreed count), so the engine's mean over
-# ranks and micro-batches stays the aggregate over the global mini-batch (docs/design.md,
-# "Batching").
+# [Note: micro-batches by tokens]
+# A trained model's mini-batch on a rank is split into micro-batches of up to
+# ``<model>.max_tokens_per_micro_batch`` real tokens (``split_by_tokens``). Ranks then hold
+# different numbers of micro-batches, but the engine's collectives run per micro-batch and its loss
+# scale 1/grad_accum_steps and boundary (in the last backward) need the count in advance: the worker
+# agrees on the largest count over the model's ranks, sets it on the engine (``set_micro_batches``),
+# and a rank with fewer runs filler micro-batches (``fill_to``): the forward and backward of the
+# mini-batch's shortest sequence with its loss times 0, which joins every collective and adds
+# nothing to the gradient. The divisor of each micro-batch's loss is the global count / (ranks x
+# agreed count), so the engine's mean over ranks and micro-batches stays the aggregate over the
+# global mini-batch (docs/design.md, "Batching").
 
 
 @dataclass(frozen=True)
@@ -190,13 +190,13 @@ def fill_to(micros: list[Tensor], count: int, num_tokens: Tensor) -> list[MicroB
 
 
 # -- balanced ranks ------------------------------------------------------------------------------
-# [Note: balanced ranks] The rank with the most real tokens sets the pace of every collective, so
-# a step's sequences are better dealt to ranks by their real tokens than in rollout order. The
-# unit is a group of ``rollout.n`` samples of one prompt (a group baseline needs its samples on
-# one rank); each part gets as many groups (so every rank trains on as many sequences), and the
-# assignment is a pure function of the lengths (ties go to the lower index), so every rank
-# computes the same one. Not wired into a run yet: it needs the rollout's rows moved between
-# ranks after generation.
+# [Note: balanced ranks]
+# The rank with the most real tokens sets the pace of every collective, so a step's sequences are
+# better dealt to ranks by their real tokens than in rollout order. The unit is a group of
+# ``rollout.n`` samples of one prompt (a group baseline needs its samples on one rank); each part
+# gets as many groups (so every rank trains on as many sequences), and the assignment is a pure
+# function of the lengths (ties go to the lower index), so every rank computes the same one. Not
+# wired into a run yet: it needs the rollout's rows moved between ranks after generation.
 
 
 def balanced_parts(weights: Tensor, num_parts: int) -> list[Tensor]:
