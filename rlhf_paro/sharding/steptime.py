@@ -4,36 +4,43 @@ micro-batch.
 
 [Note: the step-time model]
 One optimizer step of s micro-batches of b sequences on one device (docs/design.md, "The
-schedule" and "The unit lifecycle"):
+schedule", "The unit lifecycle", "Gradients: flat buffers, reductions in flight, buckets"), run
+as the engine runs it on two resources: a compute stream, and one communication lane on which
+collectives run one at a time in the order they were posted (the ports are shared, so two at
+once would take as long as one after the other). A collective posted asynchronously occupies
+the lane and compute goes on until something waits for it; a synchronous one stops compute
+until it is done. What runs when is read from the schedule (``schedule.plan``), each
+collective timed by ``comm.simulate.scope_seconds`` on the bytes the engine hands it (a unit's
+padded flat buffer at the coarser of the two levels, or a bucket):
 
-    T_step  = s * (T_fwd + T_bwd) + T_boundary + T_update
-    T_fwd   = g_0 + c_0 + g_1 + sum_k lane(c_k, g_{k+1})           forward, units in order
-    T_bwd   = g_0 + c_0 + r_0 + g_n + sum_k [lane(c_k, g_{k-1}) + r_k]   blocks in reverse
-    lane(c, g) = max(c, g)  when the next unit's gather is asynchronous (a prefetch)
-               = c + g      when it is not
-
-Unit 0 is the root, gathered first and without prefetch; g_k is unit k's parameter gather,
-c_k its compute, r_k its gradient reduce-scatter. What runs where is read from the schedule
-(``schedule.plan``), each collective timed by ``comm.simulate.scope_seconds`` on the bytes the
-engine hands it (a unit's padded flat buffer at the coarser of the two levels):
-
-  - gathers are prefetched one unit ahead, so they hide behind the compute of the unit before;
-    only native collectives run asynchronously, so a world gather on a ring schedule of ours
-    (``comm.algorithm`` other than native) runs inline and hides nothing;
-  - the backward reduce-scatter is synchronous: the next unit's compute waits for it, and it
-    waits for the prefetch in flight (one communication lane per rank);
-  - the boundary (reduce to the OS level, the norm) and the update (gather OS -> P) run
-    between micro-batches with nothing to hide behind.
+  - forward: the root is gathered first (it wraps the model); each block is gathered, or waited
+    for when prefetched, and the next block's gather is posted before it computes; the root's
+    own arithmetic (the head) comes last;
+  - backward: the root is gathered again and the head runs first, then the blocks in reverse,
+    each prefetching the one before it. As a unit finishes, its gradient reduce-scatter is
+    posted asynchronously, small units together by ``schedule.buckets`` (the engine's rule and
+    BUCKET_NUMEL); compute waits for the oldest only when more than REDUCTIONS_IN_FLIGHT (the
+    engine's constant) are in flight, so the last reductions of a micro-batch run into the next
+    one's forward;
+  - in the last micro-batch a unit's boundary starts when its accumulator is complete (at its
+    post-backward when gradients stay at N, when its last reduction is waited for otherwise):
+    the first collective of its chain to the OS level is posted then;
+  - ``step()`` waits for every reduction in flight and every started boundary collective, runs
+    the rest of each unit's chain and the norm, then the update (OS -> P), all synchronously.
+Every collective the engine posts asynchronously runs so, ring schedules of ours included (the
+group's lane of ``comm/rings.py``). ``StepTime.in_step`` is what ``step()`` takes after the
+last backward.
 
 [Note: reductions of other systems]
-This engine reduces a unit's gradient with one reduce-scatter, synchronously, and its own ring
-schedules share the native collectives' links. To predict runs of another system the model
-takes three departures, each off by default:
-  - ``overlap_reduce``: the reduction of unit k runs on the communication lane during unit
-    k+1's compute (after the prefetch issued with it), only the last one exposed:
-        lane_k = max(c_k, r_{k-1} + g_{k+1})
-    as a training stack with a separate reduction stream does (DeepSpeed's ``overlap_comm``).
-    Only native collectives run so; a world reduce-scatter on a ring schedule stays inline.
+To predict runs of another system, ``Overlap`` describes what it overlaps; ``ENGINE`` is this
+engine's, with its cap and bucket size imported from the engine and the schedule:
+  - ``reductions_in_flight``: 0 runs each reduction inline; 1 is a training stack with a
+    separate reduction stream that waits for the previous reduction before posting the next
+    (DeepSpeed's ``overlap_comm``);
+  - ``boundary_in_backward``: whether the boundary's first collective starts in the backward;
+  - ``async_rings``: whether our ring schedules run asynchronously (a system that runs them on
+    the caller's thread hides nothing behind them);
+  - ``bucket_numel``: the bucket size (1: every unit alone);
   - ``reduce_per_owner``: a gradient reduce-scatter over n ranks becomes one ``reduce`` to each
     rank that owns a piece of it, the pieces being one flat partition of the whole model (what
     DeepSpeed's ZeRO-1/2 optimizer issues for every bucket). A unit with a share q of the
@@ -41,8 +48,8 @@ takes three departures, each off by default:
     of n-1 steps, so the unit costs (1 + n q)(n-1) step latencies plus its bytes once through
     the slowest link, against n-1 latencies for a ring. Over the model that is n + (units)
     reduces per micro-batch, each n-1 steps long: latency that grows as n^2.
-  - ``Machine.ring_links``: other port constants for our ring schedules than for the native
-    collectives, where the two implementations differ (the paper's rings against NCCL).
+``Machine.ring_links`` gives our ring schedules other port constants than the native
+collectives, where the two implementations differ (the paper's rings against NCCL).
 
 Compute: c_k = b * F_k / flops, with F_k the unit's forward FLOPs per sequence (2 per
 parameter per token, plus causal attention's 2 L h per token per block); the backward costs
