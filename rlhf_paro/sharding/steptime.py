@@ -204,7 +204,7 @@ def owner_reduces(c: Collective, numel: int, share: float, elem: int, topo: Topo
                                   topo.group_size, machine.links), owners
 
 
-def asynchronous(c: Collective, algorithm: str, system: "Overlap") -> bool:
+def asynchronous(c: Collective, algorithm: str, system: Overlap) -> bool:
     """Whether ``system`` runs this collective asynchronously; ``algorithm`` is the one that
     runs it (``collective_algorithm``). The engine posts ring schedules on their group's lane
     like native collectives (docs/design.md, "Collectives"); another system may not."""
