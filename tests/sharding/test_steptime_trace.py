@@ -6,17 +6,18 @@ rotated rounds as the steps (``scripts/check_steptime.py``'s own functions), so 
 of the machine falls on the constants as it falls on the steps.
 
 Tolerances. The constants and the steps take the fastest of 9 rounds (on a shared machine the
-least disturbed one; a median still moves with the load). Observed on a 2-core machine shared
-with other work, load average 6 to 24: predicted / measured steps from -41% to +4%, ratios to
-GGG within 26% of the measured ones, and IGG measured within 4% of GGG where the model puts it
-29% below (on loopback the intra and inter "ports" are the same memory copies, and the ranks'
-communication takes CPU from their compute). So the test holds: the order of every pair the
-model puts more than ORDER_GAP apart (NNN below IGG and GGG; IGG against GGG is not held), each
-strategy's ratio to GGG within RATIO_TOLERANCE of the measured one, each step within a factor
-of ABSOLUTE_FACTOR of its prediction, and the phases: NNN communicates only in ``step()`` (the
-boundary all-reduce) and GGG mostly in its passes (world gathers and reduce-scatters every
-micro-batch), so ``step()`` takes a larger share of NNN's step than of GGG's, predicted and
-measured alike.
+least disturbed one; a median still moves with the load). Observed in five runs on a 2-core
+machine shared with other work, load average 3 to 25: predicted / measured steps from -43% to
++4%, ratios to GGG within 29% of the measured ones, and IGG measured within 4% of GGG where
+the model puts it 27-29% below. On loopback the intra and inter "ports" are the same memory
+copies, and on 2 cores the ranks' communication takes CPU from their compute, which the model
+lets overlap freely: it underrates every step, the cheap ones most. So the test holds: the
+order of every pair the model puts more than ORDER_GAP apart (NNN below IGG and GGG; IGG
+against GGG is not held), each strategy's ratio to GGG within RATIO_TOLERANCE of the measured
+one, each step within a factor of ABSOLUTE_FACTOR of its prediction, and the phases: NNN
+communicates only in ``step()`` (the boundary all-reduce) and GGG mostly in its passes (world
+gathers and reduce-scatters every micro-batch), so ``step()`` takes a larger share of NNN's
+step than of GGG's, predicted and measured alike.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "check_steptime.py"
 STRATEGIES = ("NNN", "IGG", "GGG")
 HIDDEN, LAYERS, VOCAB, SEQ, BATCH, MICRO, ROUNDS = 256, 2, 256, 8, 1, 4, 9
-RATIO_TOLERANCE = 0.35
+RATIO_TOLERANCE = 0.45
 ORDER_GAP = 1.5
-ABSOLUTE_FACTOR = 2.0
+ABSOLUTE_FACTOR = 2.5
 
 
 def _check_steptime():
