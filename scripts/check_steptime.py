@@ -1,17 +1,19 @@
 """Predicted against measured step time of the 14 strategies, on the ranks of an emulated cluster.
 
-    python scripts/emulate_cluster.py --nodes 2 --gpus-per-node 2 --inter-rate 40MB -- \\
+    python scripts/emulate_cluster.py --nodes 2 --gpus-per-node 2 --inter-rate 160MB -- \\
         python scripts/check_steptime.py --rounds 7
 
 Run as every rank (the environment of ``emulate_cluster.py``: RANK, WORLD_SIZE, GROUP_SIZE,
-MASTER_ADDR, MASTER_PORT). First the step-time model's constants are measured on this cluster,
+MASTER_ADDR, MASTER_PORT). The step-time model's constants are measured on this cluster,
 independently of the strategies: the achieved FLOP/s from the unsharded model's forward and
 backward on every rank at once, and each port's latency and bandwidth from native all-gathers of
-two sizes on its scope (every rank at once, as in training). Then the 14 strategies run round by
-round, one optimizer step each per round, in a rotated order, so that whatever else the machine
-does falls on all of them alike. Rank 0 prints, per strategy, the predicted step time, the
-median measured one (the slowest rank of each step) and the spread of the measurements, and
-both as ratios to GGG (ZeRO-3).
+two sizes on its scope (every rank at once, as in training). These probes and the strategies
+run round by round, one optimizer step each per round, in a rotated order, so that whatever
+else the machine does falls on all of them (constants included) alike; each step is traced as
+its passes (the s forwards and backwards) and its ``step()``, the slowest rank of each. Rank 0 prints, per strategy, the
+predicted and the median measured step and ``step()`` times, the spread of the measurements, the
+error of the prediction, both as ratios to GGG (ZeRO-3), and the rank correlation of the two
+orders. ``tests/sharding/test_steptime_trace.py`` runs the same functions on 4 loopback ranks.
 """
 
 from __future__ import annotations
@@ -20,19 +22,19 @@ import argparse
 import os
 import statistics
 import time
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 
-def _model(args: argparse.Namespace) -> torch.nn.Module:
+def llama(hidden: int, layers: int, vocab: int, seq: int) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
-                         intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
-                         num_attention_heads=4, num_key_value_heads=4, use_cache=False,
-                         max_position_embeddings=args.seq)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                         use_cache=False, max_position_embeddings=seq)
     return LlamaForCausalLM(config)
 
 
@@ -40,39 +42,129 @@ def _model(args: argparse.Namespace) -> torch.nn.Module:
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _timed(fn, repeats: int) -> float:
-    """Median seconds of ``fn`` over ``repeats`` calls, the slowest rank of each."""
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        elapsed = torch.tensor([time.perf_counter() - start])
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(elapsed.item())
-    return statistics.median(times)
+def _slowest(seconds: float) -> float:
+    elapsed = torch.tensor([seconds])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
 
 
-def _port(topo, scope: str, repeats: int) -> tuple[float, float]:
-    """(latency, bandwidth) of a scope's port from native ring all-gathers of a small and a
-    large shard: n-1 steps of (latency + shard bytes / bandwidth)."""
-    group, n = topo.group(scope), topo.scope_size(scope)
-    per_step = {}
-    for numel in (64, 4 << 20):
-        shard = torch.ones(numel)
-        out = torch.empty(n * numel)
-        per_step[numel] = _timed(lambda: _all_gather_single(out, shard, group=group),
-                                 repeats) / (n - 1)
-    small, large = 64 * 4, (4 << 20) * 4
-    bandwidth = (large - small) / max(per_step[4 << 20] - per_step[64], 1e-9)
-    return max(per_step[64] - small / bandwidth, 0.0), bandwidth
+def _timed(fn: Callable[[], object]) -> float:
+    """Seconds of one call of ``fn`` on every rank at once, the slowest rank's."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    return _slowest(time.perf_counter() - start)
 
 
-def main() -> None:
+SMALL = 64  # elements of a port probe's small shard
+
+
+def probes(model: torch.nn.Module, ids: torch.Tensor, topo, large: int = 4 << 20
+           ) -> dict[str, Callable[[], object]]:
+    """What measures the model's constants, independently of the strategies: the unsharded
+    ``model``'s forward and backward of one micro-batch ``ids`` (the achieved FLOP/s), and on
+    each port native all-gathers of a small and a ``large`` shard (its latency and bandwidth)."""
+    out: dict[str, Callable[[], object]] = {
+        "compute": lambda: model(input_ids=ids, labels=ids).loss.backward()}
+    for scope in ("intra", "inter"):
+        group, n = topo.group(scope), topo.scope_size(scope)
+        for numel in (SMALL, large):
+            shard, full = torch.ones(numel), torch.empty(n * numel)
+            out[f"{scope} {numel}"] = (lambda shard=shard, full=full, group=group:
+                                       _all_gather_single(full, shard, group=group))
+    return out
+
+
+def machine(seconds: dict[str, float], workload, batch: int, topo):
+    """The model's constants from the probes' seconds (``probes``): FLOP/s from the unsharded
+    step (a forward, then a backward at twice its FLOPs), and each port's latency and
+    bandwidth from its ring all-gathers, n-1 steps of (latency + shard bytes / bandwidth)."""
     from rlhf_paro.comm.simulate import Links
+    from rlhf_paro.sharding.steptime import Machine
+
+    ports = []
+    for scope in ("intra", "inter"):
+        steps = topo.scope_size(scope) - 1
+        (small, t_small), (large, t_large) = sorted(
+            (int(k.split()[1]), t / steps) for k, t in seconds.items() if k.startswith(scope))
+        bandwidth = 4 * (large - small) / max(t_large - t_small, 1e-9)
+        ports.append((max(t_small - 4 * small / bandwidth, 0.0), bandwidth))
+    (intra_lat, intra_bw), (inter_lat, inter_bw) = ports
+    flops = 3 * batch * sum(workload.flops) / seconds["compute"]
+    return Machine(Links(intra_bw, inter_bw, intra_lat, inter_lat), flops)
+
+
+def trace(engines: dict, ids: torch.Tensor, rounds: int,
+          calibration: dict[str, Callable[[], object]]
+          ) -> tuple[dict[str, list[tuple[float, float]]], dict[str, list[float]]]:
+    """Per engine, per round: (step seconds, of which ``step()``), the slowest rank of each;
+    and per probe of ``calibration``, per round, its seconds: the probes run in the same rounds
+    (so the constants see the load the steps see). ``ids`` holds one micro-batch per row of its
+    first dimension. One warm-up of everything first (the first forward records the unit
+    order), then everything once per round in a rotated order."""
+    def passes(engine) -> None:
+        for micro in ids:
+            engine.backward(engine(input_ids=micro, labels=micro).loss)
+
+    for engine in engines.values():
+        passes(engine)
+        engine.step()
+    for probe in calibration.values():
+        probe()
+    names = [*engines, *calibration]
+    out: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
+    probed: dict[str, list[float]] = {name: [] for name in calibration}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            if name in calibration:
+                probed[name].append(_timed(calibration[name]))
+                continue
+            dist.barrier()
+            start = time.perf_counter()
+            passes(engines[name])
+            middle = time.perf_counter()
+            engines[name].step()
+            end = time.perf_counter()
+            out[name].append((_slowest(end - start), _slowest(end - middle)))
+    return out, probed
+
+
+def spearman(a: dict[str, float], b: dict[str, float]) -> float:
+    """Rank correlation of two timings of the same names (no ties expected)."""
+    names = list(a)
+    order_a, order_b = sorted(names, key=a.get), sorted(names, key=b.get)
+    n = len(names)
+    d2 = sum((order_a.index(x) - order_b.index(x)) ** 2 for x in names)
+    return 1 - 6 * d2 / (n * (n * n - 1))
+
+
+def report(predicted: dict, measured: dict[str, list[tuple[float, float]]], reference: str,
+           statistic: Callable[[list[float]], float] = statistics.median
+           ) -> tuple[list[str], dict[str, float], float]:
+    """The table's lines, each strategy's error of the predicted step (predicted / measured
+    - 1, the ``statistic`` of the rounds), and the rank correlation."""
+    median = {k: statistic([t for t, _ in v]) for k, v in measured.items()}
+    in_step = {k: statistic([s for _, s in v]) for k, v in measured.items()}
+    error = {k: predicted[k].total / median[k] - 1 for k in measured}
+    lines = [f"{'strategy':8} {'pred ms':>8} {'meas ms':>8} {'min-max ms':>13} {'error':>6} "
+             f"{'pred/' + reference:>9} {'meas/' + reference:>9} {'step() pred':>11} "
+             f"{'meas':>6}"]
+    for name in sorted(measured, key=median.get):
+        lo, hi = min(t for t, _ in measured[name]), max(t for t, _ in measured[name])
+        p = predicted[name]
+        lines.append(f"{name:8} {p.total * 1e3:8.0f} {median[name] * 1e3:8.0f} "
+                     f"{lo * 1e3:6.0f}-{hi * 1e3:<6.0f} {error[name]:+6.0%} "
+                     f"{p.total / predicted[reference].total:9.2f} "
+                     f"{median[name] / median[reference]:9.2f} {p.in_step * 1e3:11.0f} "
+                     f"{in_step[name] * 1e3:6.0f}")
+    rho = spearman({k: predicted[k].total for k in measured}, median)
+    return lines, error, rho
+
+
+def main(argv: Sequence[str] | None = None) -> None:
     from rlhf_paro.sharding import Strategy, Topology, all_strategies, shard
     from rlhf_paro.sharding.layout import unit_sizes
-    from rlhf_paro.sharding.steptime import Machine, step_time, transformer_workload
+    from rlhf_paro.sharding.steptime import step_time, transformer_workload
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7, help="steps per strategy")
@@ -83,72 +175,45 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=512)
-    args = parser.parse_args()
+    parser.add_argument("--strategies", nargs="*", help="default: all 14")
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     topo = Topology.from_process_group(group_size=int(os.environ["GROUP_SIZE"]))
-    rank = dist.get_rank()
-    gen = torch.Generator().manual_seed(rank)
+    gen = torch.Generator().manual_seed(dist.get_rank())
     ids = torch.randint(0, args.vocab, (args.micro, args.batch, args.seq), generator=gen)
 
-    # The model's constants, measured here.
-    reference = _model(args)
+    def make() -> torch.nn.Module:
+        return llama(args.hidden, args.layers, args.vocab, args.seq)
+
+    reference = make()
     w = transformer_workload(unit_sizes(reference), hidden=args.hidden, ffn=4 * args.hidden,
                              vocab=args.vocab, seq_len=args.seq, precision="fp32",
                              reduce_dtype="fp32")
-
-    def unsharded() -> None:
-        reference(input_ids=ids[0], labels=ids[0]).loss.backward()
-
-    unsharded()
-    compute = _timed(unsharded, 5)
-    flops = 3 * args.batch * sum(w.flops) / compute  # forward, then backward at twice that
-    intra_lat, intra_bw = _port(topo, "intra", 5)
-    inter_lat, inter_bw = _port(topo, "inter", 5)
-    machine = Machine(Links(intra_bw, inter_bw, intra_lat, inter_lat), flops)
-    del reference
-
-    engines = {s.name: shard(_model(args), s, topo, optim=dict(lr=1e-4), max_grad_norm=1.0,
-                             grad_accum_steps=args.micro, comm=args.comm)
-               for s in all_strategies()}
-    names = list(engines)
-    measured: dict[str, list[float]] = {name: [] for name in names}
-
-    def one_step(engine) -> None:
-        for k in range(args.micro):
-            engine.backward(engine(input_ids=ids[k], labels=ids[k]).loss)
-        engine.step()
-
-    for name in names:  # warm-up: the first forward records the unit order
-        one_step(engines[name])
-    for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            measured[name].append(_timed(lambda: one_step(engines[name]), 1))
-
-    if rank == 0:
-        predicted = {name: step_time(Strategy.parse(name), w, Topology(topo.num_ranks,
-                                                                       topo.group_size),
-                                     machine, args.batch, args.micro, args.comm).total
-                     for name in names}
-        median = {name: statistics.median(t) for name, t in measured.items()}
+    names = args.strategies or [s.name for s in all_strategies()]
+    engines = {name: shard(make(), name, topo, optim=dict(lr=1e-4), max_grad_norm=1.0,
+                           grad_accum_steps=args.micro, comm=args.comm) for name in names}
+    measured, probed = trace(engines, ids, args.rounds, probes(reference, ids[0], topo))
+    if dist.get_rank() == 0:
+        constants = machine({k: statistics.median(t) for k, t in probed.items()}, w,
+                            args.batch, topo)
+        model_topo = Topology(topo.num_ranks, topo.group_size)
+        predicted = {name: step_time(Strategy.parse(name), w, model_topo, constants, args.batch,
+                                     args.micro, args.comm) for name in names}
+        ref = "GGG" if "GGG" in names else names[0]
+        lines, error, rho = report(predicted, measured, ref)
+        links = constants.links
         print(f"{topo.num_groups} x {topo.group_size} ranks, comm {args.comm}, Llama hidden "
               f"{args.hidden} x {args.layers} blocks, b={args.batch}, s={args.micro}, seq "
-              f"{args.seq}; {args.rounds} rounds")
-        print(f"measured constants: {flops / 1e9:.3g} GFLOP/s; intra {intra_bw / 1e6:.0f} MB/s "
-              f"+ {intra_lat * 1e6:.0f} us, inter {inter_bw / 1e6:.0f} MB/s + "
-              f"{inter_lat * 1e6:.0f} us")
-        print(f"{'strategy':8} {'predicted ms':>12} {'measured ms':>12} {'min-max ms':>14} "
-              f"{'pred/GGG':>9} {'meas/GGG':>9}")
-        for name in sorted(names, key=median.get):
-            lo, hi = min(measured[name]), max(measured[name])
-            print(f"{name:8} {predicted[name] * 1e3:12.0f} {median[name] * 1e3:12.0f} "
-                  f"{lo * 1e3:6.0f}-{hi * 1e3:<7.0f} {predicted[name] / predicted['GGG']:9.2f} "
-                  f"{median[name] / median['GGG']:9.2f}")
-        order_p = sorted(names, key=predicted.get)
-        order_m = sorted(names, key=median.get)
-        n = len(names)
-        d2 = sum((order_p.index(x) - order_m.index(x)) ** 2 for x in names)
-        print(f"rank correlation (Spearman) {1 - 6 * d2 / (n * (n * n - 1)):.2f}")
+              f"{args.seq}; {args.rounds} rounds; load average {os.getloadavg()[0]:.1f}")
+        print(f"measured constants: {constants.flops / 1e9:.3g} GFLOP/s; intra "
+              f"{links.intra_bw / 1e6:.0f} MB/s + {links.intra_lat * 1e6:.0f} us, inter "
+              f"{links.inter_bw / 1e6:.0f} MB/s + {links.inter_lat * 1e6:.0f} us")
+        print("\n".join(lines))
+        worst = max(error, key=lambda k: abs(error[k]))
+        print(f"rank correlation (Spearman) {rho:.2f}; largest error {worst} "
+              f"{error[worst]:+.0%}; within 20%: {sum(abs(e) <= 0.2 for e in error.values())} "
+              f"of {len(error)}")
     dist.destroy_process_group()
 
 

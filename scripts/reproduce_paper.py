@@ -31,14 +31,16 @@ DeepSpeed runs a strategy whose parameters are not sharded (P = N: ZeRO-2, NIG) 
 ZeRO-1/2 optimizer, and one whose parameters are sharded (ZeRO-3, IGG, IIG) with its ZeRO-3
 engine; the PaRO strategies were built on the two baselines (section 4.2). The two reduce
 gradients differently ([Note: reductions of other systems] in sharding/steptime.py):
-  - ZeRO-1/2: each bucket of gradients is reduced with one ``reduce`` to every rank that owns
-    a piece of it (a flat partition of the whole model), and ``overlap_comm`` is off unless
-    set: ``reduce_per_owner``, synchronous. Per micro-batch that is N + (buckets) reduces of
-    N-1 steps each, so its latency grows as N^2 while a ring's grows as N: the part of ZeRO-2's
-    slowdown from 32 to 128 GPUs that a reduce-scatter model cannot show.
-  - ZeRO-3: one reduce-scatter per bucket, and ``overlap_comm`` on by default:
-    ``overlap_reduce`` (a reduction runs behind the next unit's backward, on NCCL only; a
-    reduce-scatter on the paper's rings stays inline).
+  - ZeRO-1/2 (``ZERO12``): each bucket of gradients is reduced with one ``reduce`` to every
+    rank that owns a piece of it (a flat partition of the whole model), and ``overlap_comm``
+    is off unless set: ``reduce_per_owner``, inline. Per micro-batch that is N + (buckets)
+    reduces of N-1 steps each, so its latency grows as N^2 while a ring's grows as N: the part
+    of ZeRO-2's slowdown from 32 to 128 GPUs that a reduce-scatter model cannot show.
+  - ZeRO-3 (``ZERO3``): one reduce-scatter per bucket, and ``overlap_comm`` on by default:
+    one reduction in flight behind the next unit's backward, on NCCL only (a reduce-scatter on
+    the paper's rings stays inline).
+Neither starts the boundary inside the backward. A LLaMA block is larger than any bucket of
+either, so each system's bucket is a unit here (``bucket_numel=1``).
 
 [Note: the fit]
 Four constants of NCCL's ports and the device: the inter step latency, the intra step latency
@@ -72,8 +74,8 @@ from rlhf_paro.comm.topology import Topology
 from rlhf_paro.config import ModelConfig
 from rlhf_paro.models import build_model
 from rlhf_paro.sharding.layout import unit_sizes
-from rlhf_paro.sharding.steptime import Machine, Workload, max_micro_batch, peak_memory, \
-    step_time, transformer_workload
+from rlhf_paro.sharding.steptime import Machine, Overlap, Workload, max_micro_batch, \
+    peak_memory, step_time, transformer_workload
 from rlhf_paro.sharding.strategy import Level, Strategy, all_strategies
 
 GIB = 2 ** 30
@@ -92,6 +94,11 @@ LLAMA = {  # LLaMA-7B and LLaMA-65B (Touvron et al., 2023)
 }
 CHECKPOINTING = {"7b": False, "65b": True}
 BASELINES = {"ZeRO-3": "GGG", "ZeRO-2": "NGG"}
+# [Note: DeepSpeed's two code paths]
+ZERO12 = Overlap(reductions_in_flight=0, boundary_in_backward=False, async_rings=False,
+                 bucket_numel=1, reduce_per_owner=True)
+ZERO3 = Overlap(reductions_in_flight=1, boundary_in_backward=False, async_rings=False,
+                bucket_numel=1)
 
 # Section 4.2: (model, strategy, baseline) -> throughput ratio at 32 and at 128 GPUs.
 RATIOS = {
@@ -166,8 +173,7 @@ class Paper:
         zero12 = s.params == Level.N
         return step_time(s, self.workloads[model], Topology(n, GPUS_PER_NODE),
                          Machine(links, flops, RING_LINKS), MICRO_BATCH, NUM_MICRO,
-                         self.algorithm(strategy), overlap_reduce=not zero12,
-                         reduce_per_owner=zero12).total
+                         self.algorithm(strategy), ZERO12 if zero12 else ZERO3).total
 
     def ratio(self, key: tuple[str, str, str], n: int, links: Links, flops: float) -> float:
         model, strategy, baseline = key

@@ -126,10 +126,12 @@ def test_max_micro_batch_size_lets_the_planner_grow_a_micro_batch():
     assert all(o.by_micro[8].seconds <= o.by_micro[4].seconds for o in actor.options)
     assert all(o.by_micro[8].peak_bytes > o.by_micro[4].peak_bytes for o in actor.options)
     # A strategy that gathers or reduces every micro-batch gains; one that does not, like NNI,
-    # has nothing to gain (its times are equal).
+    # gains only what the longer last backward hides of its boundary reduction, which starts
+    # there (sharding/steptime.py, [Note: the step-time model]): well under 1%.
     ggg, nni = (actor.option(Strategy.parse(x)) for x in ("GGG", "NNI"))
     assert ggg.by_micro[8].seconds < ggg.by_micro[4].seconds
-    assert nni.by_micro[8].seconds == pytest.approx(nni.by_micro[4].seconds)
+    assert nni.by_micro[8].seconds <= nni.by_micro[4].seconds
+    assert nni.by_micro[8].seconds == pytest.approx(nni.by_micro[4].seconds, rel=0.01)
     # Memory unlimited: the larger micro-batch, and never more predicted time than without it.
     assert grown.best["actor"].micro_batch == 8
     assert sum(c.seconds for c in grown.best.values()) <= \

@@ -4,39 +4,43 @@ micro-batch.
 
 [Note: the step-time model]
 One optimizer step of s micro-batches of b sequences on one device (docs/design.md, "The
-schedule" and "The unit lifecycle"):
+schedule", "The unit lifecycle", "Gradients: flat buffers, reductions in flight, buckets"), run
+as the engine runs it on two resources: a compute stream, and one communication lane on which
+collectives run one at a time in the order they were posted (the ports are shared, so two at
+once would take as long as one after the other). A collective posted asynchronously occupies
+the lane and compute goes on until something waits for it; a synchronous one stops compute
+until it is done. What runs when is read from the schedule (``schedule.plan``), each
+collective timed by ``comm.simulate.scope_seconds`` on the bytes the engine hands it (a unit's
+padded flat buffer at the coarser of the two levels, or a bucket):
 
-    T_step  = s * (T_fwd + T_bwd) + T_boundary + T_update
-    T_fwd   = g_0 + c_0 + g_1 + sum_k lane(c_k, g_{k+1})           forward, units in order
-    T_bwd   = g_0 + c_0 + r_0 + g_n + sum_k [lane(c_k, g_{k-1}) + r_k]   blocks in reverse
-    lane(c, g) = max(c, g)  when the next unit's gather is asynchronous (a prefetch)
-               = c + g      when it is not
-
-Unit 0 is the root, gathered first and without prefetch; g_k is unit k's parameter gather,
-c_k its compute, r_k its gradient reduce-scatter. What runs where is read from the schedule
-(``schedule.plan``), each collective timed by ``comm.simulate.scope_seconds`` on the bytes the
-engine hands it (a unit's padded flat buffer at the coarser of the two levels):
-
-  - gathers are prefetched one unit ahead, so they hide behind the compute of the unit before;
-    the model takes only native collectives as asynchronous, so a world gather on a ring
-    schedule of ours (``comm.algorithm`` other than native) runs inline and hides nothing;
-  - the backward reduce-scatter is synchronous: the next unit's compute waits for it, and it
-    waits for the prefetch in flight (one communication lane per rank);
-  - the boundary (reduce to the OS level, the norm) and the update (gather OS -> P) run
-    between micro-batches with nothing to hide behind.
-The engine overlaps more (async ring collectives, reductions in flight, buckets, the boundary
-started in the last backward: docs/design.md, "Step time"); the model overstates what a step
-leaves exposed.
+  - forward: the root is gathered first (it wraps the model); each block is gathered, or waited
+    for when prefetched, and the next block's gather is posted before it computes; the root's
+    own arithmetic (the head) comes last;
+  - backward: the root is gathered again and the head runs first, then the blocks in reverse,
+    each prefetching the one before it. As a unit finishes, its gradient reduce-scatter is
+    posted asynchronously, small units together by ``schedule.buckets`` (the engine's rule and
+    BUCKET_NUMEL); compute waits for the oldest only when more than REDUCTIONS_IN_FLIGHT (the
+    engine's constant) are in flight, so the last reductions of a micro-batch run into the next
+    one's forward;
+  - in the last micro-batch a unit's boundary starts when its accumulator is complete (at its
+    post-backward when gradients stay at N, when its last reduction is waited for otherwise):
+    the first collective of its chain to the OS level is posted then;
+  - ``step()`` waits for every reduction in flight and every started boundary collective, runs
+    the rest of each unit's chain and the norm, then the update (OS -> P), all synchronously.
+Every collective the engine posts asynchronously runs so, ring schedules of ours included (the
+group's lane of ``comm/rings.py``). ``StepTime.in_step`` is what ``step()`` takes after the
+last backward.
 
 [Note: reductions of other systems]
-The model reduces a unit's gradient with one reduce-scatter, synchronously, and our ring
-schedules share the native collectives' links. To predict runs of another system the model
-takes three departures, each off by default:
-  - ``overlap_reduce``: the reduction of unit k runs on the communication lane during unit
-    k+1's compute (after the prefetch issued with it), only the last one exposed:
-        lane_k = max(c_k, r_{k-1} + g_{k+1})
-    as a training stack with a separate reduction stream does (DeepSpeed's ``overlap_comm``).
-    Only native collectives run so; a world reduce-scatter on a ring schedule stays inline.
+To predict runs of another system, ``Overlap`` describes what it overlaps; ``ENGINE`` is this
+engine's, with its cap and bucket size imported from the engine and the schedule:
+  - ``reductions_in_flight``: 0 runs each reduction inline; 1 is a training stack with a
+    separate reduction stream that waits for the previous reduction before posting the next
+    (DeepSpeed's ``overlap_comm``);
+  - ``boundary_in_backward``: whether the boundary's first collective starts in the backward;
+  - ``async_rings``: whether our ring schedules run asynchronously (a system that runs them on
+    the caller's thread hides nothing behind them);
+  - ``bucket_numel``: the bucket size (1: every unit alone);
   - ``reduce_per_owner``: a gradient reduce-scatter over n ranks becomes one ``reduce`` to each
     rank that owns a piece of it, the pieces being one flat partition of the whole model (what
     DeepSpeed's ZeRO-1/2 optimizer issues for every bucket). A unit with a share q of the
@@ -44,8 +48,8 @@ takes three departures, each off by default:
     of n-1 steps, so the unit costs (1 + n q)(n-1) step latencies plus its bytes once through
     the slowest link, against n-1 latencies for a ring. Over the model that is n + (units)
     reduces per micro-batch, each n-1 steps long: latency that grows as n^2.
-  - ``Machine.ring_links``: other port constants for our ring schedules than for the native
-    collectives, where the two implementations differ (the paper's rings against NCCL).
+``Machine.ring_links`` gives our ring schedules other port constants than the native
+collectives, where the two implementations differ (the paper's rings against NCCL).
 
 Compute: c_k = b * F_k / flops, with F_k the unit's forward FLOPs per sequence (2 per
 parameter per token, plus causal attention's 2 L h per token per block); the backward costs
@@ -84,7 +88,8 @@ from rlhf_paro.comm.simulate import Links, scope_seconds
 from rlhf_paro.comm.topology import Topology
 from rlhf_paro.sharding.cost import GRAD_BYTES, bytes_per_element, memory
 from rlhf_paro.sharding.layout import UnitSizes, padded
-from rlhf_paro.sharding.schedule import Collective, plan, ways
+from rlhf_paro.sharding.engine import REDUCTIONS_IN_FLIGHT
+from rlhf_paro.sharding.schedule import BUCKET_NUMEL, Collective, buckets, plan, select, ways
 from rlhf_paro.sharding.strategy import Level, Strategy
 
 NORM_BYTES = 4  # the fp32 squared gradient norm
@@ -143,6 +148,9 @@ class StepTime(NamedTuple):
     messages: int  # collectives this device takes part in
     micro_batch: int  # b
     num_micro: int  # s
+    # Of total: what ``step()`` takes after the last backward (the reductions still in flight,
+    # the boundary, the update); the rest is the s forward and backward passes.
+    in_step: float = 0.0
 
 
 def transformer_workload(units: Sequence[UnitSizes], *, hidden: int, ffn: int, vocab: int,
@@ -196,142 +204,239 @@ def owner_reduces(c: Collective, numel: int, share: float, elem: int, topo: Topo
                                   topo.group_size, machine.links), owners
 
 
-def asynchronous(c: Collective, algorithm: str) -> bool:
-    """Whether the engine can run this collective asynchronously (native collectives only);
-    ``algorithm`` is the one that runs it (``collective_algorithm``)."""
-    return c.scope != "world" or algorithm == "native"
+def asynchronous(c: Collective, algorithm: str, system: Overlap) -> bool:
+    """Whether ``system`` runs this collective asynchronously; ``algorithm`` is the one that
+    runs it (``collective_algorithm``). The engine posts ring schedules on their group's lane
+    like native collectives (docs/design.md, "Collectives"); another system may not."""
+    return system.async_rings or c.scope != "world" or algorithm == "native"
 
 
-class _UnitComm(NamedTuple):
-    """One unit's collectives, timed: seconds per micro-batch and per step."""
+@dataclass(frozen=True)
+class Overlap:
+    """What a training system overlaps, and how it reduces gradients. ``ENGINE`` is this
+    engine's, read from the engine itself; the others describe other systems
+    ([Note: reductions of other systems])."""
 
-    gather: float  # the parameter gather of one pass (forward, or backward again)
-    prefetch: bool  # whether that gather runs asynchronously
-    reduce: float  # backward reduce-scatter of the gradient, per micro-batch
-    reduce_async: bool  # whether that reduction can run asynchronously
-    boundary: float  # per step: the gradient reduced to the OS level
-    update: float  # per step: the new parameters gathered from OS to P
+    reductions_in_flight: int  # backward reductions waited for only beyond this many; 0: inline
+    boundary_in_backward: bool  # the boundary's first collective starts in the last backward
+    async_rings: bool  # ring schedules (world gathers and reduce-scatters) run asynchronously
+    bucket_numel: int = BUCKET_NUMEL  # small gradients reduce together (schedule.buckets)
+    reduce_per_owner: bool = False  # a gradient reduced as one reduce to each owner
+
+
+ENGINE = Overlap(REDUCTIONS_IN_FLIGHT, boundary_in_backward=True, async_rings=True)
+
+
+class _Timed(NamedTuple):
+    """The schedule's collectives of one model, timed (seconds on the lane) in engine order."""
+
+    gather: list[float]  # per unit: its parameter gather (forward, and again in backward)
+    gather_async: list[bool]  # whether that gather can be a prefetch
+    # The backward reduce-scatters, one per bucket: its units, seconds, whether asynchronous,
+    # and whether it is full (posted when its last unit finishes; the open one at the end).
+    reductions: list[tuple[list[int], float, bool, bool]]
+    boundary_first: list[float]  # per unit: the boundary chain's first collective
+    boundary_rest: list[float]  # per unit: the rest of the chain
+    update: list[float]  # per unit: the new parameters gathered from OS to P
+    norm: float
     per_micro: float  # collectives per forward + backward
     per_step: float  # collectives per boundary + update
 
 
-def _unit_comm(strategy: Strategy, w: Workload, topo: Topology, machine: Machine,
-               algorithm: str, reduce_per_owner: bool = False) -> list[_UnitComm]:
-    collectives = [c for c in plan(strategy)
-                   if c.what != "norm" and topo.scope_size(c.scope) > 1]
+def _timed(strategy: Strategy, w: Workload, topo: Topology, machine: Machine, algorithm: str,
+           system: Overlap) -> _Timed:
+    collectives = [c for c in plan(strategy) if topo.scope_size(c.scope) > 1]
     elem = {"params": bytes_per_element(w.precision), "trained": bytes_per_element(w.precision),
             "grads": bytes_per_element(w.reduce_dtype)}
     n = topo.num_ranks
-    trained = sum(padded(u.trainable, n) for u in w.units)
-    timed: dict[UnitSizes, _UnitComm] = {}  # the blocks of a model are alike
-    for u in dict.fromkeys(w.units):
-        buffers = {"params": [padded(x, n) for x in (u.trainable, u.frozen) if x],
-                   "trained": [padded(u.trainable, n)] if u.trainable else []}
-        buffers["grads"] = buffers["trained"]
-        secs = dict.fromkeys(("gather", "reduce", "boundary", "update"), 0.0)
-        prefetch = reduce_async = True
-        per_micro = per_step = 0.0
-        for c in collectives:
-            key = {"params": "gather", "grads": "reduce"}.get(c.what, "update")
-            if c.phase == BOUNDARY:
-                key = "boundary"
-            for numel in buffers[c.what]:
-                count = 1.0
-                if reduce_per_owner and c.what == "grads" and c.op == "reduce_scatter":
-                    t, count = owner_reduces(c, numel, numel / trained, elem["grads"], topo,
-                                             machine)
-                else:
-                    t = collective_seconds(c, numel, elem[c.what], topo, machine, algorithm)
-                runs = collective_algorithm(c, numel, elem[c.what], topo, algorithm)
-                if c.phase == FORWARD:  # the backward gathers the same again
-                    secs["gather"] += t
-                    prefetch = prefetch and asynchronous(c, runs)
-                elif c.phase != BACKWARD or c.what != "params":
-                    secs[key] += t
-                if c.phase == BACKWARD and c.what == "grads":
-                    reduce_async = reduce_async and asynchronous(c, runs)
-                if c.per == "micro":
-                    per_micro += count
-                else:
-                    per_step += count
-        timed[u] = _UnitComm(secs["gather"], prefetch, secs["reduce"], reduce_async,
-                             secs["boundary"], secs["update"], per_micro, per_step)
-    return [timed[u] for u in w.units]
+    trained = [padded(u.trainable, n) for u in w.units]
+    buffers = [{"params": [padded(x, n) for x in (u.trainable, u.frozen) if x],
+                "trained": [t] if t else []} for u, t in zip(w.units, trained)]
+
+    def seconds(c: Collective, numel: int) -> float:
+        return collective_seconds(c, numel, elem[c.what], topo, machine, algorithm)
+
+    def async_(c: Collective, numel: int) -> bool:
+        return asynchronous(c, collective_algorithm(c, numel, elem[c.what], topo, algorithm),
+                            system)
+
+    gathers = select(collectives, FORWARD, "params")
+    gather = [sum(seconds(c, x) for c in gathers for x in b["params"]) for b in buffers]
+    gather_async = [all(async_(c, x) for c in gathers for x in b["params"]) for b in buffers]
+    per_micro = 2.0 * sum(len(gathers) * len(b["params"]) for b in buffers)
+    # The backward reduce-scatters, bucket by bucket in the order backward finishes the units
+    # (the blocks in reverse, the root last): the rule the engine applies (schedule.buckets).
+    finishing = [*range(len(w.units) - 1, 0, -1), 0]
+    reductions = []
+    for c in select(collectives, BACKWARD, "grads"):
+        for bucket in buckets([trained[k] for k in finishing], system.bucket_numel):
+            members = [finishing[i] for i in bucket]
+            numel = sum(trained[k] for k in members)
+            if system.reduce_per_owner and c.op == "reduce_scatter":
+                t, count = owner_reduces(c, numel, numel / sum(trained), elem["grads"], topo,
+                                         machine)
+            else:
+                t, count = seconds(c, numel), 1.0
+            reductions.append((members, t, async_(c, numel), numel >= system.bucket_numel))
+            per_micro += count
+    chain = select(collectives, BOUNDARY, "grads")
+    boundary_first = [seconds(chain[0], t) if chain and t else 0.0 for t in trained]
+    boundary_rest = [sum(seconds(c, t) for c in chain[1:]) if t else 0.0 for t in trained]
+    updates = select(collectives, UPDATE, "trained")
+    update = [sum(seconds(c, t) for c in updates) if t else 0.0 for t in trained]
+    norms = select(collectives, BOUNDARY, "norm")
+    norm = sum(scope_seconds(c.op, c.scope, NORM_BYTES, topo.num_groups, topo.group_size,
+                             machine.links) for c in norms)
+    per_step = (len(chain) + len(updates)) * sum(1 for t in trained if t) + len(norms)
+    return _Timed(gather, gather_async, reductions, boundary_first, boundary_rest, update,
+                  norm, per_micro, per_step)
 
 
-def _pass(gathers: list[float], prefetch: list[bool], computes: list[float],
-          reduces: list[float], behind: list[bool] | None = None) -> float:
-    """One pass over units in execution order, the root first ([Note: the step-time model]).
-    ``behind[k]``: unit k's reduction runs behind the next unit's compute, not before it."""
-    behind = behind or [False] * len(gathers)
-    t = gathers[0] + (gathers[1] if len(gathers) > 1 else 0.0)
-    pending = 0.0  # the reduction in flight on the communication lane
-    for k in range(len(gathers)):
-        nxt = gathers[k + 1] if 0 < k < len(gathers) - 1 else 0.0
-        ahead = nxt if nxt and prefetch[k + 1] else 0.0  # a prefetch shares the lane
-        t += max(computes[k], pending + ahead) + nxt - ahead
-        pending = reduces[k] if behind[k] else 0.0
-        t += reduces[k] - pending
-    return t + pending
+class _Lane:
+    """One rank's communication lane: collectives run one at a time, in the order posted (the
+    ports are shared, so two at once would take as long as one after the other)."""
+
+    def __init__(self) -> None:
+        self.free = 0.0
+
+    def post(self, now: float, seconds: float) -> float:
+        """A collective posted at ``now``; returns when it is done."""
+        self.free = max(now, self.free) + seconds
+        return self.free
+
+
+def _forward(t: float, lane: _Lane, c: _Timed, computes: Sequence[float]) -> float:
+    """One forward pass from time ``t``: the root gathered first (it wraps the model), each
+    block gathered (or waited for, when prefetched) and the next one prefetched, the root's
+    own arithmetic (the head) last (docs/design.md, "The engine in parts")."""
+    ready: dict[int, float] = {}
+
+    def gather(k: int, now: float) -> float:
+        if not c.gather[k]:
+            return now
+        return ready.pop(k) if k in ready else lane.post(now, c.gather[k])
+
+    t = gather(0, t)
+    for k in range(1, len(computes)):
+        t = max(t, gather(k, t))
+        if k + 1 < len(computes) and c.gather[k + 1] and c.gather_async[k + 1]:
+            ready[k + 1] = lane.post(t, c.gather[k + 1])
+        t += computes[k]
+    return t + computes[0]
+
+
+def _simulate(c: _Timed, fwd: Sequence[float], bwd: Sequence[float], num_micro: int,
+              system: Overlap) -> tuple[float, float]:
+    """One optimizer step on one compute stream and one lane ([Note: the step-time model]):
+    when the last backward ends and when ``step()`` does."""
+    lane = _Lane()
+    units = len(fwd)
+    in_flight: list[tuple[float, list[int], bool]] = []  # done at, units, of the last micro
+    started: dict[int, float] = {}  # unit -> when its boundary's first collective is done
+    grads_reduced = bool(c.reductions)
+
+    def start_boundary(members: list[int], now: float) -> None:
+        for k in members:
+            if c.boundary_first[k] and system.boundary_in_backward:
+                started[k] = lane.post(now, c.boundary_first[k])
+
+    def finish_oldest(now: float) -> float:
+        done, members, last = in_flight.pop(0)
+        now = max(now, done)
+        if last:
+            start_boundary(members, now)
+        return now
+
+    def post(members: list[int], secs: float, async_: bool, now: float, last: bool) -> float:
+        in_flight.append((lane.post(now, secs), members, last))
+        cap = system.reductions_in_flight if async_ else 0
+        while len(in_flight) > cap:
+            now = finish_oldest(now)
+        return now
+
+    t = 0.0
+    for micro in range(num_micro):
+        last = micro == num_micro - 1
+        t = _forward(t, lane, c, fwd)
+        # Backward: the root's head first, then the blocks in reverse, each prefetching the one
+        # before it; a unit's gradient goes out as it finishes (alone or closing a bucket).
+        ready: dict[int, float] = {}
+        t = lane.post(t, c.gather[0]) if c.gather[0] else t
+        t += bwd[0]
+        full = {r[0][-1]: r for r in c.reductions if r[3]}
+        for k in [*range(units - 1, 0, -1), 0]:
+            if k:
+                if c.gather[k]:
+                    t = max(t, ready.pop(k) if k in ready else lane.post(t, c.gather[k]))
+                if k > 1 and c.gather[k - 1] and c.gather_async[k - 1]:
+                    ready[k - 1] = lane.post(t, c.gather[k - 1])
+                t += bwd[k]
+            if not grads_reduced and last:  # the accumulator is complete at post-backward
+                start_boundary([k], t)
+            if k in full:
+                members, secs, async_, _ = full[k]
+                t = post(members, secs, async_, t, last)
+        for members, secs, async_, closed in c.reductions:  # the open bucket goes at the end
+            if not closed:
+                t = post(members, secs, async_, t, last)
+    backward_end = t
+    while in_flight:  # step(): every reduction in flight, then the boundary and the update
+        t = finish_oldest(t)
+    for k in range(units):
+        if c.boundary_first[k]:
+            t = max(t, started.pop(k) if k in started else lane.post(t, c.boundary_first[k]))
+        if c.boundary_rest[k]:
+            t = lane.post(t, c.boundary_rest[k])
+    if c.norm:
+        t = lane.post(t, c.norm)
+    for k in range(units):
+        if c.update[k]:
+            t = lane.post(t, c.update[k])
+    return backward_end, t
 
 
 # -- the model -------------------------------------------------------------------------------
 def forward_time(strategy: Strategy, w: Workload, topo: Topology, machine: Machine,
-                 micro_batch: int, algorithm: str = "native") -> StepTime:
+                 micro_batch: int, algorithm: str = "native", system: Overlap = ENGINE
+                 ) -> StepTime:
     """One forward of ``micro_batch`` sequences without gradients (an inference pass); only the
     P level of ``strategy`` matters."""
-    comm = _unit_comm(Strategy(strategy.params), w, topo, machine, algorithm)
+    c = _timed(Strategy(strategy.params), w, topo, machine, algorithm, system)
     computes = [micro_batch * f / machine.flops for f in w.flops]
-    gathers = [u.gather for u in comm]
-    total = _pass(gathers, [u.prefetch for u in comm], computes, [0.0] * len(comm))
+    total = _forward(0.0, _Lane(), c, computes)
     compute = sum(computes)
-    return StepTime(total, compute, total - compute, max(0.0, compute + sum(gathers) - total),
-                    {FORWARD: sum(gathers)}, round(sum(u.per_micro for u in comm)),
-                    micro_batch, 1)
+    return StepTime(total, compute, total - compute, max(0.0, compute + sum(c.gather) - total),
+                    {"forward": sum(c.gather)}, round(c.per_micro / 2), micro_batch, 1)
 
 
 def gather_seconds(strategy: Strategy, w: Workload, topo: Topology, machine: Machine,
                    algorithm: str = "native") -> float:
     """Every unit gathered at once, inline (the engine's ``gathered()``, e.g. to generate)."""
-    return sum(u.gather for u in _unit_comm(Strategy(strategy.params), w, topo, machine,
-                                            algorithm))
+    return sum(_timed(Strategy(strategy.params), w, topo, machine, algorithm, ENGINE).gather)
 
 
 def step_time(strategy: Strategy, w: Workload, topo: Topology, machine: Machine,
-              micro_batch: int, num_micro: int, algorithm: str = "native", *,
-              overlap_reduce: bool = False, reduce_per_owner: bool = False) -> StepTime:
-    """One optimizer step of ``num_micro`` micro-batches of ``micro_batch`` sequences.
-
-    The defaults are this engine's; ``overlap_reduce`` and ``reduce_per_owner`` describe
-    other systems ([Note: reductions of other systems])."""
-    comm = _unit_comm(strategy, w, topo, machine, algorithm, reduce_per_owner)
+              micro_batch: int, num_micro: int, algorithm: str = "native",
+              system: Overlap = ENGINE) -> StepTime:
+    """One optimizer step of ``num_micro`` micro-batches of ``micro_batch`` sequences, run as
+    ``system`` overlaps it (this engine by default; [Note: reductions of other systems])."""
+    c = _timed(strategy, w, topo, machine, algorithm, system)
     fwd = [micro_batch * f / machine.flops for f in w.flops]
     bwd = []
     for k, (u, f) in enumerate(zip(w.units, fwd)):
         trained = u.trainable / (u.trainable + u.frozen) if u.trainable + u.frozen else 0.0
         recompute = f if w.checkpointing and k > 0 else 0.0
         bwd.append(f * (1.0 + trained) + recompute)
-    gathers, prefetch = [u.gather for u in comm], [u.prefetch for u in comm]
-    t_fwd = _pass(gathers, prefetch, fwd, [0.0] * len(comm))
-    order = [0, *range(len(comm) - 1, 0, -1)]  # backward: the root (the head), then blocks
-    t_bwd = _pass([gathers[k] for k in order], [prefetch[k] for k in order],
-                  [bwd[k] for k in order], [comm[k].reduce for k in order],
-                  [overlap_reduce and comm[k].reduce_async for k in order])
-    norm = sum(scope_seconds(c.op, c.scope, NORM_BYTES, topo.num_groups, topo.group_size,
-                             machine.links)
-               for c in plan(strategy) if c.what == "norm")
-    by_phase = {FORWARD: num_micro * sum(gathers),
-                BACKWARD: num_micro * sum(u.gather + u.reduce for u in comm),
-                BOUNDARY: sum(u.boundary for u in comm) + norm,
-                UPDATE: sum(u.update for u in comm)}
-    total = num_micro * (t_fwd + t_bwd) + by_phase[BOUNDARY] + by_phase[UPDATE]
+    backward_end, total = _simulate(c, fwd, bwd, num_micro, system)
+    by_phase = {"forward": num_micro * sum(c.gather),
+                "backward": num_micro * (sum(c.gather) + sum(r[1] for r in c.reductions)),
+                "boundary": sum(c.boundary_first) + sum(c.boundary_rest) + c.norm,
+                "update": sum(c.update)}
     compute = num_micro * (sum(fwd) + sum(bwd))
-    messages = (num_micro * sum(u.per_micro for u in comm) + sum(u.per_step for u in comm)
-                + sum(1 for c in plan(strategy)
-                      if c.what == "norm" and topo.scope_size(c.scope) > 1))
     hidden = max(0.0, compute + sum(by_phase.values()) - total)
-    return StepTime(total, compute, total - compute, hidden, by_phase, round(messages),
-                    micro_batch, num_micro)
+    return StepTime(total, compute, total - compute, hidden, by_phase,
+                    round(num_micro * c.per_micro + c.per_step), micro_batch, num_micro,
+                    total - backward_end)
 
 
 # -- memory ----------------------------------------------------------------------------------
