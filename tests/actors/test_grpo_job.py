@@ -2,8 +2,11 @@
 per prompt, a kill and resume that continue exactly, and the reward from a server.
 
     straight   conf=grpo_tiny, 4 steps from scratch, a checkpoint every 2 steps
-    killed     the same in its own directory; actor rank 1 is SIGKILLed once step 2 is logged
-    resumed    trainer.resume=auto in killed's directory: goes on from its step_2 to step 4
+    killed     6 steps in its own directory, 3 checkpoints kept; actor rank 1 is SIGKILLed once
+               step 1 is logged (its step_2 checkpoint is written before the row)
+    resumed    trainer.resume=<killed's step_2> in killed's directory: goes on to step 4, whatever
+               the kill left after step_2 (a 4-step run killed after step 2 could finish before
+               the kill landed: steps take a fraction of a second)
     served     2 steps with reward.url: the reference server on loopback runs the conf's
                reward function, with a bearer token
 """
@@ -44,8 +47,11 @@ def runs(tmp_path_factory) -> dict[str, Run]:
     straight = _train(root / "straight", *SMALL, "trainer.steps=4", cache=cache,
                       watch=_critic_processes)
     assert straight.returncode == 0, straight.stderr
-    killed = _train(root / "killed", *SMALL, "trainer.steps=4", cache=cache, kill_after_step=2)
-    resumed = _train(root / "killed", *SMALL, "trainer.steps=4", cache=cache)
+    killed = _train(root / "killed", *SMALL, "trainer.steps=6", "trainer.keep_checkpoints=3",
+                    cache=cache, kill_after_step=1)
+    resumed = _train(root / "killed", *SMALL, "trainer.steps=4",
+                     f"trainer.resume={checkpoint.checkpoint_dir(root / 'killed', 2)}",
+                     cache=cache)
     # The conf's reward function (the demo's score), served over HTTP on loopback.
     spec = load([*SMALL, f"task.cache_dir={cache}"]).reward.function
     os.environ[TOKEN_ENV] = "grpo-test-token"  # the run's processes inherit it
