@@ -96,9 +96,11 @@ def trl(python: str, steps: int, micro: int, new_tokens: int, out: Path, assets:
 
 def demo_assets(new_tokens: int) -> dict:
     """The conf's actor and prompt file, made now if missing (the entry point resolves them)."""
+    from rlhf_paro.cli import register_demo_resolver
     from rlhf_paro.compose import load_config
     from rlhf_paro.ppo import demo
 
+    register_demo_resolver()  # the conf names ${demo:score}, as the entry points resolve it
     # Only the task section and the learning rate are read: no model or file is looked at.
     cfg = load_config(["conf=grpo_tiny", "actor.config={model_type: llama}",
                        "data.train_files=null"])
