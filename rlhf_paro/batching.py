@@ -77,16 +77,17 @@ def pack(input_ids: Tensor, attention_mask: Tensor, width: int | None = None) ->
     width = width or max(lengths)
     bins = first_fit_decreasing(lengths, width)
     start = [0] * len(lengths)  # flat slot of each sequence's first token
-    tail_positions = torch.zeros(len(bins) * width, dtype=torch.long)
+    # Every slot's position: the tails count from 0 here, the real tokens are set below.
+    flat_positions = torch.zeros(len(bins) * width, dtype=torch.long, device=mask.device)
     for k, seqs in enumerate(bins):
         used = k * width
         for seq in seqs:
             start[seq], used = used, used + lengths[seq]
-        tail_positions[used:(k + 1) * width] = torch.arange((k + 1) * width - used)
-    slots = torch.tensor(start, dtype=torch.long)[rows] + positions
+        flat_positions[used:(k + 1) * width] = torch.arange((k + 1) * width - used,
+                                                            device=mask.device)
+    slots = torch.tensor(start, dtype=torch.long, device=mask.device)[rows] + positions
     flat_ids = input_ids.new_zeros(len(bins) * width)
     flat_ids[slots] = input_ids[rows, cols]
-    flat_positions = tail_positions
     flat_positions[slots] = positions
     return Packed(flat_ids.view(len(bins), width), flat_positions.view(len(bins), width), rows,
                   cols, slots, tuple(attention_mask.shape))
