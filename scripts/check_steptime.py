@@ -6,14 +6,18 @@
 Run as every rank (the environment of ``emulate_cluster.py``: RANK, WORLD_SIZE, GROUP_SIZE,
 MASTER_ADDR, MASTER_PORT). The step-time model's constants are measured on this cluster,
 independently of the strategies: the achieved FLOP/s from the unsharded model's forward and
-backward on every rank at once, and each port's latency and bandwidth from native all-gathers of
-two sizes on its scope (every rank at once, as in training). These probes and the strategies
-run round by round, one optimizer step each per round, in a rotated order, so that whatever
-else the machine does falls on all of them (constants included) alike; each step is traced as
-its passes (the s forwards and backwards) and its ``step()``, the slowest rank of each. Rank 0 prints, per strategy, the
-predicted and the median measured step and ``step()`` times, the spread of the measurements, the
-error of the prediction, both as ratios to GGG (ZeRO-3), and the rank correlation of the two
-orders. ``tests/sharding/test_steptime_trace.py`` runs the same functions on 4 loopback ranks.
+backward on every rank at once, and for each native collective the engine runs (all-gather,
+reduce-scatter, all-reduce) on each scope, the latency and bandwidth that time it at two sizes
+(every rank at once, as in training; ``Machine.native``): the library's own algorithms are not
+rings on two ports (gloo's all-reduce beats a reduce-scatter then an all-gather, its
+reduce-scatter is slower than its all-gather), so each is measured rather than composed. These
+probes and the strategies run round by round, one optimizer step each per round, in a rotated
+order, so that whatever else the machine does falls on all of them (constants included) alike;
+each step is traced as its passes (the s forwards and backwards) and its ``step()``, the slowest
+rank of each. Rank 0 prints, per strategy, the predicted and the median measured step and
+``step()`` times, the spread of the measurements, the error of the prediction, both as ratios to
+GGG (ZeRO-3), and the rank correlation of the two orders.
+``tests/sharding/test_steptime_trace.py`` runs the same functions on 4 loopback ranks.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ def llama(hidden: int, layers: int, vocab: int, seq: int) -> torch.nn.Module:
 
 # gloo and NCCL name these differently across torch releases (as comm/collectives.py).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
+                          or dist.reduce_scatter_tensor)
 
 
 def _slowest(seconds: float) -> float:
@@ -57,41 +63,62 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 SMALL = 64  # elements of a port probe's small shard
+# A small probe runs this many collectives back to back: the ranks leave the barrier before it at
+# different moments, and that skew (about one latency) falls on one collective in REPEAT.
+REPEAT = 8
+SCOPES = ("intra", "inter", "world")
 
 
-def probes(model: torch.nn.Module, ids: torch.Tensor, topo, large: int = 4 << 20
+def probes(model: torch.nn.Module, ids: torch.Tensor, topo, large: int = 1 << 20
            ) -> dict[str, Callable[[], object]]:
     """What measures the model's constants, independently of the strategies: the unsharded
-    ``model``'s forward and backward of one micro-batch ``ids`` (the achieved FLOP/s), and on
-    each port native all-gathers of a small and a ``large`` shard (its latency and bandwidth)."""
+    ``model``'s forward and backward of one micro-batch ``ids`` (the achieved FLOP/s), and each
+    native collective the engine runs (all-gather, reduce-scatter, all-reduce) on each scope,
+    with a small and a ``large`` shard per rank (its latency and bandwidth). A small one runs
+    REPEAT times back to back (``machine`` divides)."""
     out: dict[str, Callable[[], object]] = {
         "compute": lambda: model(input_ids=ids, labels=ids).loss.backward()}
-    for scope in ("intra", "inter"):
+    for scope in SCOPES:
         group, n = topo.group(scope), topo.scope_size(scope)
+        if n == 1:
+            continue
         for numel in (SMALL, large):
-            shard, full = torch.ones(numel), torch.empty(n * numel)
-            out[f"{scope} {numel}"] = (lambda shard=shard, full=full, group=group:
-                                       _all_gather_single(full, shard, group=group))
+            shard, full = torch.ones(numel), torch.ones(n * numel)
+            repeat = REPEAT if numel == SMALL else 1
+            calls = {"all_gather": lambda s=shard, f=full, g=group: _all_gather_single(f, s, group=g),
+                     "reduce_scatter": lambda s=shard, f=full, g=group: _reduce_scatter_single(
+                         s, f, group=g),
+                     "all_reduce": lambda f=full, g=group: dist.all_reduce(f, group=g)}
+            for op, call in calls.items():
+                out[f"{op} {scope} {numel}"] = (lambda call=call, repeat=repeat:
+                                                [call() for _ in range(repeat)])
     return out
 
 
 def machine(seconds: dict[str, float], workload, batch: int, topo):
     """The model's constants from the probes' seconds (``probes``): FLOP/s from the unsharded
-    step (a forward, then a backward at twice its FLOPs), and each port's latency and
-    bandwidth from its ring all-gathers, n-1 steps of (latency + shard bytes / bandwidth)."""
-    from rlhf_paro.comm.simulate import Links
+    step (a forward, then a backward at twice its FLOPs); the ports of each native collective
+    on each scope fitted to its two sizes (``comm.simulate.fit_port``), and the general ports
+    (``Machine.links``, for what was not probed) those of the all-gathers."""
+    from rlhf_paro.comm.simulate import Links, fit_port
     from rlhf_paro.sharding.steptime import Machine
 
-    ports = []
-    for scope in ("intra", "inter"):
-        steps = topo.scope_size(scope) - 1
-        (small, t_small), (large, t_large) = sorted(
-            (int(k.split()[1]), t / steps) for k, t in seconds.items() if k.startswith(scope))
-        bandwidth = 4 * (large - small) / max(t_large - t_small, 1e-9)
-        ports.append((max(t_small - 4 * small / bandwidth, 0.0), bandwidth))
-    (intra_lat, intra_bw), (inter_lat, inter_bw) = ports
+    runs: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for key, t in seconds.items():
+        if key == "compute":
+            continue
+        op, scope, numel = key.split()
+        numel = int(numel)
+        repeat = REPEAT if numel == SMALL else 1
+        runs.setdefault((op, scope), []).append((4.0 * numel * topo.scope_size(scope),
+                                                 t / repeat))
+    native = {(op, scope): fit_port(op, scope, topo.num_groups, topo.group_size, *sorted(pair))
+              for (op, scope), pair in runs.items()}
+    intra = native.get(("all_gather", "intra"), Links(1e9, 1e9, 0.0, 0.0))
+    inter = native.get(("all_gather", "inter"), Links(1e9, 1e9, 0.0, 0.0))
+    links = Links(intra.intra_bw, inter.inter_bw, intra.intra_lat, inter.inter_lat)
     flops = 3 * batch * sum(workload.flops) / seconds["compute"]
-    return Machine(Links(intra_bw, inter_bw, intra_lat, inter_lat), flops)
+    return Machine(links, flops, native=native)
 
 
 def trace(engines: dict, ids: torch.Tensor, rounds: int,
@@ -209,6 +236,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"measured constants: {constants.flops / 1e9:.3g} GFLOP/s; intra "
               f"{links.intra_bw / 1e6:.0f} MB/s + {links.intra_lat * 1e6:.0f} us, inter "
               f"{links.inter_bw / 1e6:.0f} MB/s + {links.inter_lat * 1e6:.0f} us")
+        print("native collectives: " + "; ".join(
+            f"{op} {scope} {port.intra_bw / 1e6:.0f} MB/s + {port.intra_lat * 1e6:.0f} us"
+            for (op, scope), port in sorted(constants.native.items())))
         print("\n".join(lines))
         worst = max(error, key=lambda k: abs(error[k]))
         print(f"rank correlation (Spearman) {rho:.2f}; largest error {worst} "

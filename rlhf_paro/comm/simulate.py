@@ -179,6 +179,29 @@ def scope_seconds(op: str, scope: str, size: float, nodes: int, gpus_per_node: i
     return total
 
 
+def fit_port(op: str, scope: str, nodes: int, gpus_per_node: int,
+             small: tuple[float, float], large: tuple[float, float]) -> Links:
+    """Ports (both levels alike) on which ``scope_seconds`` times ``op`` on ``scope`` as
+    measured: ``small`` and ``large`` are (buffer bytes, seconds) of two runs. A native
+    collective runs its library's own algorithm (gloo's all-reduce, say, is not a reduce-scatter
+    then an all-gather over the ring), so measuring it beats composing it from the ports.
+
+    With equal ports, the seconds are ``a * latency + b / bandwidth``, ``a`` and ``b`` read off
+    ``scope_seconds`` itself; two runs give both. The latency is at least 0."""
+    def seconds(lat: float, bw: float, size: float) -> float:
+        return scope_seconds(op, scope, size, nodes, gpus_per_node, Links(bw, bw, lat, lat))
+
+    (s1, t1), (s2, t2) = small, large
+    a1, a2 = seconds(1.0, float("inf"), s1), seconds(1.0, float("inf"), s2)
+    b1, b2 = seconds(0.0, 1.0, s1), seconds(0.0, 1.0, s2)
+    det = a1 * b2 - a2 * b1
+    if not (a1 > 0 and det and s2 > s1):
+        raise ValueError(f"cannot fit {op} on {scope} from sizes {s1} and {s2}")
+    lat = max((t1 * b2 - t2 * b1) / det, 0.0)
+    inverse = max((t2 - a2 * lat) / b2, 1e-15)  # seconds per byte, positive
+    return Links(1.0 / inverse, 1.0 / inverse, lat, lat)
+
+
 def lower_bounds(size: float, nodes: int, gpus_per_node: int, links: Links) -> Bounds:
     """Bandwidth-only bounds for an all-gather (a reduce-scatter is its transpose).
 

@@ -79,7 +79,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 from rlhf_paro.comm.auto import resolve
 from rlhf_paro.comm.meter import AUTO, BACKWARD, BOUNDARY, FORWARD, UPDATE
@@ -105,11 +105,18 @@ class Machine:
     # all-gathers and reduce-scatters), where their implementation gets other constants than
     # the native collectives; None: ``links``.
     ring_links: Links | None = None
+    # Ports fitted to the native collective ``op`` on ``scope`` (comm.simulate.fit_port) where
+    # it was measured: the library runs its own algorithm, which the ports compose only roughly
+    # (gloo's all-reduce beats a reduce-scatter and an all-gather, its reduce-scatter is slower
+    # than its all-gather). Keyed by (op, scope); absent: ``links``.
+    native: Mapping[tuple[str, str], Links] | None = None
 
     def links_for(self, op: str, scope: str, algorithm: str) -> Links:
         """The links that carry ``op`` on ``scope`` (ours only for world gathers/scatters);
         ``algorithm`` is the one that runs it, never ``auto``."""
         assert algorithm != AUTO, "resolve auto first (collective_algorithm)"
+        if algorithm == "native" and self.native and (op, scope) in self.native:
+            return self.native[op, scope]
         ring = scope == "world" and op in OPS and algorithm != "native"
         return self.ring_links if ring and self.ring_links is not None else self.links
 
@@ -286,7 +293,7 @@ def _timed(strategy: Strategy, w: Workload, topo: Topology, machine: Machine, al
     update = [sum(seconds(c, t) for c in updates) if t else 0.0 for t in trained]
     norms = select(collectives, BOUNDARY, "norm")
     norm = sum(scope_seconds(c.op, c.scope, NORM_BYTES, topo.num_groups, topo.group_size,
-                             machine.links) for c in norms)
+                             machine.links_for(c.op, c.scope, "native")) for c in norms)
     per_step = (len(chain) + len(updates)) * sum(1 for t in trained if t) + len(norms)
     return _Timed(gather, gather_async, reductions, boundary_first, boundary_rest, update,
                   norm, per_micro, per_step)

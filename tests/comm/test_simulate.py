@@ -31,6 +31,29 @@ def test_fit_of_made_up_links_recovers_them() -> None:
     assert got.inter_bw == pytest.approx(4e9, rel=1e-9)
 
 
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter", "all_reduce"])
+@pytest.mark.parametrize("scope", ["intra", "inter", "world"])
+def test_fit_port_recovers_equal_ports_from_two_sizes(op: str, scope: str) -> None:
+    # Times made by scope_seconds on equal ports (2 nodes x 2) give those ports back, and the
+    # fit then times a third size as they do: the seconds are affine in (latency, 1 / bw).
+    truth = Links(intra_bw=3e8, inter_bw=3e8, intra_lat=1.5e-3, inter_lat=1.5e-3)
+    small, large, other = 1e3, 1.6e7, 4e6
+    got = simulate.fit_port(op, scope, 2, 2, *[
+        (s, simulate.scope_seconds(op, scope, s, 2, 2, truth)) for s in (small, large)])
+    assert got.intra_lat == pytest.approx(1.5e-3, rel=1e-9)
+    assert got.intra_bw == pytest.approx(3e8, rel=1e-9) and got.inter_bw == got.intra_bw
+    assert simulate.scope_seconds(op, scope, other, 2, 2, got) == pytest.approx(
+        simulate.scope_seconds(op, scope, other, 2, 2, truth), rel=1e-9)
+
+
+def test_fit_port_keeps_the_latency_at_least_zero() -> None:
+    # A small run faster than the large one's bandwidth allows: no negative latency.
+    got = simulate.fit_port("all_gather", "world", 2, 2, (1e3, 1e-9), (1e6, 1e-3))
+    assert got.intra_lat == 0.0 and got.intra_bw > 0
+    with pytest.raises(ValueError, match="cannot fit"):
+        simulate.fit_port("all_gather", "world", 2, 2, (1e6, 1e-3), (1e6, 1e-3))
+
+
 def test_fit_rejects_impossible_times() -> None:
     with pytest.raises(ValueError, match="intra ring"):
         simulate.fit(0.288, 0.03, *PAPER_SHAPE)  # H-Ring faster than its own inter ring

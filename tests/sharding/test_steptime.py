@@ -143,6 +143,20 @@ def test_ring_links_time_our_ring_schedules_only() -> None:
     assert t.total == pytest.approx((30 + 60 + 60 + 3 + 1) * US, rel=1e-12)
 
 
+def test_native_ports_time_the_native_collectives_they_were_fitted_to() -> None:
+    # Native world gathers measured twice as fast as the ports compose them: the forward's
+    # gathers take half (the values of test_ring_links...: 30 + 60 + 60 + 3 + 1 us with
+    # LINKS, the gathers 30, 60 and 60 of them). Other algorithms keep LINKS.
+    half = Links(2 * LINKS.intra_bw, 2 * LINKS.inter_bw, 0.0, 0.0)
+    fitted = Machine(LINKS, flops=1e12, native={("all_gather", "world"): half})
+    frozen = Strategy.parse("G", frozen=True)
+    plain = forward_time(frozen, TOY, TOPO, MACHINE, 1, "native")
+    fast = forward_time(frozen, TOY, TOPO, fitted, 1, "native")
+    assert fast.by_phase["forward"] == pytest.approx(plain.by_phase["forward"] / 2, rel=1e-12)
+    assert forward_time(frozen, TOY, TOPO, fitted, 1, "horing").total == pytest.approx(
+        forward_time(frozen, TOY, TOPO, MACHINE, 1, "horing").total, rel=1e-12)
+
+
 def test_reduces_per_owner_cost_a_chain_per_partition() -> None:
     # NGG with the gradient reduced as one reduce per owner of a flat partition of the whole
     # model over the N = 4 ranks. Shares: root 1000 / 5000 = 0.2, a block 0.4, so the root
