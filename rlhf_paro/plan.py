@@ -244,32 +244,34 @@ def _inference_passes(cfg: Config, micro_batch: int) -> int:
     return math.ceil(_samples_per_device(cfg) / micro_batch)
 
 
-def sequence_tokens(cfg: Config, role: str, model_type: str | None) -> Tokens:
+def _sequence_tokens(cfg: Config, role: str, model_type: str | None) -> Tokens:
     """[Note: real tokens] for one model; ``model_type`` None: no model (a reward function)."""
     from rlhf_paro.models import packs
 
     longest = cfg.prompt_bound()[1] + cfg.ppo.max_new_tokens
     packed = model_type is not None and packs(cfg.model(role), model_type)
-    return Tokens(longest, expected_tokens(cfg) if packed else longest, packed)
+    return Tokens(longest, _expected_tokens(cfg) if packed else longest, packed)
 
 
-def expected_tokens(cfg: Config) -> int:
+def _expected_tokens(cfg: Config) -> int:
     """A sequence's expected real tokens: the prompt bound + ``ppo.expected_response_length``."""
     response = cfg.ppo.expected_response_length or cfg.ppo.max_new_tokens
     return cfg.prompt_bound()[1] + response
 
 
-def _budget_split(cfg: Config, role: str, packed: bool) -> tuple[int, int] | None:
+def _budget_split(cfg: Config, role: str, tokens: Tokens) -> tuple[int, int] | None:
     """Under a trained model's ``max_tokens_per_micro_batch``: the most positions a training
     micro-batch holds, and the micro-batches a rank's mini-batch splits into, expected
     ([Note: real tokens]); None without a budget."""
     budget = cfg.model(role).max_tokens_per_micro_batch
     if budget is None or role not in TRAINED_ROLES:
         return None
-    longest = cfg.prompt_bound()[1] + cfg.ppo.max_new_tokens
     sequences = cfg.ppo.mini_batch_size // cfg.cluster.num_devices
-    positions = min(2 * budget + longest, sequences * longest) if packed else sequences * longest
-    return positions, min(sequences, max(1, math.ceil(sequences * expected_tokens(cfg) / budget)))
+    positions = sequences * tokens.longest
+    if tokens.packed:
+        positions = min(positions, 2 * budget + tokens.longest)
+    count = math.ceil(sequences * _expected_tokens(cfg) / budget)
+    return positions, min(sequences, max(1, count))
 
 
 class _Work(NamedTuple):
@@ -306,8 +308,8 @@ def _work(cfg: Config, role: str, units: list, vocab_size: int) -> tuple[_Work, 
 
     model_cfg = cfg.model(role)
     hf = hf_config(role, model_cfg, vocab_size) if model_cfg.runs_model else None
-    t = sequence_tokens(cfg, role, hf.model_type if hf is not None else None)
-    split = _budget_split(cfg, role, t.packed) if hf is not None else None
+    t = _sequence_tokens(cfg, role, hf.model_type if hf is not None else None)
+    split = _budget_split(cfg, role, t) if hf is not None else None
     budget = None if split is None else \
         (_workload(cfg, role, units, vocab_size, hf, split[0]), split[1])
     return _Work(_workload(cfg, role, units, vocab_size, hf, t.compute),
@@ -595,7 +597,7 @@ def _tokens_line(cfg: Config, plan: Plan) -> str:
                 f"ppo.max_new_tokens={ppo.max_new_tokens}: expected_response_length null")
     compute = []
     if packed:
-        compute.append(f"the expected {expected_tokens(cfg)} ({key}={prompt} + {response}) for "
+        compute.append(f"the expected {_expected_tokens(cfg)} ({key}={prompt} + {response}) for "
                        f"{', '.join(packed)} (packed)")
     if padded:
         compute.append(f"the padded {longest} for {', '.join(padded)} (packing off)")
@@ -632,7 +634,7 @@ def format_plan(cfg: Config, plan: Plan) -> str:
     net_unit, net_scale = ("GB", GB) if big else ("MB", 1e6)
     for role, model in plan.models.items():
         m_cfg = cfg.model(role)
-        split = _budget_split(cfg, role, model.tokens.packed)
+        split = _budget_split(cfg, role, model.tokens)
         steps = "" if role not in TRAINED_ROLES else f", s={cfg.grad_accum_steps(role)}" \
             if split is None else (f", s={split[1]} expected under max_tokens_per_micro_batch="
                                    f"{m_cfg.max_tokens_per_micro_batch}")
