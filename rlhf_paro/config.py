@@ -374,6 +374,9 @@ class PPOConfig:
     ppo_epochs: int = 1  # passes over the rollout per PPO step
     max_prompt_len: int = 16  # longest prompt in tokens
     max_new_tokens: int = 8  # response length limit in tokens
+    # Mean response length the planner sizes packed models' compute by (null: max_new_tokens,
+    # the worst case); memory is always sized by max_new_tokens (docs/design.md, "Batching").
+    expected_response_length: int | None = None
     temperature: float = 1.0  # sampling temperature (log-probs use the same one)
     top_k: int = 0  # 0: sample from the full distribution
     gamma: float = 1.0  # discount of future rewards
@@ -388,6 +391,10 @@ class PPOConfig:
             _positive(key, getattr(self, key))
         _unit_interval("gamma", self.gamma)
         _unit_interval("lam", self.lam)
+        expected = self.expected_response_length
+        if expected is not None and not 1 <= expected <= self.max_new_tokens:
+            raise ConfigError("expected_response_length", f"got {expected}; allowed: null or an "
+                              f"integer from 1 to ppo.max_new_tokens={self.max_new_tokens}")
         if self.top_k < 0:
             raise ConfigError("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
 
@@ -631,6 +638,13 @@ class Config:
             raise ConfigError("task.prompt_len", f"{self.task.prompt_len} exceeds "
                               f"ppo.max_prompt_len={self.ppo.max_prompt_len}")
 
+    def prompt_bound(self) -> tuple[str, int]:
+        """(key, value) of the longest prompt a step can hold: ``data.max_prompt_length`` for
+        prompts from files, ``ppo.max_prompt_len`` for the task's."""
+        if self.data.train_files is not None:
+            return "data.max_prompt_length", self.data.max_prompt_length
+        return "ppo.max_prompt_len", self.ppo.max_prompt_len
+
     def _check_token_budget(self, role: str, model: ModelConfig) -> None:
         """``max_tokens_per_micro_batch``: trained models on the PaRO engine, and room for the
         longest sequence a step can hold (prompt bound + ppo.max_new_tokens)."""
@@ -642,9 +656,7 @@ class Config:
         if model.backend == "deepspeed":
             raise ConfigError(key, "needs a micro-batch count per step, which DeepSpeed fixes "
                                    "at initialize; allowed: null on backend=deepspeed")
-        prompt_key, prompt = (("data.max_prompt_length", self.data.max_prompt_length)
-                              if self.data.train_files is not None
-                              else ("ppo.max_prompt_len", self.ppo.max_prompt_len))
+        prompt_key, prompt = self.prompt_bound()
         longest = prompt + self.ppo.max_new_tokens
         if budget < longest:
             raise ConfigError(key, f"{budget} is smaller than the longest sequence a step can "

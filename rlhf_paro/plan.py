@@ -22,6 +22,26 @@ models each run (samples / mini-batch) x epochs optimizer steps of s micro-batch
 predicted time is the sum of those (the models run one after another); generation's decoding
 is the same for every strategy and is left out.
 
+[Note: real tokens]
+A packed model (``models.packs``) computes on the real tokens of its sequences only
+(docs/design.md, "Batching"), so its FLOPs and time follow the expected length of a sequence:
+the prompt bound (``Config.prompt_bound``; a mean of the prompts is not known before they are
+read, so the bound stands for it) plus ``ppo.expected_response_length`` (null:
+``ppo.max_new_tokens``). A padded model computes on its rank's width, the rank's longest prompt
+and longest response, which nothing in the config predicts better than their bounds: it keeps
+the worst case. Memory is never sized by the expected length, since a plan that fits must fit
+whatever the rollout: a forward of b sequences holds at most b x (prompt bound +
+max_new_tokens) positions, packed (at most b rows as wide as the longest) or padded. Under
+``max_tokens_per_micro_batch`` = B a training micro-batch holds at most B real tokens but any
+number of sequences. Packed, its first-fit rows are as wide as its longest sequence W, and any
+two rows hold more than W real tokens between them (the later one's first sequence did not fit
+the earlier one), so K rows hold more than (K - 1) W / 2 and K W < 2 B + W: the planner takes
+2 B + the longest possible sequence, at most the rank's mini-batch x the longest. Padded, a
+micro-batch of short sequences may be the rank's whole mini-batch at the rank's width: the
+planner takes that. The micro-batches of a mini-batch under B are then its expected real
+tokens / B (at least one, at most its sequences); the fillers of the ranks with fewer are left
+out.
+
 [Note: the run's models share a device]
 Every device holds the states (P + G + OS) of all the run's models; only the model that is
 running holds activations, gathered parameters and gradient buffers. A combination fits when
@@ -61,7 +81,7 @@ import itertools
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from rlhf_paro import cli
 from rlhf_paro.config import FROZEN_ROLES, OFFLOAD_ALLOWED, TRAINED_ROLES, Config, ConfigError
@@ -127,12 +147,22 @@ class Option:
         return max(fitting, key=lambda bt: bt[0]) if fitting else None
 
 
+@dataclass(frozen=True)
+class Tokens:
+    """Token positions the planner sizes one model's work by ([Note: real tokens])."""
+
+    longest: int  # a sequence at its longest: prompt bound + ppo.max_new_tokens (memory)
+    compute: int  # a sequence as the model computes on it (FLOPs and time)
+    packed: bool  # whether the model runs packed (compute is then the expected real length)
+
+
 @dataclass
 class ModelPlan:
     role: str
     num_params: int  # Psi
     num_trainable: int  # Psi'
     options: list[Option]
+    tokens: Tokens
     kv_cache_bytes: float = 0.0  # the actor's generation cache, not in any peak (see format)
 
     def option(self, strategy: Strategy) -> Option:
@@ -214,40 +244,92 @@ def _inference_passes(cfg: Config, micro_batch: int) -> int:
     return math.ceil(_samples_per_device(cfg) / micro_batch)
 
 
-def _workload(cfg: Config, role: str, units: list, vocab_size: int) -> Workload:
-    from rlhf_paro.models import hf_config
+def _sequence_tokens(cfg: Config, role: str, model_type: str | None) -> Tokens:
+    """[Note: real tokens] for one model; ``model_type`` None: no model (a reward function)."""
+    from rlhf_paro.models import packs
+
+    longest = cfg.prompt_bound()[1] + cfg.ppo.max_new_tokens
+    packed = model_type is not None and packs(cfg.model(role), model_type)
+    return Tokens(longest, _expected_tokens(cfg) if packed else longest, packed)
+
+
+def _expected_tokens(cfg: Config) -> int:
+    """A sequence's expected real tokens: the prompt bound + ``ppo.expected_response_length``."""
+    response = cfg.ppo.expected_response_length or cfg.ppo.max_new_tokens
+    return cfg.prompt_bound()[1] + response
+
+
+def _budget_split(cfg: Config, role: str, tokens: Tokens) -> tuple[int, int] | None:
+    """Under a trained model's ``max_tokens_per_micro_batch``: the most positions a training
+    micro-batch holds, and the micro-batches a rank's mini-batch splits into, expected
+    ([Note: real tokens]); None without a budget."""
+    budget = cfg.model(role).max_tokens_per_micro_batch
+    if budget is None or role not in TRAINED_ROLES:
+        return None
+    sequences = cfg.ppo.mini_batch_size // cfg.cluster.num_devices
+    positions = sequences * tokens.longest
+    if tokens.packed:
+        positions = min(positions, 2 * budget + tokens.longest)
+    count = math.ceil(sequences * _expected_tokens(cfg) / budget)
+    return positions, min(sequences, max(1, count))
+
+
+class _Work(NamedTuple):
+    """One model's workloads ([Note: real tokens])."""
+
+    time: Workload  # sequences as the model computes on them
+    memory: Workload  # sequences at their longest
+    # Under a token budget: a training micro-batch's most positions as one sequence, and the
+    # micro-batches of a rank's mini-batch; None: micro_batch_size sequences each.
+    budget: tuple[Workload, int] | None
+
+
+def _workload(cfg: Config, role: str, units: list, vocab_size: int, hf: Any,
+              seq_len: int) -> Workload:
     from rlhf_paro.sharding.steptime import transformer_workload
 
     model_cfg = cfg.model(role)
-    if not model_cfg.runs_model:  # a reward function or server: no model, no FLOPs to speak of
+    if hf is None:  # a reward function or server: no model, no FLOPs to speak of
         return transformer_workload(units, hidden=1, ffn=1, vocab=1, seq_len=1,
                                     precision=model_cfg.precision,
                                     reduce_dtype=model_cfg.reduce_dtype, checkpointing=False)
-    hf = hf_config(role, model_cfg, vocab_size)
     hidden = hf.hidden_size
     head = vocab_size if role in ("actor", "ref") else 1
     return transformer_workload(units, hidden=hidden,
                                 ffn=getattr(hf, "intermediate_size", None) or 4 * hidden,
-                                vocab=head,
-                                seq_len=cfg.ppo.max_prompt_len + cfg.ppo.max_new_tokens,
+                                vocab=head, seq_len=seq_len,
                                 precision=model_cfg.precision,
                                 reduce_dtype=model_cfg.reduce_dtype,
                                 checkpointing=model_cfg.gradient_checkpointing)
 
 
+def _work(cfg: Config, role: str, units: list, vocab_size: int) -> tuple[_Work, Tokens]:
+    from rlhf_paro.models import hf_config
+
+    model_cfg = cfg.model(role)
+    hf = hf_config(role, model_cfg, vocab_size) if model_cfg.runs_model else None
+    t = _sequence_tokens(cfg, role, hf.model_type if hf is not None else None)
+    split = _budget_split(cfg, role, t) if hf is not None else None
+    budget = None if split is None else \
+        (_workload(cfg, role, units, vocab_size, hf, split[0]), split[1])
+    return _Work(_workload(cfg, role, units, vocab_size, hf, t.compute),
+                 _workload(cfg, role, units, vocab_size, hf, t.longest), budget), t
+
+
 def _kv_cache_bytes(cfg: Config, vocab_size: int) -> float:
-    """The actor's key/value cache while it generates all its samples at once."""
+    """The actor's key/value cache while it generates all its samples at once, every row as
+    long as it may get (generation runs padded)."""
     from rlhf_paro.models import hf_config
     from rlhf_paro.sharding.cost import bytes_per_element
 
     hf = hf_config("actor", cfg.actor, vocab_size)
     kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
     width = kv_heads * (hf.hidden_size // hf.num_attention_heads)
-    tokens = _samples_per_device(cfg) * (cfg.ppo.max_prompt_len + cfg.ppo.max_new_tokens)
-    return 2 * hf.num_hidden_layers * width * tokens * bytes_per_element(cfg.actor.precision)
+    positions = _samples_per_device(cfg) * (cfg.prompt_bound()[1] + cfg.ppo.max_new_tokens)
+    return 2 * hf.num_hidden_layers * width * positions * bytes_per_element(cfg.actor.precision)
 
 
-def _timed(cfg: Config, role: str, strategy: Strategy, w: Workload, b: int,
+def _timed(cfg: Config, role: str, strategy: Strategy, work: _Work, b: int,
            onload_bytes: int = 0) -> Timed:
     """[Note: what a PPO step costs] for one strategy at micro-batch size ``b``;
     ``onload_bytes``: parameters parked between the model's phases ([Note: offload])."""
@@ -256,22 +338,28 @@ def _timed(cfg: Config, role: str, strategy: Strategy, w: Workload, b: int,
 
     topo = Topology(cfg.cluster.num_devices, cfg.cluster.group_size)
     m, algorithm = machine(cfg), cfg.comm.algorithm
-    parts: list[StepTime] = [forward_time(strategy, w, topo, m, b, algorithm)] * \
+    parts: list[StepTime] = [forward_time(strategy, work.time, topo, m, b, algorithm)] * \
         _inference_passes(cfg, b)
     seconds = sum(t.total for t in parts)
     compute = sum(t.compute for t in parts)
-    mem = peak_memory(strategy, w, topo, b)
+    mem = peak_memory(strategy, work.memory, topo, b)
     peak = mem.inference
     if role == "actor":
-        seconds += gather_seconds(strategy, w, topo, m, algorithm)
+        seconds += gather_seconds(strategy, work.time, topo, m, algorithm)
         peak = max(peak, mem.gathered)
     if role in TRAINED_ROLES:
         optimizer_steps = _optimizer_steps(cfg)
-        num_micro = cfg.ppo.mini_batch_size // cfg.cluster.num_devices // b
-        step = step_time(strategy, w, topo, m, b, num_micro, algorithm)
+        sequences = cfg.ppo.mini_batch_size // cfg.cluster.num_devices
+        if work.budget is None:
+            per_micro, num_micro, train_peak = b, sequences // b, mem.train
+        else:  # sequences per micro-batch on average, and the peak of the most positions
+            budget_work, num_micro = work.budget
+            per_micro = sequences / num_micro
+            train_peak = peak_memory(strategy, budget_work, topo, 1).train
+        step = step_time(strategy, work.time, topo, m, per_micro, num_micro, algorithm)
         seconds += optimizer_steps * step.total
         compute += optimizer_steps * step.compute
-        peak = max(peak, mem.train)
+        peak = max(peak, train_peak)
     return Timed(seconds, compute, seconds - compute, peak - mem.states + onload_bytes)
 
 
@@ -292,11 +380,13 @@ def model_plan(cfg: Config, role: str, vocab_size: int) -> ModelPlan:
     num_params = sum(p.numel() for p in model.parameters())
     num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     del model
-    w = _workload(cfg, role, units, vocab_size)
+    work, tokens = _work(cfg, role, units, vocab_size)
     n, m, precision = cfg.cluster.num_devices, cfg.cluster.group_size, model_cfg.precision
     algorithm = cfg.comm.algorithm
     trained = role in TRAINED_ROLES
     optimizer_steps = _optimizer_steps(cfg)
+    # Micro-batches per optimizer step: by sequences, or as many as a token budget makes.
+    accum = cfg.grad_accum_steps(role) if work.budget is None else work.budget[1]
     passes = _inference_passes(cfg, model_cfg.micro_batch_size) + (role == "actor")
     inference = {}  # P level -> per-step bytes of the inference forwards, shared by triples
     for level in Level:
@@ -310,11 +400,11 @@ def model_plan(cfg: Config, role: str, vocab_size: int) -> ModelPlan:
         held = placed[offload]
         intra, inter = inference[strategy.params]
         if trained:
-            phases = traffic(strategy, units, n, m, cfg.grad_accum_steps(role), precision,
-                             algorithm, reduce_dtype=model_cfg.reduce_dtype)
+            phases = traffic(strategy, units, n, m, accum, precision, algorithm,
+                             reduce_dtype=model_cfg.reduce_dtype)
             intra += optimizer_steps * sum(p.intra for p in phases.values())
             inter += optimizer_steps * sum(p.inter for p in phases.values())
-        by_micro = {b: _timed(cfg, role, strategy, w, b, held["host_params"])
+        by_micro = {b: _timed(cfg, role, strategy, work, b, held["host_params"])
                     for b in micro_batch_sizes(cfg, role)}
         setup = setup_memory(strategy, units, n, m, precision, offload)
         options.append(Option(
@@ -323,7 +413,7 @@ def model_plan(cfg: Config, role: str, vocab_size: int) -> ModelPlan:
             device_by_offload={mode: sum(p[k] for k in DEVICE_KEYS)
                                for mode, p in placed.items()}))
     kv = _kv_cache_bytes(cfg, vocab_size) if role == "actor" else 0.0
-    return ModelPlan(role, num_params, num_trainable, options, kv)
+    return ModelPlan(role, num_params, num_trainable, options, tokens, kv)
 
 
 def _budget(cfg: Config, reserve: float) -> float:
@@ -493,6 +583,28 @@ def _absent_critic_line(cfg: Config, plan: Plan, mem_unit: str, mem_scale: float
             f"hold; the {_COUNT[len(plan.models)]} models use it")
 
 
+def _tokens_line(cfg: Config, plan: Plan) -> str:
+    """One line: the sequence lengths the planner sized memory and compute by
+    ([Note: real tokens])."""
+    key, prompt = cfg.prompt_bound()
+    ppo = cfg.ppo
+    longest = prompt + ppo.max_new_tokens
+    running = [r for r in plan.models if cfg.model(r).runs_model]
+    packed = [r for r in running if plan.models[r].tokens.packed]
+    padded = [r for r in running if r not in packed]
+    response = (f"ppo.expected_response_length={ppo.expected_response_length}"
+                if ppo.expected_response_length is not None else
+                f"ppo.max_new_tokens={ppo.max_new_tokens}: expected_response_length null")
+    compute = []
+    if packed:
+        compute.append(f"the expected {_expected_tokens(cfg)} ({key}={prompt} + {response}) for "
+                       f"{', '.join(packed)} (packed)")
+    if padded:
+        compute.append(f"the padded {longest} for {', '.join(padded)} (packing off)")
+    return (f"tokens per sequence: memory by the longest, {longest} ({key}={prompt} + "
+            f"ppo.max_new_tokens={ppo.max_new_tokens}); compute by " + "; ".join(compute))
+
+
 def format_plan(cfg: Config, plan: Plan) -> str:
     c = cfg.cluster
     roles = tuple(plan.models)
@@ -510,6 +622,7 @@ def format_plan(cfg: Config, plan: Plan) -> str:
         f"{', '.join(roles)} (algorithm.adv_estimator={cfg.algorithm.adv_estimator}); traffic "
         "is bytes one device sends per PPO step, time is predicted per PPO step (generation's "
         "decoding left out)",
+        _tokens_line(cfg, plan),
         "P, G, OS, sum, peak and setup are device bytes under each model's offload; columns "
         + "/".join(OFFLOAD_COLUMNS.values()) + ": device bytes between the model's phases under "
         + "/".join(OFFLOAD_COLUMNS) + " ('-': not for this model)",
@@ -521,7 +634,10 @@ def format_plan(cfg: Config, plan: Plan) -> str:
     net_unit, net_scale = ("GB", GB) if big else ("MB", 1e6)
     for role, model in plan.models.items():
         m_cfg = cfg.model(role)
-        steps = f", s={cfg.grad_accum_steps(role)}" if role in TRAINED_ROLES else ""
+        split = _budget_split(cfg, role, model.tokens)
+        steps = "" if role not in TRAINED_ROLES else f", s={cfg.grad_accum_steps(role)}" \
+            if split is None else (f", s={split[1]} expected under max_tokens_per_micro_batch="
+                                   f"{m_cfg.max_tokens_per_micro_batch}")
         alone = _alone(plan, model)
         rank = {o.strategy: k + 1 for k, o in enumerate(alone)}
         modes = OFFLOAD_ALLOWED[role][0]

@@ -68,17 +68,18 @@ class Prompts:
         return self.split(self.stream.next(num), n)
 
     def split(self, prompts: data.PromptSet, n: int = 1) -> tuple[list[Any], list[Any]]:
-        """Pad the whole batch to one width, then cut it in contiguous per-rank slices, each
-        prompt ``n`` times in a row."""
+        """Cut the batch in contiguous per-rank slices, each prompt ``n`` times in a row, each
+        slice left-padded to its own longest prompt: no rank generates or computes on columns
+        that only another rank's prompts need."""
         num_ranks = self.cfg.cluster.num_devices
-        ids, mask = data.left_pad(prompts.ids, self.tokenizer.pad_token_id)
         size = -(-len(prompts) // num_ranks)
         batches, rows = [], []
         for r in range(num_ranks):
             index = [i for i in range(r * size, min(len(prompts), (r + 1) * size))
                      for _ in range(n)]
             part = prompts.rows(index)
-            batches.append({"input_ids": ids[index], "attention_mask": mask[index]})
+            ids, mask = data.left_pad(part.ids, self.tokenizer.pad_token_id)
+            batches.append({"input_ids": ids, "attention_mask": mask})
             rows.append({"texts": part.texts, "columns": part.columns})
         return batches, rows
 

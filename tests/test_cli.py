@@ -257,3 +257,19 @@ def test_packing_on_an_architecture_that_cannot_pack_is_one_line_naming_the_mode
     # Left to the default, the same model runs padded.
     train.main([*INLINE, f"ref.config={opt}"])
     assert len(jobs) == 1 and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("value", ["0", "9", "-3"])
+def test_an_expected_response_length_outside_1_to_max_new_tokens_is_one_line(jobs, capsys,
+                                                                             value):
+    # ppo_tiny: ppo.max_new_tokens=8. The planner and the trainer read the same key.
+    for main in (train.main, plan.main):
+        with pytest.raises(SystemExit) as info:
+            main([*INLINE, f"ppo.expected_response_length={value}"])
+        stdout, stderr = capsys.readouterr()
+        assert info.value.code == 2 and stdout == "" and stderr.count("\n") == 1, stderr
+        assert stderr == (f"error: ppo.expected_response_length: got {value}; allowed: null or "
+                          "an integer from 1 to ppo.max_new_tokens=8\n")
+    assert jobs == []
+    plan.main([*INLINE, "ppo.expected_response_length=8"])
+    assert "ppo.expected_response_length=8)" in capsys.readouterr().out

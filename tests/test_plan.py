@@ -316,3 +316,94 @@ def test_a_reward_function_is_planned_as_a_model_that_holds_and_sends_nothing(tm
     assert reward.num_params == 0
     assert all(o.memory_bytes == 0 and o.intra_bytes == o.inter_bytes == 0
                for o in reward.options)
+
+
+# Sequences of at most 8 + 56 = 64 tokens; ppo.expected_response_length=24 expects 8 + 24 = 32.
+LONG = [*INLINE, "ppo.max_new_tokens=56", "critic.packing=false"]
+
+
+def _options(argv):
+    plan = make_plan(load(argv), vocab_sizes=VOCAB)
+    return {role: {o.strategy: o.configured for o in m.options} for role, m in plan.models.items()}
+
+
+def test_compute_follows_the_expected_length_of_packed_models_and_memory_the_longest():
+    # A packed model computes on real tokens: with 24 expected of 56 its compute is exactly that
+    # of a run whose every response is 24 long (what the step costs follows the real tokens, not
+    # the budget), while its memory stays that of 56: a plan that fits must fit any rollout.
+    # The critic runs padded (packing=false): it computes on 64 positions whatever is expected.
+    expected = _options([*LONG, "ppo.expected_response_length=24"])
+    worst = _options(LONG)
+    short = _options([*INLINE, "ppo.max_new_tokens=24", "critic.packing=false"])
+    for role in ("actor", "reward", "ref", "critic"):
+        for strategy, t in expected[role].items():
+            assert t.peak_bytes == worst[role][strategy].peak_bytes
+            like = worst if role == "critic" else short
+            assert t.compute == pytest.approx(like[role][strategy].compute, rel=1e-12)
+    # Halving the expected real tokens (64 -> 32) lowers a packed model's compute in proportion
+    # to a sequence's forward FLOPs: linear in its length, plus causal attention's square term.
+    from rlhf_paro.models import build_model
+    from rlhf_paro.sharding.layout import unit_sizes
+    from rlhf_paro.sharding.steptime import transformer_workload
+
+    cfg = load(LONG)
+    units = unit_sizes(build_model("actor", cfg.actor, 19, meta=True))
+
+    def flops(length):
+        return sum(transformer_workload(units, hidden=64, ffn=128, vocab=19,
+                                        seq_len=length).flops)
+
+    igg = Strategy.parse("IGG")
+    ratio = expected["actor"][igg].compute / worst["actor"][igg].compute
+    assert ratio == pytest.approx(flops(32) / flops(64), rel=1e-12)
+    assert 0.25 < ratio < 0.5 and expected["actor"][igg].seconds < worst["actor"][igg].seconds
+
+
+def test_a_token_budget_bounds_training_activations_never_below_its_sequences_at_their_longest():
+    # ppo_tiny: 8 sequences of a mini-batch per device, micro-batches of 4, sequences of at most
+    # 64 tokens. A budget of 4 x 64 tokens may hold 4 sequences at their longest: never a smaller
+    # peak than micro-batches of 4 such sequences. A budget of 64 holds fewer tokens, whose
+    # first-fit rows take at most 2 x 64 + 64 positions: less than 4 x 64.
+    plain = _options(LONG)
+    wide = _options([*LONG, "actor.max_tokens_per_micro_batch=256"])
+    narrow = _options([*LONG, "actor.max_tokens_per_micro_batch=64"])
+    for strategy, t in plain["actor"].items():
+        assert wide["actor"][strategy].peak_bytes >= t.peak_bytes
+        assert narrow["actor"][strategy].peak_bytes <= wide["actor"][strategy].peak_bytes
+    assert any(narrow["actor"][s].peak_bytes < t.peak_bytes for s, t in plain["actor"].items())
+
+
+def test_first_fit_rows_of_a_token_budget_stay_below_twice_the_budget_plus_the_longest():
+    # The bound the planner takes for a packed micro-batch under max_tokens_per_micro_batch=B
+    # (plan.py, [Note: real tokens]): K rows as wide as the longest W hold K x W < 2 B + W
+    # positions, whatever the lengths.
+    import torch
+
+    from rlhf_paro import batching
+
+    gen = torch.Generator().manual_seed(0)
+    # Lengths just over half the longest are the worst case: one sequence a row.
+    cases = [torch.tensor([64] + [33] * 40)] + \
+        [torch.randint(1, 65, (40,), generator=gen) for _ in range(50)]
+    most = {}
+    for lengths in cases:
+        for budget in (64, 100, 256, 1024):
+            for micro in batching.split_by_tokens(torch.arange(len(lengths)), lengths, budget):
+                sizes = lengths[micro].tolist()
+                width = max(sizes)
+                positions = len(batching.first_fit_decreasing(sizes, width)) * width
+                assert positions < 2 * budget + width
+                most[budget] = max(most.get(budget, 0), positions)
+    # The budget alone would not do: 1021 real tokens (64 + 29 x 33) take 30 rows of 64.
+    assert most[1024] == 30 * 64
+
+
+def test_the_plan_says_which_lengths_it_sized_memory_and_compute_by():
+    cfg = load([*LONG, "ppo.expected_response_length=24", "actor.max_tokens_per_micro_batch=128"])
+    out = format_plan(cfg, make_plan(cfg, vocab_sizes=VOCAB))
+    assert ("tokens per sequence: memory by the longest, 64 (ppo.max_prompt_len=8 + "
+            "ppo.max_new_tokens=56); compute by the expected 32 (ppo.max_prompt_len=8 + "
+            "ppo.expected_response_length=24) for actor, reward, ref (packed); the padded 64 for "
+            "critic (packing off)") in out.splitlines()
+    # 8 sequences of a mini-batch per device, 32 tokens each expected: 2 micro-batches of 128.
+    assert "s=2 expected under max_tokens_per_micro_batch=128" in out

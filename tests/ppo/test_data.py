@@ -56,6 +56,30 @@ def test_prompts_are_tokenized_with_their_columns_and_epochs_are_seeded(assets):
     assert (mask[:, -1] == 1).all()  # left padding: every prompt ends in the last column
 
 
+def test_each_rank_s_prompts_are_left_padded_only_to_its_own_longest(assets):
+    # 4 ranks, 2 prompts each, sampled twice (rollout.n=2): rank 0's prompts are 1 and 2 tokens
+    # long, rank 3's 6 and 3. A rank's slice is as wide as its longest prompt, not the batch's.
+    from rlhf_paro import runs
+
+    cfg = config(assets)
+    prompts = runs.Prompts(cfg, task=None)
+    lengths = [1, 2, 4, 2, 3, 5, 6, 3]
+    batch = data.PromptSet([list(range(3, 3 + k)) for k in lengths],
+                           [f"p{i}" for i in range(8)], {"start": list(range(8))})
+    per_rank, rows = prompts.split(batch, n=2)
+    pad = prompts.tokenizer.pad_token_id
+    assert [p["input_ids"].shape for p in per_rank] == [(4, 2), (4, 4), (4, 5), (4, 6)]
+    for r, part in enumerate(per_rank):
+        mine = [lengths[i] for i in (2 * r, 2 * r, 2 * r + 1, 2 * r + 1)]
+        assert part["attention_mask"].sum(-1).tolist() == mine
+        assert (part["attention_mask"][:, -1] == 1).all()  # left padding: every prompt ends last
+        assert (part["attention_mask"].any(0)).all()  # and no column is padding in every row
+        for row, ids, mask in zip(mine, part["input_ids"], part["attention_mask"]):
+            assert ids[mask.bool()].tolist() == list(range(3, 3 + row))
+            assert (ids[~mask.bool()] == pad).all()
+        assert rows[r]["texts"] == [f"p{i}" for i in (2 * r, 2 * r, 2 * r + 1, 2 * r + 1)]
+
+
 def test_chat_messages_go_through_the_template(assets):
     cfg = config(assets, f"data.train_files={assets['chat']}", "data.apply_chat_template=true")
     prompts = data.load_prompts(cfg, data.actor_tokenizer(cfg))
