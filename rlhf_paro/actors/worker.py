@@ -91,6 +91,12 @@ class Worker:
             bind_gloo(ray.util.get_node_ip_address())
         dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
                                 rank=self.rank, world_size=self.num_ranks)
+        self.shard_model()
+        return os.getpid()
+
+    def shard_model(self) -> None:
+        """Build the model and shard it on this model's process group, which this process has
+        joined (``setup``; a test's gloo ranks join their own)."""
         topology = Topology.from_process_group(group_size=self.cfg.cluster.group_size)
         # N ranks x 4 models loading weights would each draw a progress bar.
         transformers.utils.logging.disable_progress_bar()
