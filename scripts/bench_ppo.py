@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -46,7 +48,13 @@ ROLES = ("actor", "critic", "reward", "ref")
 FROZEN = ("reward", "ref")
 
 
-def contender_overrides(name: str, mix: dict[str, str]) -> list[str]:
+def contender_overrides(name: str, mix: dict[str, str], extra: dict[str, list[str]]
+                        ) -> list[str]:
+    name = name.split("@", 1)[0]  # the same overrides on another revision's source
+    if name in extra:
+        return extra[name]
+    if name == "given":
+        return []
     if name == "zero3":
         return [f"{r}.strategy={'G' if r in FROZEN else 'GGG'}" for r in ROLES]
     if name == "ddp":
@@ -59,7 +67,8 @@ def contender_overrides(name: str, mix: dict[str, str]) -> list[str]:
         if not mix:
             raise SystemExit("error: --contenders mix needs --mix actor=...,critic=...")
         return [f"{r}.strategy={s}" for r, s in mix.items()]
-    raise SystemExit(f"error: unknown contender {name!r}; allowed: zero3, ddp, auto, deepspeed, mix")
+    raise SystemExit(f"error: unknown contender {name!r}; allowed: given, zero3, ddp, auto, "
+                     f"deepspeed, mix, a name given with --also, any of them @REVISION")
 
 
 def strategies_and_fit(overrides: list[str]) -> tuple[dict[str, str], bool | None]:
@@ -84,13 +93,34 @@ def strategies_and_fit(overrides: list[str]) -> tuple[dict[str, str], bool | Non
     return names, make_plan(cfg, fixed=fixed).best is not None
 
 
-def run_job(overrides: list[str], output_dir: Path) -> list[dict]:
-    """One training job; its metrics rows (the job's own errors go to the console)."""
+def source_tree(revision: str, into: Path) -> Path:
+    """The project's files at git ``revision`` under ``into`` (a job that runs from them takes
+    the package from there: PYTHONPATH comes before the installed one)."""
+    root = Path(__file__).resolve().parents[1]
+    into.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(root), "archive", revision],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if archive.returncode:
+        raise SystemExit(f"error: no revision {revision!r}: {archive.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    return into
+
+
+def run_job(overrides: list[str], output_dir: Path, source: Path | None = None) -> list[dict]:
+    """One training job (from the package under ``source``, else the installed one); its
+    metrics rows (the job's own errors go to the console)."""
     command = [sys.executable, "-m", "rlhf_paro.train", *overrides,
                f"trainer.output_dir={output_dir}", "logger.wandb.mode=disabled",
                "logger.progress=false", "trainer.save_every=0", "trainer.export_every=0",
                "trainer.eval_every=0"]
-    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = dict(os.environ)
+    if source is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(source),
+                                                          env.get("PYTHONPATH")]))
+    # ``python -m`` puts the working directory first on the path: a source's own, so that a
+    # checkout's package does not shadow it.
+    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          env=env, cwd=source)
     if done.returncode:
         raise SystemExit(f"error: {' '.join(overrides)} failed:\n{done.stderr[-2000:]}")
     rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
@@ -99,7 +129,8 @@ def run_job(overrides: list[str], output_dir: Path) -> list[dict]:
 
 def summary(rows: list[dict]) -> dict[str, float]:
     """Median over steps of every numeric metric the table shows."""
-    keys = [k for k in rows[0] if k == "perf/samples_per_s" or "/time_s/" in k
+    keys = [k for k in rows[0] if k in ("perf/samples_per_s", "ppo/response_length",
+                                         "perf/padding_fraction") or "/time_s/" in k
             or k.endswith("/comm/intra_bytes") or k.endswith("/comm/inter_bytes")]
     return {k: statistics.median(r[k] for r in rows) for k in keys
             if all(isinstance(r.get(k), (int, float)) for r in rows)}
@@ -108,9 +139,10 @@ def summary(rows: list[dict]) -> dict[str, float]:
 def table(results: dict[str, list[dict]], plans: dict[str, tuple[dict[str, str], bool | None]],
           budget: str) -> str:
     lines = [f"| contender | strategies (actor critic reward ref) | fits {budget} | samples/s | "
+             "response tokens | "
              + " | ".join(
         f"{r} s/step (gen, infer, train) | {r} MB/step intra, inter" for r in ROLES) + " |",
-        "|---" * (4 + 2 * len(ROLES)) + "|"]
+        "|---" * (5 + 2 * len(ROLES)) + "|"]
     base = None
     for name, rows in results.items():
         s = summary(rows)
@@ -119,7 +151,7 @@ def table(results: dict[str, list[dict]], plans: dict[str, tuple[dict[str, str],
         strategies, fits = plans[name]
         cells = [name, " ".join(strategies[r] for r in ROLES),
                  "-" if fits is None else ("yes" if fits else "no"),
-                 f"{rate:.2f} ({rate / base:.2f}x)"]
+                 f"{rate:.2f} ({rate / base:.2f}x)", f"{s.get('ppo/response_length', 0):.1f}"]
         for r in ROLES:
             phases = [s.get(f"{r}/time_s/{p}", 0.0) for p in ("generate", "inference", "train")]
             cells.append(", ".join(f"{t:.2f}" for t in phases))
@@ -132,7 +164,10 @@ def table(results: dict[str, list[dict]], plans: dict[str, tuple[dict[str, str],
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--contenders", default="zero3,ddp,auto,deepspeed",
-                        help="comma-separated: zero3, ddp, auto, deepspeed, mix")
+                        help="comma-separated: given, zero3, ddp, auto, deepspeed, mix, a name "
+                             "of --also; NAME@REV runs NAME from the source of git revision REV")
+    parser.add_argument("--also", action="append", default=[], metavar="NAME=OVERRIDES",
+                        help="a contender of its own overrides (space-separated, shell quoting)")
     parser.add_argument("--mix", default="", help="the hand mix, e.g. actor=IIG,critic=NIG,"
                                                   "ref=I,reward=I")
     parser.add_argument("--rounds", type=int, default=2)
@@ -142,17 +177,24 @@ def main() -> None:
     if args.steps < 2:
         raise SystemExit("error: --steps must be at least 2 (the first step is warm-up)")
     mix = dict(item.split("=", 1) for item in args.mix.split(",") if item)
+    extra = {}
+    for item in args.also:
+        name, _, overrides = item.partition("=")
+        extra[name] = shlex.split(overrides)
     names = [n for n in args.contenders.split(",") if n]
-    plans = {n: contender_overrides(n, mix) for n in names}
+    plans = {n: contender_overrides(n, mix, extra) for n in names}
     fits = {n: strategies_and_fit([*args.overrides, *plans[n]]) for n in names}
     results: dict[str, list[dict]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory(prefix="bench_ppo_") as tmp:
+        sources = {n: source_tree(n.split("@", 1)[1], Path(tmp) / f"source_{i}")
+                   for i, n in enumerate(names) if "@" in n}
         for round_ in range(args.rounds):
-            for name in names:
-                out = Path(tmp) / f"{name}_{round_}"
+            for i, name in enumerate(names):
+                out = Path(tmp) / f"job_{i}_{round_}"
                 print(f"round {round_ + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
                 results[name] += run_job([*args.overrides, *plans[name],
-                                          f"trainer.steps={args.steps}"], out)
+                                          f"trainer.steps={args.steps}"], out,
+                                         sources.get(name))
     print(f"overrides: {' '.join(args.overrides) or '(none)'}; {args.rounds} rounds of "
           f"{args.steps} steps, first step of each job left out; ratios against {names[0]}")
     budget = next((o.split("=", 1)[1] for o in reversed(args.overrides)
