@@ -58,12 +58,15 @@ class Run(NamedTuple):
 
 def _train(out: Path, *args: str, cache: Path, nan_loss: str | None = None,
            kill_after_step: int | None = None, kill: signal.Signals = signal.SIGKILL,
-           kill_driver: bool = False,
+           kill_driver: bool = False, kill_in_save: int | None = None,
            watch: Callable[[str], list[str]] | None = None) -> Run:
     """``python -m rlhf_paro.train`` on the tiny job; with ``kill_after_step``, SIGKILL actor
     rank 1 (``kill``: another signal; ``kill_driver``: the driver instead) once that step's row
-    is logged (its pid from the run's workers.json); ``watch(mark)``
-    is called every half second while the run goes on, and what it returns is collected."""
+    is logged (its pid from the run's workers.json); with ``kill_in_save``, send ``kill`` to
+    the driver while the checkpoint of that step is being written (its scratch directory
+    exists; the run's ``watched`` says whether it still did once the signal was sent);
+    ``watch(mark)`` is called every half second while the run goes on, and what it returns is
+    collected."""
     mark = uuid.uuid4().hex
     env = {**os.environ, MARK: mark}
     env.pop(NAN_LOSS_ENV, None)
@@ -85,10 +88,24 @@ def _train(out: Path, *args: str, cache: Path, nan_loss: str | None = None,
     if kill_after_step is not None:
         while proc.poll() is None and kill_after_step not in _steps(out):
             time.sleep(0.1)
+        if proc.poll() is not None:  # ended before that step: its own error says why
+            stdout, stderr = proc.communicate()
+            raise AssertionError(f"the run ended (exit {proc.returncode}) before step "
+                                 f"{kill_after_step} was logged:\n{stdout[-2000:]}\n"
+                                 f"{stderr[-3000:]}")
         target = proc.pid if kill_driver else json.loads(
             (out / "workers.json").read_text())["actor"][1]
         os.kill(target, kill)
         start = time.monotonic()
+    if kill_in_save is not None:
+        pattern = f"{checkpoint.CHECKPOINTS}/.step_{kill_in_save}-*"
+        while proc.poll() is None and not list(out.glob(pattern)):
+            time.sleep(0.002)
+        assert proc.poll() is None, f"the run ended before its save of step {kill_in_save}"
+        os.kill(proc.pid, kill)
+        start = time.monotonic()
+        if list(out.glob(pattern)):  # published with a rename: still there, still saving
+            watched.append("signalled during the save")
     stdout, stderr = proc.communicate(timeout=900)
     exit_s = time.monotonic() - start
     time.sleep(2)  # what a shutdown stops has had time to go
@@ -238,10 +255,30 @@ def faults(tmp_path_factory) -> dict[str, Run]:
     data = bytearray(damaged.read_bytes())
     data[-1] ^= 0xFF
     damaged.write_bytes(bytes(data))
-    hung = _train(out, *TWO, "trainer.steps=6", "trainer.step_timeout_s=15", cache=cache,
+    # The timeout bounds the workers' setup too: 15 s was too short for it on a loaded 2-core
+    # machine.
+    hung = _train(out, *TWO, "trainer.steps=6", "trainer.step_timeout_s=30", cache=cache,
                   kill_after_step=4, kill=signal.SIGSTOP)
-    return {"preempted": preempted, "resumed": resumed, "hung": hung,
+    # SIGTERM while step_2 is being written: the save ends, and so does the run.
+    in_save = _train(root / "in_save", *TWO, "trainer.steps=4", "trainer.save_every=2",
+                     cache=cache, kill_in_save=2, kill=signal.SIGTERM)
+    return {"preempted": preempted, "resumed": resumed, "hung": hung, "in_save": in_save,
             "damaged": newest, "damaged_file": damaged}
+
+
+def test_sigterm_during_a_save_finishes_the_save_and_stops_in_one_line(faults):
+    in_save = faults["in_save"]
+    assert in_save.watched == ["signalled during the save"], "the save ended before the signal"
+    step_2 = checkpoint.checkpoint_dir(in_save.out, 2)
+    line = _error_line(in_save)
+    assert in_save.returncode == 143, in_save.stderr
+    # The checkpoint the signal found half written is complete, intact, and the newest; no
+    # second one for the preemption, no scratch left behind, no process of the run alive.
+    assert line.startswith(f"error: stopped by SIGTERM after step 1; newest checkpoint: {step_2}"
+                           "; resume with: python -m rlhf_paro.train "), line
+    checkpoint.check(step_2)
+    assert [p.name for p in (in_save.out / checkpoint.CHECKPOINTS).iterdir()] == ["step_2"]
+    assert [r["step"] for r in in_save.rows] == [0, 1] and in_save.left == []
 
 
 def test_sigterm_stops_after_the_step_with_a_checkpoint_that_resumes(faults):
@@ -277,6 +314,6 @@ def test_resume_auto_skips_a_damaged_newest_checkpoint_and_a_stopped_rank_is_nam
     line = _error_line(hung)
     assert hung.returncode == 1
     assert line.startswith("error: actor rank 1 did not answer in "), line
-    assert " within trainer.step_timeout_s=15 (its process is stopped) at step 5; newest " \
+    assert " within trainer.step_timeout_s=30 (its process is stopped) at step 5; newest " \
            f"checkpoint: {checkpoint.checkpoint_dir(hung.out, 3)}; resume with: " in line, line
     assert hung.left == [], hung.left
