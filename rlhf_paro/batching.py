@@ -1,6 +1,6 @@
 """The rollout's layout, and the packed layout every model's forward runs on.
 
-Rollout layout (``ppo/task.join``): ``(B, T)`` rows of a left-padded prompt followed by a
+Rollout layout (``rollout.RolloutBatch``): ``(B, T)`` rows of a left-padded prompt followed by a
 right-padded response of width ``R``; ``attention_mask`` marks the real tokens, and the last ``R``
 columns are the response (``action_mask``). Every consumer reads per-token results in this
 layout.

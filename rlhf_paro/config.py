@@ -426,9 +426,18 @@ class RolloutConfig:
     # Responses sampled per prompt; they form a group on one rank (the group baseline of grpo,
     # dr_grpo and rloo needs at least 2).
     n: int = 1
+    # The engine that generates on each actor rank (``rlhf_paro/rollout``; checked against its
+    # registry when the config is resolved): hf is Hugging Face generate on the actor's weights.
+    engine: str = "hf"
+    # Prompts generated at once on a rank (a bounded key/value cache); null: all of the rank's.
+    micro_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         _positive("n", self.n)
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ConfigError("micro_batch_size", f"must be >= 1 or null (all of a "
+                                                  f"rank's prompts at once), got "
+                                                  f"{self.micro_batch_size}")
 
 
 RESUME_CHOICES = ("auto", "none")

@@ -21,6 +21,7 @@ import torch
 from rlhf_paro.actors import checkpoint
 from rlhf_paro.config import Config, ConfigError
 from rlhf_paro.ppo import data
+from rlhf_paro.rollout import PromptBatch
 
 # The trainer's wait: each model's refs in, their results out, a failed worker raised at once.
 Wait = Callable[..., dict[str, list[Any]]]
@@ -57,17 +58,17 @@ class Prompts:
         else:
             self.stream.seek(state["epoch"], state["left"])
 
-    def next(self, num: int, n: int = 1) -> tuple[list[Any], list[Any] | None]:
+    def next(self, num: int, n: int = 1) -> tuple[list[PromptBatch], list[Any] | None]:
         """(per-rank prompts, per-rank rows or None) for ``num`` prompts, each ``n`` times in a
         row (``rollout.n``: its group of samples). A prompt's copies go to one rank, so a group
         baseline needs no exchange between ranks; each rank gets ``num / N`` whole groups."""
         num_ranks = self.cfg.cluster.num_devices
         if not self.files:
             prompts = self.task.sample_prompts(num, self.rng).repeat_interleave(n, dim=0)
-            return list(prompts.chunk(num_ranks)), None
+            return [PromptBatch(p, torch.ones_like(p)) for p in prompts.chunk(num_ranks)], None
         return self.split(self.stream.next(num), n)
 
-    def split(self, prompts: data.PromptSet, n: int = 1) -> tuple[list[Any], list[Any]]:
+    def split(self, prompts: data.PromptSet, n: int = 1) -> tuple[list[PromptBatch], list[Any]]:
         """Pad the whole batch to one width, then cut it in contiguous per-rank slices, each
         prompt ``n`` times in a row."""
         num_ranks = self.cfg.cluster.num_devices
@@ -78,7 +79,7 @@ class Prompts:
             index = [i for i in range(r * size, min(len(prompts), (r + 1) * size))
                      for _ in range(n)]
             part = prompts.rows(index)
-            batches.append({"input_ids": ids[index], "attention_mask": mask[index]})
+            batches.append(PromptBatch(ids[index], mask[index]))
             rows.append({"texts": part.texts, "columns": part.columns})
         return batches, rows
 

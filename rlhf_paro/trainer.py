@@ -7,7 +7,7 @@ own slice):
 
     prompts x rollout.n --slice--> actor.generate          (P gathered once: phase "generate")
     rollout[r] -> actor.old_logprobs | ref.logprobs | critic.values | reward.score  (concurrent)
-    actor.make_experience: token rewards, the algorithm's advantages (core.advantages)
+    actor.make_experience: token rewards, the algorithm's advantages (core.make_experience)
     actor.train | critic.train: PPO epochs, mini-batches of s micro-batches    (concurrent)
     KL controller update; per-model reports -> one metrics row
 
@@ -335,8 +335,7 @@ class PPOTrainer:
         targets, exp_stats = zip(*actor.call("make_experience", ref_logp, values, scores,
                                              kl_coef=kl_coef, num_returns=2))
         exp = _sum(self.wait(actor=list(exp_stats))["actor"])
-        if rows is not None:
-            gen.update(_sum(self.wait(reward=reward.call("score_sums"))["reward"]))
+        gen.update(_sum(self.wait(reward=reward.call("score_sums"))["reward"]))
         self.wait(actor=old)
         experienced = time.perf_counter()
 

@@ -15,6 +15,7 @@ from rlhf_paro.actors.reward import RewardWorker
 from rlhf_paro.actors.worker import Worker
 from rlhf_paro.config import Config, ConfigError, DataConfig, ModelConfig
 from rlhf_paro.ppo import data, rewards
+from rlhf_paro.rollout import RolloutBatch
 from rlhf_paro.reward_server import RewardServer
 from tests import hf_assets
 
@@ -60,7 +61,7 @@ def config(assets, url: str, **reward) -> Config:
                   data=DataConfig(train_files=str(assets["train"])))
 
 
-def rollout(assets) -> tuple[dict[str, torch.Tensor], dict]:
+def rollout(assets) -> tuple[RolloutBatch, dict]:
     """Four responses of the words ``RESPONSES``, right-padded, after a two-token prompt."""
     tokenizer = data.load_tokenizer(str(assets["llama"]))
     width = max(map(len, RESPONSES))
@@ -71,9 +72,8 @@ def rollout(assets) -> tuple[dict[str, torch.Tensor], dict]:
         mask[i, :len(words)] = 1
     prompt = torch.full((len(RESPONSES), 2), tokenizer.bos_token_id)
     rows = {"texts": ["count : a b"] * len(RESPONSES), "columns": {"start": STARTS}}
-    return {"sequences": torch.cat([prompt, ids], 1),
-            "attention_mask": torch.cat([torch.ones_like(prompt), mask], 1),
-            "action_mask": mask}, rows
+    return RolloutBatch(torch.cat([prompt, ids], 1), torch.cat([torch.ones_like(prompt), mask], 1),
+                        mask.float()), rows
 
 
 def test_a_server_reward_joins_no_group_and_sums_its_extras_for_the_metrics(assets, server,

@@ -13,8 +13,8 @@ from rlhf_paro import models
 from rlhf_paro.compose import load_config
 from rlhf_paro.config import ConfigError, ModelConfig
 from rlhf_paro.ppo import data, rewards
-from rlhf_paro.ppo.task import join, response_mask
 from rlhf_paro.resolve import resolve
+from rlhf_paro.rollout import PromptBatch, join
 from tests import dist_utils, hf_assets
 from tests.confs import load
 
@@ -249,9 +249,9 @@ def test_mixed_length_batch_log_probs_values_and_scores_equal_each_sequence_alon
     prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (2, 7, 4)]
     responses = torch.randint(3, vocab, (3, 5), generator=gen)
     responses[0, 3] = tokenizer.eos_token_id  # an early end: right padding after it
-    mask = response_mask(responses, tokenizer.eos_token_id)
     ids, prompt_mask = data.left_pad(prompts, tokenizer.pad_token_id)
-    seq, attn = join(ids, responses, mask, prompt_mask)
+    rollout = join(PromptBatch(ids, prompt_mask), responses, tokenizer.eos_token_id)
+    seq, attn, mask = rollout.sequences, rollout.attention_mask, rollout.action_mask
     batch_logp = actor(seq, attn, response_len=5)
     batch_values = critic(seq, attn, response_len=5)
     for i, prompt in enumerate(prompts):
