@@ -381,6 +381,9 @@ class PPOConfig:
     clip_eps: float = 0.2  # PPO ratio clip
     value_clip_eps: float = 0.2  # how far the critic may move from its rollout-time values
     whiten_advantages: bool = True  # gae: normalise advantages over the whole rollout
+    # Deal the step's sequences to ranks and mini-batches by real tokens, groups of rollout.n
+    # whole (docs/design.md, "Batching"); false: each rank trains on what it generated.
+    balance_batch: bool = True
 
     def __post_init__(self) -> None:
         for key in ("rollout_batch_size", "mini_batch_size", "ppo_epochs", "max_prompt_len",

@@ -84,6 +84,18 @@ class Prompts:
         return batches, rows
 
 
+def deal_rows(rows: list[dict[str, Any]], order: list[torch.Tensor]) -> list[dict[str, Any]]:
+    """The prompts' rows (``Prompts.split``'s, one dict per rank) dealt as the rollout's rows are:
+    rank r gets the rows ``order[r]`` of all ranks' rows in rank order."""
+    texts = [text for part in rows for text in part["texts"]]
+    columns = {name: [value for part in rows for value in part["columns"][name]]
+               for name in rows[0]["columns"]}
+    return [{"texts": [texts[i] for i in index.tolist()],
+             "columns": {name: [values[i] for i in index.tolist()]
+                         for name, values in columns.items()}}
+            for index in order]
+
+
 def evaluate(models: dict[str, Any], prompts: Prompts, step: int, wait: Wait
              ) -> dict[str, float]:
     """Greedy responses to every validation prompt, scored: ``eval/reward_mean`` and

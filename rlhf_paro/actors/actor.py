@@ -18,17 +18,14 @@ from rlhf_paro.actors.worker import TrainedWorker, Worker
 from rlhf_paro.comm.meter import GENERATE
 from rlhf_paro.metrics import INFERENCE
 from rlhf_paro.ppo import algorithms, core
-from rlhf_paro.ppo.data import actor_tokenizer, tokenizer_dir
-from rlhf_paro.ppo.task import task_from_config
+from rlhf_paro.ppo.data import rollout_tokenizer
 from rlhf_paro.rollout import PromptBatch, RolloutBatch
 
 
 class ActorWorker(TrainedWorker):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        # The actor's tokenizer (pad and eos ids); the task's when the actor is an inline config.
-        self.tokenizer = (actor_tokenizer(self.cfg) if tokenizer_dir(self.cfg) is not None
-                          else task_from_config(self.cfg).tokenizer)
+        self.tokenizer = rollout_tokenizer(self.cfg)  # its pad and eos ids
         self.rollout_engine: rollout.Rollout | None = None  # built at setup, on the engine
         self._old_logp: torch.Tensor | None = None  # this step's, from old_logprobs
         self._experience: core.Experience | None = None  # this step's, from make_experience
@@ -57,6 +54,11 @@ class ActorWorker(TrainedWorker):
         if not greedy:
             self._rollout = batch
         return batch, stats
+
+    def set_rollout(self, batch: RolloutBatch) -> None:
+        """Replace this rank's rollout with ``batch``: the rows the driver dealt it
+        ([Note: balanced ranks], ``trainer.balance``)."""
+        self._rollout = batch
 
     @torch.no_grad()
     def old_logprobs(self) -> None:

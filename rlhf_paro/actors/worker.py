@@ -323,13 +323,19 @@ class TrainedWorker(Worker):
 
     def _mini_batches(self, mask: torch.Tensor, agg: str
                       ) -> list[tuple[list[batching.MicroBatch], float]]:
-        """This rank's shuffled mini-batches, each as its micro-batches and their divisor: the
-        global mini-batch's count under ``agg`` (valid tokens or sequences, summed over ranks)
-        / (ranks x micro-batches per step). Under ``max_tokens_per_micro_batch`` the
+        """This rank's shuffled mini-batches (with ``ppo.balance_batch``, consecutive slices of
+        the rows in the order the driver dealt them, [Note: balanced ranks]; else a random draw
+        of rows), each as its micro-batches and their divisor: the global mini-batch's count
+        under ``agg`` (valid tokens or sequences, summed over ranks) / (ranks x micro-batches
+        per step). Under ``max_tokens_per_micro_batch`` the
         micro-batch count is the largest over ranks, fillers making up the rest
         ([Note: micro-batches by tokens])."""
         size = self.cfg.ppo.mini_batch_size // self.num_ranks
-        minis = batching.split_by_rows(torch.randperm(mask.shape[0]), size)
+        if self.cfg.ppo.balance_batch:  # the driver's order: consecutive slices, shuffled
+            slices = batching.split_by_rows(torch.arange(mask.shape[0]), size)
+            minis = [slices[i] for i in torch.randperm(len(slices)).tolist()]
+        else:
+            minis = batching.split_by_rows(torch.randperm(mask.shape[0]), size)
         local = torch.tensor([core.agg_count(mask[m], agg) for m in minis], dtype=torch.float64)
         total = self.all_reduce_sum(local)
         budget = self.model_cfg.max_tokens_per_micro_batch

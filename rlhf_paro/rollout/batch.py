@@ -62,6 +62,16 @@ class RolloutBatch:
         """The sub-batch of ``rows`` (indices or a slice), same widths."""
         return RolloutBatch(*(getattr(self, f.name)[rows] for f in fields(self)))
 
+    def trimmed(self) -> RolloutBatch:
+        """The same rows without the columns that are padding in every one: prompts as wide as
+        the longest, responses as wide as the longest."""
+        prompt_len = self.sequences.shape[1] - self.response_len
+        prompt = int(self.attention_mask[:, :prompt_len].sum(-1).max())
+        response = int(self.action_mask.sum(-1).max())
+        keep = slice(prompt_len - prompt, prompt_len + response)
+        return RolloutBatch(self.sequences[:, keep], self.attention_mask[:, keep],
+                            self.action_mask[:, :response])
+
     def to(self, device: torch.device | str) -> RolloutBatch:
         return RolloutBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
 

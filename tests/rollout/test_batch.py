@@ -56,3 +56,13 @@ def test_a_batch_travels_pickled_and_moves_whole():
                for k in ("sequences", "attention_mask", "action_mask"))
     moved = b.to("meta")
     assert moved.sequences.device.type == "meta" and moved.action_mask.device.type == "meta"
+
+
+def test_trimmed_drops_only_the_columns_that_are_padding_in_every_row():
+    b = RolloutBatch.concat([_batch([1], [[5, 2]]), _batch([3], [[6, 7, 8, 9]])], PAD)
+    rows = b.select(torch.tensor([0]))  # prompt of 1 token, response of 2 in a 3 + 4 layout
+    short = rows.trimmed()
+    assert short.sequences.tolist() == [[10, 5, 2]]
+    assert short.attention_mask.tolist() == [[1, 1, 1]]
+    assert short.action_mask.tolist() == [[1.0, 1.0]]
+    assert torch.equal(b.trimmed().sequences, b.sequences)  # nothing to drop
