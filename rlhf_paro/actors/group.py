@@ -3,9 +3,9 @@
 The run's models (``ppo/algorithms.roles``: actor, reward, and critic and ref where the algorithm
 reads them) are colocated: rank r of every model runs on bundle r of one placement group, each
 taking an equal fraction of the bundle (``bundle_share``: a quarter of a GPU, or of a CPU slot
-here, for PPO's four models). Each model has its own process group: rank 0 of the model picks a free port on its
-node and every rank of that model joins ``tcp://ip:port``, so the four models never share
-collectives and each builds its own ``Topology``.
+here, for PPO's four models). Each model has its own process group: rank 0 of the model picks a
+free port on its node and every rank of that model joins ``tcp://ip:port``, so the models never
+share collectives and each builds its own ``Topology``.
 
 On one machine ``init_ray`` starts a private Ray; on a cluster start Ray on every node
 (``ray start --head`` on one, ``ray start --address=HEAD:6379`` on the others) and set
