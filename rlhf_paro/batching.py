@@ -1,6 +1,6 @@
 """The rollout's layout, and the packed layout every model's forward runs on.
 
-Rollout layout (``ppo/task.join``): ``(B, T)`` rows of a left-padded prompt followed by a
+Rollout layout (``rollout.RolloutBatch``): ``(B, T)`` rows of a left-padded prompt followed by a
 right-padded response of width ``R``; ``attention_mask`` marks the real tokens, and the last ``R``
 columns are the response (``action_mask``). Every consumer reads per-token results in this
 layout.
@@ -196,8 +196,10 @@ def fill_to(micros: list[Tensor], count: int, num_tokens: Tensor) -> list[MicroB
 # better dealt to ranks by their real tokens than in rollout order. The unit is a group of
 # ``rollout.n`` samples of one prompt (a group baseline needs its samples on one rank); each part
 # gets as many groups (so every rank trains on as many sequences), and the assignment is a pure
-# function of the lengths (ties go to the lower index), so every rank computes the same one. Not
-# wired into a run yet: it needs the rollout's rows moved between ranks after generation.
+# function of the lengths (ties go to the lower index), so the assignment is deterministic. The
+# driver computes it once per step from every rank's rollout (``rank_order``), deals the rows, and
+# each trained model then takes its mini-batches as consecutive slices of its rows, in a shuffled
+# order (``TrainedWorker._mini_batches``).
 
 
 def balanced_parts(weights: Tensor, num_parts: int) -> list[Tensor]:
@@ -233,3 +235,17 @@ def balance_groups(num_tokens: Tensor, group_size: int, num_ranks: int, num_mini
         minis = balanced_parts(per_group[groups], num_minis)
         out.append([rows[groups[m]].flatten() for m in minis])
     return out
+
+
+def rank_order(num_tokens: Tensor, group_size: int, num_ranks: int, mini_size: int
+               ) -> list[Tensor]:
+    """The rows of a step's rollout (every rank's rows in rank order; ``num_tokens[r]``: row r's
+    real tokens) that each rank trains on, in order: its ``balance_groups`` mini-batches of
+    ``mini_size`` rows one after another. When a rank's groups do not split evenly into its
+    mini-batches (a group larger than a mini-batch), only the ranks are balanced, and consecutive
+    slices of a rank's rows are its mini-batches."""
+    num_minis = len(num_tokens) // (num_ranks * mini_size)
+    if num_minis < 1 or (len(num_tokens) // group_size // num_ranks) % num_minis:
+        num_minis = 1
+    return [torch.cat(minis) for minis in balance_groups(num_tokens, group_size, num_ranks,
+                                                         num_minis)]

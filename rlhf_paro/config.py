@@ -384,6 +384,9 @@ class PPOConfig:
     clip_eps: float = 0.2  # PPO ratio clip
     value_clip_eps: float = 0.2  # how far the critic may move from its rollout-time values
     whiten_advantages: bool = True  # gae: normalise advantages over the whole rollout
+    # Deal the step's sequences to ranks and mini-batches by real tokens, groups of rollout.n
+    # whole (docs/design.md, "Batching"); false: each rank trains on what it generated.
+    balance_batch: bool = True
 
     def __post_init__(self) -> None:
         for key in ("rollout_batch_size", "mini_batch_size", "ppo_epochs", "max_prompt_len",
@@ -433,9 +436,18 @@ class RolloutConfig:
     # Responses sampled per prompt; they form a group on one rank (the group baseline of grpo,
     # dr_grpo and rloo needs at least 2).
     n: int = 1
+    # The engine that generates on each actor rank (``rlhf_paro/rollout``; checked against its
+    # registry when the config is resolved): hf is Hugging Face generate on the actor's weights.
+    engine: str = "hf"
+    # Prompts generated at once on a rank (a bounded key/value cache); null: all of the rank's.
+    micro_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         _positive("n", self.n)
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ConfigError("micro_batch_size", f"must be >= 1 or null (all of a "
+                                                  f"rank's prompts at once), got "
+                                                  f"{self.micro_batch_size}")
 
 
 RESUME_CHOICES = ("auto", "none")

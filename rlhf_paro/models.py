@@ -495,6 +495,24 @@ def count_parameters(role: str, model_cfg: ModelConfig, vocab_size: int) -> tupl
 
 
 
+def hf_name(model: nn.Module, name: str) -> str | None:
+    """The Hugging Face name of ``name``, a key of ``model``'s state (``engine.full_state_dict()``):
+    its name in the wrapped causal LM (a PEFT model's own names under LoRA), or in a value
+    model's backbone; None for the value head, which lies outside the Hugging Face model. What an
+    export writes and what a rollout engine's weight sync loads by."""
+    if isinstance(model, CausalLM):
+        return name.removeprefix("lm.")
+    if isinstance(model, ValueModel):
+        return name.removeprefix("backbone.") if name.startswith("backbone.") else None
+    raise TypeError(f"no Hugging Face names for {type(model).__name__}")
+
+
+def hf_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` under its Hugging Face names (``hf_name``), without what has none."""
+    named = ((hf_name(model, k), v) for k, v in state.items())
+    return {k: v for k, v in named if k is not None}
+
+
 def export_hf(model: nn.Module, state: dict[str, torch.Tensor], directory: str | Path,
               tokenizer: Any = None, merge_lora: bool = False) -> Path:
     """Write ``model`` with the full state ``state`` (``engine.full_state_dict()``) in Hugging
@@ -513,7 +531,7 @@ def export_hf(model: nn.Module, state: dict[str, torch.Tensor], directory: str |
     scratch = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
     try:
         if isinstance(model, CausalLM):
-            inner = {k.removeprefix("lm."): v for k, v in state.items()}
+            inner = hf_state_dict(model, state)
             model.lm.save_pretrained(scratch, state_dict=inner, safe_serialization=True)
             if merge_lora and hasattr(model.lm, "merge_and_unload"):
                 _merged(model.lm, inner).save_pretrained(scratch / "merged",
@@ -521,8 +539,7 @@ def export_hf(model: nn.Module, state: dict[str, torch.Tensor], directory: str |
                 if tokenizer is not None:
                     tokenizer.save_pretrained(scratch / "merged")
         elif isinstance(model, ValueModel):
-            inner = {k.removeprefix("backbone."): v for k, v in state.items()
-                     if k.startswith("backbone.")}
+            inner = hf_state_dict(model, state)
             model.backbone.save_pretrained(scratch, state_dict=inner, safe_serialization=True)
             from safetensors.torch import save_file
 

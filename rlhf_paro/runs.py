@@ -21,6 +21,7 @@ import torch
 from rlhf_paro.actors import checkpoint
 from rlhf_paro.config import Config, ConfigError
 from rlhf_paro.ppo import data
+from rlhf_paro.rollout import PromptBatch
 
 # The trainer's wait: each model's refs in, their results out, a failed worker raised at once.
 Wait = Callable[..., dict[str, list[Any]]]
@@ -57,17 +58,17 @@ class Prompts:
         else:
             self.stream.seek(state["epoch"], state["left"])
 
-    def next(self, num: int, n: int = 1) -> tuple[list[Any], list[Any] | None]:
+    def next(self, num: int, n: int = 1) -> tuple[list[PromptBatch], list[Any] | None]:
         """(per-rank prompts, per-rank rows or None) for ``num`` prompts, each ``n`` times in a
         row (``rollout.n``: its group of samples). A prompt's copies go to one rank, so a group
         baseline needs no exchange between ranks; each rank gets ``num / N`` whole groups."""
         num_ranks = self.cfg.cluster.num_devices
         if not self.files:
             prompts = self.task.sample_prompts(num, self.rng).repeat_interleave(n, dim=0)
-            return list(prompts.chunk(num_ranks)), None
+            return [PromptBatch(p, torch.ones_like(p)) for p in prompts.chunk(num_ranks)], None
         return self.split(self.stream.next(num), n)
 
-    def split(self, prompts: data.PromptSet, n: int = 1) -> tuple[list[Any], list[Any]]:
+    def split(self, prompts: data.PromptSet, n: int = 1) -> tuple[list[PromptBatch], list[Any]]:
         """Cut the batch in contiguous per-rank slices, each prompt ``n`` times in a row, each
         slice left-padded to its own longest prompt: no rank generates or computes on columns
         that only another rank's prompts need."""
@@ -79,9 +80,21 @@ class Prompts:
                      for _ in range(n)]
             part = prompts.rows(index)
             ids, mask = data.left_pad(part.ids, self.tokenizer.pad_token_id)
-            batches.append({"input_ids": ids, "attention_mask": mask})
+            batches.append(PromptBatch(ids, mask))
             rows.append({"texts": part.texts, "columns": part.columns})
         return batches, rows
+
+
+def deal_rows(rows: list[dict[str, Any]], order: list[torch.Tensor]) -> list[dict[str, Any]]:
+    """The prompts' rows (``Prompts.split``'s, one dict per rank) dealt as the rollout's rows are:
+    rank r gets the rows ``order[r]`` of all ranks' rows in rank order."""
+    texts = [text for part in rows for text in part["texts"]]
+    columns = {name: [value for part in rows for value in part["columns"][name]]
+               for name in rows[0]["columns"]}
+    return [{"texts": [texts[i] for i in index.tolist()],
+             "columns": {name: [values[i] for i in index.tolist()]
+                         for name, values in columns.items()}}
+            for index in order]
 
 
 def evaluate(models: dict[str, Any], prompts: Prompts, step: int, wait: Wait

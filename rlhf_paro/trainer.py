@@ -6,13 +6,16 @@ reference. One step (every remote call goes to all N ranks of a model at once, e
 own slice):
 
     prompts x rollout.n --slice--> actor.generate          (P gathered once: phase "generate")
+    rollouts --driver--> dealt to ranks by real tokens     (ppo.balance_batch; actor.set_rollout)
     rollout[r] -> actor.old_logprobs | ref.logprobs | critic.values | reward.score  (concurrent)
-    actor.make_experience: token rewards, the algorithm's advantages (core.advantages)
+    actor.make_experience: token rewards, the algorithm's advantages (core.make_experience)
     actor.train | critic.train: PPO epochs, mini-batches of s micro-batches    (concurrent)
     KL controller update; per-model reports -> one metrics row
 
 A rank's rollout goes from its actor straight to the ref, critic and reward ranks on the same
-device; the driver only sees object references and a few sums.
+device, or, with ``ppo.balance_batch``, through the driver, which deals the step's sequences so
+that every rank holds as many real tokens ([Note: balanced ranks] in ``batching.py``); beyond the
+rollouts (token ids and masks) the driver sees object references and a few sums.
 
 Every ``trainer.save_every`` steps the run is checkpointed (``actors/checkpoint.py``), and a run
 starts from the checkpoint ``trainer.resume`` names. Whatever stops a run (a worker that dies,
@@ -33,7 +36,7 @@ from typing import Any, Iterator
 import ray
 from omegaconf import OmegaConf
 
-from rlhf_paro import report, runs
+from rlhf_paro import batching, report, runs
 from rlhf_paro.actors import checkpoint
 from rlhf_paro.actors.actor import ActorWorker
 from rlhf_paro.actors.critic import CriticWorker
@@ -46,8 +49,10 @@ from rlhf_paro.actors.reward import RewardWorker
 from rlhf_paro.config import RAY_ADDRESS_ALLOWED, Config, ConfigError
 from rlhf_paro.metrics import MetricsLogger, model_metrics, padding_fraction
 from rlhf_paro.ppo import algorithms, core
+from rlhf_paro.ppo.data import rollout_tokenizer
 from rlhf_paro.ppo.rewards import RewardFunctionError
 from rlhf_paro.ppo.task import task_from_config
+from rlhf_paro.rollout import RolloutBatch
 
 WORKERS = {"actor": ActorWorker, "critic": CriticWorker, "reward": RewardWorker,
            "ref": RefWorker}
@@ -102,6 +107,7 @@ class PPOTrainer:
         self.issued.clear()
         # From data.train_files, or made by the task.
         self.prompts = runs.Prompts(cfg, task_from_config(cfg))
+        self.pad_token_id = rollout_tokenizer(cfg).pad_token_id  # of the rollouts it deals
         alg = cfg.algorithm
         self.kl_ctl = core.kl_controller(alg.kl_coef, alg.adaptive_kl, alg.kl_target,
                                          alg.kl_horizon)
@@ -325,6 +331,8 @@ class PPOTrainer:
         rollouts, gen_stats = zip(*actor.call("generate", prompts, num_returns=2))
         gen = _sum(self.wait(actor=list(gen_stats))["actor"])
         generated = time.perf_counter()
+        if self.cfg.ppo.balance_batch:
+            rollouts, rows = self.balance(list(rollouts), rows)
 
         old = actor.call("old_logprobs")
         ref_logp = ref.call("logprobs", rollouts) if ref else absent
@@ -335,8 +343,7 @@ class PPOTrainer:
         targets, exp_stats = zip(*actor.call("make_experience", ref_logp, values, scores,
                                              kl_coef=kl_coef, num_returns=2))
         exp = _sum(self.wait(actor=list(exp_stats))["actor"])
-        if rows is not None:
-            gen.update(_sum(self.wait(reward=reward.call("score_sums"))["reward"]))
+        gen.update(_sum(self.wait(reward=reward.call("score_sums"))["reward"]))
         self.wait(actor=old)
         experienced = time.perf_counter()
 
@@ -375,6 +382,21 @@ class PPOTrainer:
             "perf/padding_fraction": padding_fraction(reports),
         })
         return row
+
+    def balance(self, rollouts: list[ray.ObjectRef], rows: list[Any] | None
+                ) -> tuple[list[ray.ObjectRef], list[Any] | None]:
+        """The step's rollout dealt to the actor's ranks by real tokens ([Note: balanced ranks],
+        ``batching.rank_order``), each rank's new rows set on its actor; returns each rank's
+        rows for the other models and the prompts' rows dealt alike. The rollouts are token ids
+        and masks, small next to anything a model computes from them."""
+        cfg = self.cfg
+        num_ranks = cfg.cluster.num_devices
+        whole = RolloutBatch.concat(self.wait(actor=rollouts)["actor"], self.pad_token_id)
+        order = batching.rank_order(whole.num_tokens(), cfg.rollout.n, num_ranks,
+                                    cfg.ppo.mini_batch_size // num_ranks)
+        dealt = [ray.put(whole.select(index).trimmed()) for index in order]
+        self.wait(actor=self.models["actor"].call("set_rollout", dealt))
+        return dealt, None if rows is None else runs.deal_rows(rows, order)
 
     def shutdown(self) -> None:
         """Kill every worker (even one blocked in a collective) and free their devices."""

@@ -175,3 +175,38 @@ def test_balance_groups_keeps_groups_whole_and_evens_the_ranks_tokens():
     assert all(torch.equal(a, b) for r, s in zip(plan, again) for a, b in zip(r, s))
     with pytest.raises(ValueError, match="30 rows are not whole groups of 4"):
         batching.balance_groups(num_tokens[:30], group_size, num_ranks, num_minis)
+
+
+def test_rank_order_evens_a_skewed_rollout_and_its_mini_batches_are_consecutive_slices():
+    gen = torch.Generator().manual_seed(1)
+    group_size, num_ranks, mini_size = 2, 2, 4
+    # 16 rows in rank order as generated: rank 0 got the long responses, rank 1 the short.
+    num_tokens = torch.cat([torch.randint(40, 60, (8,), generator=gen),
+                            torch.randint(5, 10, (8,), generator=gen)])
+    order = batching.rank_order(num_tokens, group_size, num_ranks, mini_size)
+    assert sorted(torch.cat(order).tolist()) == list(range(16))  # every row once
+    assert [len(rows) for rows in order] == [8, 8]
+    group_max = int(num_tokens.reshape(-1, group_size).sum(-1).max())
+    before = [int(part.sum()) for part in num_tokens.chunk(num_ranks)]
+    after = [int(num_tokens[rows].sum()) for rows in order]
+    assert max(before) - min(before) > 3 * group_max  # skewed: rank 0 holds most tokens
+    assert max(after) - min(after) < group_max
+    for rows in order:
+        # Groups whole and in a row (the actor's group ids are row // rollout.n).
+        pairs = rows.reshape(-1, group_size)
+        assert torch.equal(pairs // group_size, (pairs[:, :1] // group_size).expand_as(pairs))
+        assert torch.equal(pairs[:, 1], pairs[:, 0] + 1)
+        # Its mini-batches are consecutive slices of mini_size rows, as even as the greedy gets.
+        minis = [int(num_tokens[m].sum()) for m in rows.split(mini_size)]
+        assert max(minis) - min(minis) < group_max
+    again = batching.rank_order(num_tokens.clone(), group_size, num_ranks, mini_size)
+    assert all(torch.equal(a, b) for a, b in zip(order, again))  # deterministic
+
+
+def test_rank_order_with_groups_larger_than_a_mini_batch_balances_the_ranks_only():
+    # Groups of 4 and mini-batches of 2 rows: a group cannot sit in one mini-batch, so each
+    # rank's groups stay in order and only the ranks are evened out.
+    num_tokens = torch.tensor([50, 50, 50, 50, 40, 40, 40, 40, 5, 5, 5, 5, 9, 9, 9, 9])
+    order = batching.rank_order(num_tokens, 4, 2, 2)
+    assert [rows.tolist() for rows in order] == [[0, 1, 2, 3, 8, 9, 10, 11],
+                                                 [4, 5, 6, 7, 12, 13, 14, 15]]

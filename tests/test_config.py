@@ -156,6 +156,8 @@ def test_nodes_and_gpus_per_node_define_the_cluster():
     (["ppo.rollout_batch_size=66", "ppo.mini_batch_size=66"], "ppo.rollout_batch_size",
      "multiple of cluster.num_devices"),
     (["ppo.lam=1.5"], "ppo.lam", "[0, 1]"),
+    (["rollout.micro_batch_size=0"], "rollout.micro_batch_size", "must be >= 1 or null"),
+    (["rollout.engine=sglang"], "rollout.engine", "allowed: hf"),
     (["trainer.save_every=-1"], "trainer.save_every", "must be >= 0"),
     (["trainer.max_skipped_steps=-2"], "trainer.max_skipped_steps", "must be >= 0"),
     (["trainer.resume=/no/such/step_3"], "trainer.resume", "auto, none or a checkpoint"),

@@ -20,6 +20,8 @@ Every ``import`` and ``from`` statement counts, at the top of a module, inside a
                     the reward model by building and training one, so they are not above ``ppo``.
                   - ``weights``: where a model's weights come from when it is read from files
                     (``models`` builds its reader); below ``actors`` with ``models``.
+                  - ``rollout``: the engines that generate on an actor rank and the batches
+                    they make; the task's score reads their layout, so not above ``ppo``.
                   - ``metrics``: the per-rank report the workers fill and its fold into a row;
                     plain data that ``actors`` imports, so below it.
     4  actors     the Ray workers of the four models and their placement
@@ -50,6 +52,7 @@ LAYERS = {
     "rlhf_paro.weights": 3,
     "rlhf_paro.metrics": 3,
     "rlhf_paro.ppo": 3,
+    "rlhf_paro.rollout": 3,  # the rollout engines and their batches (no Ray)
     "rlhf_paro.actors": 4,
     "rlhf_paro.trainer": 5,
     "rlhf_paro.train": 5,

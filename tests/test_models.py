@@ -7,7 +7,7 @@ import torch
 
 from rlhf_paro.config import ConfigError, ModelConfig
 from rlhf_paro.models import (
-    build_model, count_parameters, hf_config, save_value_model,
+    build_model, count_parameters, hf_config, hf_name, hf_state_dict, save_value_model,
 )
 from rlhf_paro.sharding.layout import unit_sizes
 from tests.confs import INLINE, load
@@ -141,3 +141,23 @@ def test_bad_inline_configs_name_the_key(inline, key, allowed):
     with pytest.raises(ConfigError) as info:
         hf_config("actor", ModelConfig(config=inline), VOCAB)
     assert str(info.value).startswith(f"{key}: ") and allowed in str(info.value)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_hf_names_are_the_hugging_face_models_own(cfg, lora):
+    # Every key of an actor's state is its wrapped model's own key (a PEFT model's under LoRA),
+    # with the same tensor; a value model's are its backbone's, and its head has none.
+    actor_cfg = dataclasses.replace(cfg.actor, lora=dataclasses.replace(cfg.actor.lora,
+                                                                        enabled=lora))
+    actor = build_model("actor", actor_cfg, VOCAB, seed=1)
+    state = actor.state_dict()
+    named = hf_state_dict(actor, state)
+    assert named.keys() == actor.lm.state_dict().keys() and len(named) == len(state)
+    assert all(named[hf_name(actor, k)] is v for k, v in state.items())
+    critic = build_model("critic", cfg.critic, VOCAB, seed=1)
+    state = critic.state_dict()
+    assert hf_state_dict(critic, state).keys() == critic.backbone.state_dict().keys()
+    head = [k for k in state if hf_name(critic, k) is None]
+    assert head and all(k.startswith("value_head.") for k in head)
+    with pytest.raises(TypeError, match="no Hugging Face names"):
+        hf_name(torch.nn.Linear(2, 2), "weight")

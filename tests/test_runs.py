@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from rlhf_paro import runs
 from rlhf_paro.config import ConfigError
@@ -55,3 +56,11 @@ def test_a_locked_output_dir_is_refused_naming_the_holder_and_freed_when_it_is_k
         holder.wait()
     with runs.locked(str(out)):
         assert (out / runs.LOCK_FILE).read_text() == f"{os.getpid()}\n"
+
+
+def test_prompt_rows_are_dealt_as_the_rollout_rows_are():
+    rows = [{"texts": ["a", "b"], "columns": {"k": [1, 2]}},
+            {"texts": ["c", "d"], "columns": {"k": [3, 4]}}]
+    dealt = runs.deal_rows(rows, [torch.tensor([3, 0]), torch.tensor([1, 2])])
+    assert dealt == [{"texts": ["d", "a"], "columns": {"k": [4, 1]}},
+                     {"texts": ["b", "c"], "columns": {"k": [2, 3]}}]

@@ -1,10 +1,11 @@
 """Ray side of a PPO job: one placement group, one group of Ray actors per model, rendezvous.
 
-The four models (actor, critic, reward, ref) are colocated: rank r of every model runs on bundle
-r of one placement group, each taking a fraction of the bundle (a quarter of a GPU, or of a CPU
-slot here). Each model has its own process group: rank 0 of the model picks a free port on its
-node and every rank of that model joins ``tcp://ip:port``, so the four models never share
-collectives and each builds its own ``Topology``.
+The run's models (``ppo/algorithms.roles``: actor, reward, and critic and ref where the algorithm
+reads them) are colocated: rank r of every model runs on bundle r of one placement group, each
+taking an equal fraction of the bundle (``bundle_share``: a quarter of a GPU, or of a CPU slot
+here, for PPO's four models). Each model has its own process group: rank 0 of the model picks a
+free port on its node and every rank of that model joins ``tcp://ip:port``, so the models never
+share collectives and each builds its own ``Topology``.
 
 On one machine ``init_ray`` starts a private Ray; on a cluster start Ray on every node
 (``ray start --head`` on one, ``ray start --address=HEAD:6379`` on the others) and set
@@ -29,9 +30,8 @@ from ray.util.placement_group import PlacementGroup, placement_group, placement_
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlhf_paro.config import ConfigError
+from rlhf_paro.ppo import algorithms
 
-# Fraction of a bundle each model's rank takes: four models share every device.
-SHARE = 0.25
 # Seconds the driver waits at most before it looks at its calls again (and a Ctrl-C lands).
 POLL_S = 1.0
 # After a first failure, seconds to wait at most for Ray to report a dead worker behind it (a
@@ -117,6 +117,12 @@ def make_placement_group(num_devices: int, use_gpu: bool) -> tuple[PlacementGrou
     return pg, order
 
 
+def bundle_share(cfg: Any) -> float:
+    """The fraction of a bundle (a device) each model's rank takes: the run's models share every
+    device equally."""
+    return 1.0 / len(algorithms.roles(cfg))
+
+
 class Call(NamedTuple):
     """One rank's remote call, as the driver issued it: what a hang is traced back to."""
 
@@ -140,10 +146,11 @@ class ModelGroup:
         self.num_ranks = len(bundles)
         self.issued = [] if issued is None else issued
         remote_cls = ray.remote(worker_cls)
+        share = bundle_share(cfg)
         self.workers = [
             remote_cls.options(
-                num_cpus=SHARE,
-                num_gpus=SHARE if use_gpu else 0,
+                num_cpus=share,
+                num_gpus=share if use_gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=bundle),
             ).remote(cfg, role, rank, self.num_ranks)

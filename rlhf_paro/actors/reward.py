@@ -17,10 +17,12 @@ from typing import Any
 
 import torch
 
-from rlhf_paro.actors.worker import Batch, Worker, peak_bytes
+from rlhf_paro.actors.worker import Worker, peak_bytes
 from rlhf_paro.config import ConfigError
 from rlhf_paro.metrics import INFERENCE, RankReport
 from rlhf_paro.ppo import data, rewards
+from rlhf_paro.ppo.task import task_from_config
+from rlhf_paro.rollout import RolloutBatch
 
 
 class RewardWorker(Worker):
@@ -45,6 +47,9 @@ class RewardWorker(Worker):
                                  if files and self.has_model else None)
         if self.reward_tokenizer is not None:
             self.reward_tokenizer.padding_side = "right"
+        # Without prompt files the task's prompts are scored by its own rule, here: the one
+        # source of ppo/task_score, as reward.score_function's score is with files.
+        self.task = None if files else task_from_config(self.cfg)
         self._score_sums = {"count": 0.0, "task_score": 0.0}
 
     def setup(self, master_addr: str, master_port: int) -> int:
@@ -55,10 +60,11 @@ class RewardWorker(Worker):
         return os.getpid()
 
     @torch.no_grad()
-    def score(self, rollout: Batch, rows: dict[str, Any] | None = None, step: int = 0
+    def score(self, rollout: RolloutBatch, rows: dict[str, Any] | None = None, step: int = 0
               ) -> torch.Tensor:
         """(B,) reward of each sequence of this rank's rollout. ``rows``: the prompts' texts and
-        columns (``{"texts", "columns"}``), needed by a function or another tokenizer."""
+        columns (``{"texts", "columns"}``), needed by a function or another tokenizer; None for
+        the task's own prompts."""
         prompts = responses = None
         if rows is not None:
             prompts, responses = rows["texts"], self._responses(rollout)
@@ -70,7 +76,7 @@ class RewardWorker(Worker):
                     out, extras = self.in_micro_batches(batch, self.forward), {}
             else:
                 # A function or server reads the real tokens, no padding.
-                self.count_tokens(rollout["attention_mask"], packed=True)
+                self.count_tokens(rollout.attention_mask, packed=True)
                 reward = self._modelless(step, prompts, responses, rows["columns"])
                 out, extras = torch.tensor(reward.scores), reward.extras
         if rows is not None:
@@ -80,6 +86,9 @@ class RewardWorker(Worker):
                                                step, prompts, responses, rows["columns"])
                 score, extras = torch.tensor(scored.scores), {**extras, **scored.extras}
             self._score_sums = _score_sums(score, extras)
+        elif self.task is not None:
+            self._score_sums = _score_sums(self.task.score(rollout.prompts, rollout.responses,
+                                                           rollout.action_mask), {})
         return out
 
     def _modelless(self, step: int, prompts: list[str], responses: list[str],
@@ -95,7 +104,7 @@ class RewardWorker(Worker):
         """Sums over the last rollout scored, for the driver to add up over the ranks and divide:
 
         - ``count``: its sequences; ``task_score``: the sum of their scores
-          (``reward.score_function``'s, else the reward);
+          (``reward.score_function``'s, else the reward; without prompt files, the task's);
         - for each extra ``<name>`` that the reward function or server (or the score function)
           gave for at least one of them (a name both give: the score function's):
           ``reward/<name>``, its sum over the sequences that have it, and
@@ -106,21 +115,19 @@ class RewardWorker(Worker):
         """
         return self._score_sums
 
-    def _responses(self, rollout: Batch) -> list[str]:
-        width = rollout["action_mask"].shape[1]
-        tokens = rollout["sequences"][:, -width:]
-        mask = rollout["action_mask"].bool()
+    def _responses(self, rollout: RolloutBatch) -> list[str]:
         return [self.tokenizer.decode(row[keep], skip_special_tokens=True)
-                for row, keep in zip(tokens, mask)]
+                for row, keep in zip(rollout.responses, rollout.action_mask.bool())]
 
-    def _encoded(self, prompts: list[str], responses: list[str]) -> Batch:
+    def _encoded(self, prompts: list[str], responses: list[str]) -> RolloutBatch:
         """The rollout's text in the reward model's tokens, right-padded, ending in its eos."""
         tokenizer = self.reward_tokenizer
         eos = tokenizer.eos_token or ""
         enc = tokenizer([p + r + eos for p, r in zip(prompts, responses)], padding=True,
                         return_tensors="pt")
         mask = enc["attention_mask"]
-        return {"sequences": enc["input_ids"], "attention_mask": mask, "action_mask": mask}
+        # The reward reads each row's last real token: the whole row stands as its response.
+        return RolloutBatch(enc["input_ids"], mask, mask.float())
 
     def report(self) -> RankReport:
         if self.engine is not None:

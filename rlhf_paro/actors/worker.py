@@ -41,10 +41,9 @@ from rlhf_paro.actors import checkpoint
 from rlhf_paro.config import ConfigError
 from rlhf_paro.metrics import TRAIN, RankReport
 from rlhf_paro.ppo import core, data
+from rlhf_paro.rollout import RolloutBatch
 from rlhf_paro.sharding import Topology
 from rlhf_paro.sharding.contract import EngineOptions, ModelFactory, TrainEngine, build_engine
-
-Batch = dict[str, Any]
 
 # Debugging aid (README, "Checkpoints and resume"): ROLE:RANK:STEP makes that rank's loss NaN
 # throughout that PPO step, to see the skipped-step guard at work. Read by the workers, which
@@ -223,22 +222,23 @@ class Worker:
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
         return values.cpu()
 
-    def in_micro_batches(self, rollout: Batch, fn: Callable[[Batch], torch.Tensor]
-                         ) -> torch.Tensor:
+    def in_micro_batches(self, rollout: RolloutBatch,
+                         fn: Callable[[RolloutBatch], torch.Tensor]) -> torch.Tensor:
         """The forward ``fn`` on ``micro_batch_size`` rows at a time (bounds activation memory),
         its tokens counted, results concatenated on the CPU, ready to travel."""
-        rows = torch.arange(rollout["sequences"].shape[0])
         out = []
-        for idx in batching.split_by_rows(rows, self.model_cfg.micro_batch_size):
-            self.count_tokens(rollout["attention_mask"][idx])
-            out.append(fn({k: v[idx] for k, v in rollout.items()}).float().cpu())
+        for idx in batching.split_by_rows(torch.arange(len(rollout)),
+                                          self.model_cfg.micro_batch_size):
+            rows = rollout.select(idx)
+            self.count_tokens(rows.attention_mask)
+            out.append(fn(rows).float().cpu())
         return torch.cat(out)
 
-    def forward(self, batch: Batch, train: bool = False, **kwargs: Any) -> torch.Tensor:
+    def forward(self, batch: RolloutBatch, train: bool = False, **kwargs: Any) -> torch.Tensor:
         """The model's forward on rows of a rollout (log-probs, values or scores)."""
         self.engine.module.train(train)
-        return self.engine(input_ids=batch["sequences"].to(self.device),
-                           attention_mask=batch["attention_mask"].to(self.device),
+        return self.engine(input_ids=batch.sequences.to(self.device),
+                           attention_mask=batch.attention_mask.to(self.device),
                            packed=self.packed, **kwargs)
 
 
@@ -254,6 +254,7 @@ class TrainedWorker(Worker):
         self._skipped = 0  # optimizer steps the engine skipped (non-finite loss or norm), in all
         self._skip_run = 0  # of which the latest in a row
         self._longest_skip_run = 0  # the longest run in a row seen during this step
+        self._rollout: RolloutBatch | None = None  # this step's rollout of this rank
 
     def record_train(self, stats: dict[str, float]) -> None:
         for key, value in stats.items():
@@ -293,7 +294,7 @@ class TrainedWorker(Worker):
             for micros, divisor in self._mini_batches(mask, agg):
                 self.engine.set_micro_batches(len(micros))
                 for micro in micros:
-                    self.count_tokens(self._rollout["attention_mask"][micro.rows])
+                    self.count_tokens(self._rollout.attention_mask[micro.rows])
                     with self.timed(TRAIN):
                         loss, stats = micro_loss(micro.rows, divisor)
                         if micro.weight != 1.0:
@@ -328,17 +329,23 @@ class TrainedWorker(Worker):
 
     def _mini_batches(self, mask: torch.Tensor, agg: str
                       ) -> list[tuple[list[batching.MicroBatch], float]]:
-        """This rank's shuffled mini-batches, each as its micro-batches and their divisor: the
-        global mini-batch's count under ``agg`` (valid tokens or sequences, summed over ranks)
-        / (ranks x micro-batches per step). Under ``max_tokens_per_micro_batch`` the
+        """This rank's shuffled mini-batches (with ``ppo.balance_batch``, consecutive slices of
+        the rows in the order the driver dealt them, [Note: balanced ranks]; else a random draw
+        of rows), each as its micro-batches and their divisor: the global mini-batch's count
+        under ``agg`` (valid tokens or sequences, summed over ranks) / (ranks x micro-batches
+        per step). Under ``max_tokens_per_micro_batch`` the
         micro-batch count is the largest over ranks, fillers making up the rest
         ([Note: micro-batches by tokens])."""
         size = self.cfg.ppo.mini_batch_size // self.num_ranks
-        minis = batching.split_by_rows(torch.randperm(mask.shape[0]), size)
+        if self.cfg.ppo.balance_batch:  # the driver's order: consecutive slices, shuffled
+            slices = batching.split_by_rows(torch.arange(mask.shape[0]), size)
+            minis = [slices[i] for i in torch.randperm(len(slices)).tolist()]
+        else:
+            minis = batching.split_by_rows(torch.randperm(mask.shape[0]), size)
         local = torch.tensor([core.agg_count(mask[m], agg) for m in minis], dtype=torch.float64)
         total = self.all_reduce_sum(local)
         budget = self.model_cfg.max_tokens_per_micro_batch
-        num_tokens = self._rollout["attention_mask"].sum(-1)
+        num_tokens = self._rollout.num_tokens()
         if budget is None:
             splits = [batching.split_by_rows(m, self.model_cfg.micro_batch_size) for m in minis]
             counts = [len(s) for s in splits]  # the same on every rank: as many rows each

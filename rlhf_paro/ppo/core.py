@@ -331,6 +331,60 @@ def _adv_rloo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     return _outcome_result(size[index] / (size[index] - 1) * (r - mean[index]), inputs)
 
 
+@dataclass(frozen=True)
+class Experience:
+    """What the policy update reads of one rank's rollout, besides the rollout itself; every
+    tensor (B, T), zero on padding."""
+
+    old_logp: Tensor  # log-probs of the sampled tokens under the policy that sampled them
+    ref_logp: Tensor | None  # the reference's, kept only when the KL is a loss term
+    advantages: Tensor
+    returns: Tensor  # the critic's targets (``advantages`` says what each estimator gives)
+    kl: Tensor  # the KL estimate per token (zero without a reference), for the metrics
+
+    def select(self, rows: Tensor) -> Experience:
+        """The rows ``rows`` of every tensor."""
+        return Experience(self.old_logp[rows],
+                          None if self.ref_logp is None else self.ref_logp[rows],
+                          self.advantages[rows], self.returns[rows], self.kl[rows])
+
+
+@dataclass(frozen=True)
+class ExperienceSpec:
+    """How a run turns scores into advantages (the ``algorithm`` and ``ppo`` sections)."""
+
+    estimator: str  # a registered advantage estimator
+    kl_estimator: str = "k1"
+    kl_in_loss: bool = False  # the KL is a loss term (then not in the reward)
+    gamma: float = 1.0
+    lam: float = 1.0
+    whiten: bool = True
+
+
+@torch.no_grad()
+def make_experience(spec: ExperienceSpec, old_logp: Tensor, ref_logp: Tensor | None,
+                    score: Tensor, mask: Tensor, group: Tensor, values: Tensor | None,
+                    kl_coef: float, sum_over_ranks: Callable[[Tensor], Tensor] = _no_collective
+                    ) -> Experience:
+    """One rank's experience: the KL estimate against the reference (none: zero), the token
+    rewards (the KL penalty in them at ``kl_coef`` unless ``spec.kl_in_loss``), then the
+    estimator's advantages and returns.
+
+    old_logp, ref_logp, values: (B, T) or None as ``AdvantageInputs`` says; score: (B,); mask:
+    (B, T); group: (B,) ids of the samples of one prompt, whole on this rank. ``sum_over_ranks``
+    all-reduces the moments of a batch-wide whitening, so the result is this rank's slice of the
+    global batch's (see the note on data parallelism).
+    """
+    kl = torch.zeros_like(mask, dtype=torch.float32)
+    if ref_logp is not None:
+        kl = kl_estimate(old_logp, ref_logp, spec.kl_estimator) * mask
+    rewards = token_rewards(score, kl, mask, 0.0 if spec.kl_in_loss else kl_coef)
+    adv, returns = advantages(spec.estimator, AdvantageInputs(
+        rewards=rewards, mask=mask, group=group, values=values, gamma=spec.gamma, lam=spec.lam,
+        whiten=spec.whiten, sum_over_ranks=sum_over_ranks))
+    return Experience(old_logp, ref_logp if spec.kl_in_loss else None, adv, returns, kl)
+
+
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
 
 

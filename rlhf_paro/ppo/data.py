@@ -64,6 +64,16 @@ def actor_tokenizer(cfg: Config) -> Any:
     return load_tokenizer(tokenizer_dir(cfg), cfg.actor.trust_remote_code, key)
 
 
+def rollout_tokenizer(cfg: Config) -> Any:
+    """The tokenizer rollouts are made with (pad and eos ids): the actor's, or the task's when the
+    actor is an inline config."""
+    if tokenizer_dir(cfg) is None:
+        from rlhf_paro.ppo.task import task_from_config
+
+        return task_from_config(cfg).tokenizer
+    return actor_tokenizer(cfg)
+
+
 # Files by which a model directory carries its own tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 

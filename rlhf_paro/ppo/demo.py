@@ -45,7 +45,8 @@ from rlhf_paro.config import (
 )
 from rlhf_paro.models import build_causal_lm, build_value_model, count_parameters
 from rlhf_paro.ppo import task as task_module
-from rlhf_paro.ppo.task import CountingTask, PreferencePairs, SymbolTokenizer, join
+from rlhf_paro.ppo.task import CountingTask, PreferencePairs, SymbolTokenizer
+from rlhf_paro.rollout.batch import PromptBatch, RolloutBatch, join
 
 # Bumped when the task, the data or a training recipe change, so stale caches are not reused.
 _RECIPE_VERSION = 2
@@ -245,10 +246,9 @@ def _sft_actor(task: TaskConfig, counting: CountingTask, model_cfg: ModelConfig,
     def loss() -> torch.Tensor:
         prompts = counting.sample_prompts(task.sft_batch_size, generator)
         responses = counting.sample_responses(prompts, generator)
-        ids, mask = join(prompts, responses)
-        response_mask = mask[:, -responses.shape[1]:].float()
-        logp = model(ids, mask, response_len=responses.shape[1])
-        return -(logp * response_mask).sum() / response_mask.sum()
+        batch = _joined(prompts, responses)
+        logp = model(batch.sequences, batch.attention_mask, response_len=batch.response_len)
+        return -(logp * batch.action_mask).sum() / batch.action_mask.sum()
 
     _train(model, optimizer, task.sft_steps, loss, "SFT of the actor")
     score = _sampled_score(model, counting, generator)
@@ -278,8 +278,14 @@ def _sampled_score(model: torch.nn.Module, counting: CountingTask,
 def _score_pairs(model: torch.nn.Module, pairs: PreferencePairs) -> tuple[torch.Tensor, ...]:
     """(chosen scores, rejected scores), both sides in one forward."""
     prompts = torch.cat([pairs.prompts, pairs.prompts])
-    scores = model(*join(prompts, torch.cat([pairs.chosen, pairs.rejected])))
-    return scores.chunk(2)
+    batch = _joined(prompts, torch.cat([pairs.chosen, pairs.rejected]))
+    return model(batch.sequences, batch.attention_mask).chunk(2)
+
+
+def _joined(prompts: torch.Tensor, responses: torch.Tensor) -> RolloutBatch:
+    """The task's prompts (no padding) and responses as a rollout batch."""
+    return join(PromptBatch(prompts, torch.ones_like(prompts)), responses,
+                SymbolTokenizer.eos_token_id)
 
 
 def pairwise_accuracy(model: torch.nn.Module, pairs: PreferencePairs, batch: int = 256) -> float:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhf_paro.config import Config
+from rlhf_paro.rollout.batch import response_mask
 
 
 class SymbolTokenizer:
@@ -80,10 +81,10 @@ class CountingTask:
         """(B,) ground truth in [0, 1]: correct successors / response_len.
 
         prompts (B, P); responses (B, R) with R <= response_len, right padded; mask (B, R) marks
-        generated tokens (default: ``response_mask(responses)``).
+        generated tokens (default: through the first <eos>).
         """
         if mask is None:
-            mask = response_mask(responses)
+            mask = response_mask(responses, SymbolTokenizer.eos_token_id)
         tokens = torch.cat([prompts[:, -1:], responses], dim=1)
         prev, cur = tokens[:, :-1], tokens[:, 1:]
         is_symbol = prev >= SymbolTokenizer.num_special
@@ -108,7 +109,7 @@ class CountingTask:
             token = torch.where(right[:, t], self._successor(prev),
                                 noise[:, t] + SymbolTokenizer.num_special)
             out[:, t] = prev = torch.where(stop[:, t], SymbolTokenizer.eos_token_id, token)
-        ended = response_mask(out) == 0
+        ended = response_mask(out, SymbolTokenizer.eos_token_id) == 0
         return out.masked_fill(ended, SymbolTokenizer.pad_token_id)
 
     def preference_pairs(self, num: int, seed: int) -> PreferencePairs:
@@ -136,27 +137,6 @@ class PreferencePairs:
     prompts: torch.Tensor  # (B, P)
     chosen: torch.Tensor  # (B, R) right padded
     rejected: torch.Tensor  # (B, R) right padded
-
-
-def response_mask(responses: torch.Tensor,
-                  eos_token_id: int = SymbolTokenizer.eos_token_id) -> torch.Tensor:
-    """(B, R) float 0/1: generated tokens up to and including the first <eos>."""
-    is_eos = (responses == eos_token_id).long()
-    after_eos = (is_eos.cumsum(-1) - is_eos) > 0
-    return (~after_eos).float()
-
-
-def join(prompts: torch.Tensor, responses: torch.Tensor, mask: torch.Tensor | None = None,
-         prompt_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompt + response as model input: (input_ids, attention_mask), both (B, P + R).
-    ``prompt_mask`` marks the tokens of left-padded prompts (default: all of them)."""
-    if mask is None:
-        mask = response_mask(responses)
-    if prompt_mask is None:
-        prompt_mask = torch.ones_like(prompts)
-    input_ids = torch.cat([prompts, responses], dim=1)
-    attention_mask = torch.cat([prompt_mask.long(), mask.long()], dim=1)
-    return input_ids, attention_mask
 
 
 def counting_score(prompts: list[str], responses: list[str], num_symbols: list[int],

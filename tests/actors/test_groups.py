@@ -8,6 +8,7 @@ import torch
 from rlhf_paro import runs
 from rlhf_paro.actors.actor import ActorWorker
 from rlhf_paro.ppo.task import task_from_config
+from rlhf_paro.rollout import RolloutBatch
 from tests.confs import INLINE, load
 
 GRPO = [*INLINE, "algorithm.adv_estimator=grpo", "algorithm.kl_coef=0", "rollout.n=4",
@@ -22,12 +23,12 @@ def test_each_rank_gets_whole_groups_of_one_prompt():
     assert rows is None and [len(p) for p in per_rank] == [16, 16]
     seen = []
     for part in per_rank:
-        groups = part.view(4, 4, -1)  # 4 groups of 4 samples on this rank
+        groups = part.input_ids.view(4, 4, -1)  # 4 groups of 4 samples on this rank
         assert all(torch.equal(g[0], g[k]) for g in groups for k in range(4))
         seen += [tuple(g[0].tolist()) for g in groups]
     # The prompts of the step are those an n=1 stream draws, each once.
     again = runs.Prompts(cfg, task_from_config(cfg))
-    plain = torch.cat(again.next(8, n=1)[0])
+    plain = torch.cat([p.input_ids for p in again.next(8, n=1)[0]])
     assert seen == [tuple(row.tolist()) for row in plain]
 
 
@@ -37,10 +38,11 @@ def test_the_actors_group_baseline_uses_exactly_its_group():
     # 3 groups of 4 samples on this rank, responses of different lengths.
     mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]] * 3, dtype=torch.float32)
     score = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 2.0, 4.0, 0.0, 0.0, 0.0, 0.0, 1.0])
-    actor._rollout = {"action_mask": mask}
+    actor._rollout = RolloutBatch(torch.zeros(12, 5, dtype=torch.long),
+                                  torch.cat([torch.ones(12, 2), mask], 1).long(), mask)
     actor._old_logp = torch.zeros_like(mask)
     _, stats = actor.make_experience(None, None, score, kl_coef=0.0)
-    advantages = actor._advantages
+    advantages = actor._experience.advantages
     for g in range(3):
         rows = slice(4 * g, 4 * g + 4)
         s = score[rows]
@@ -52,6 +54,6 @@ def test_the_actors_group_baseline_uses_exactly_its_group():
     score[0] = 3.0
     actor._old_logp = torch.zeros_like(mask)
     actor.make_experience(None, None, score, kl_coef=0.0)
-    assert not torch.allclose(actor._advantages[:4], advantages[:4])
-    assert torch.equal(actor._advantages[4:], advantages[4:])
+    assert not torch.allclose(actor._experience.advantages[:4], advantages[:4])
+    assert torch.equal(actor._experience.advantages[4:], advantages[4:])
     assert stats["count"] == 12.0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlhf_paro.rollout import RolloutBatch
 from tests.confs import load
 from tests.dist_utils import run_distributed
 
@@ -51,7 +52,7 @@ def _argv(case: str, packed: bool) -> list[str]:
             "critic.micro_batch_size=2", "actor.optim.lr=1e-4", "critic.optim.lr=1e-4", *split]
 
 
-def _rollout(rank: int, vocab: int, pad: int) -> dict[str, torch.Tensor]:
+def _rollout(rank: int, vocab: int, pad: int):
     """Rank ``rank``'s rollout: prompts left-padded to its longest, responses right-padded to
     its longest (as ``ActorWorker.generate`` leaves them), ``pad`` at every padding."""
     prompt_lens, response_lens = LENGTHS[rank]
@@ -61,8 +62,7 @@ def _rollout(rank: int, vocab: int, pad: int) -> dict[str, torch.Tensor]:
     mask = torch.cat([prompt, action.long()], 1)
     gen = torch.Generator().manual_seed(rank)
     ids = torch.randint(3, vocab, mask.shape, generator=gen)
-    return {"sequences": torch.where(mask.bool(), ids, pad), "attention_mask": mask,
-            "action_mask": action}
+    return RolloutBatch(torch.where(mask.bool(), ids, pad), mask, action)
 
 
 def _record_counts(engine, seen: list[int]) -> None:
@@ -92,7 +92,7 @@ def _one_path(rank: int, case: str, packed: bool) -> dict:
     rollout = _rollout(rank, data.vocab_sizes(cfg)["actor"], actor.tokenizer.pad_token_id)
     score = reward.score(rollout)
     values = critic.values(rollout)
-    actor._rollout = rollout  # what generate keeps
+    actor.set_rollout(rollout)  # what generate keeps
     actor.old_logprobs()
     targets, _ = actor.make_experience(None, values, score, kl_coef=0.0)
     agreed = {"actor": [], "critic": []}  # micro-batch counts set on the engines
@@ -101,7 +101,7 @@ def _one_path(rank: int, case: str, packed: bool) -> dict:
     critic.train(targets, step=0)
     actor.train(step=0, kl_coef=0.0)
     out = {"score": score, "values": values, "logp": actor._old_logp,
-           "mask": rollout["action_mask"], "agreed": agreed,
+           "mask": rollout.action_mask, "agreed": agreed,
            # record_train logs a real micro-batch's loss, never a filler's
            "real": {"actor": len(actor._train_stats["loss"]),
                     "critic": len(critic._train_stats["loss"])},

@@ -15,8 +15,11 @@ from rlhf_paro.actors.reward import RewardWorker
 from rlhf_paro.actors.worker import Worker
 from rlhf_paro.config import Config, ConfigError, DataConfig, ModelConfig
 from rlhf_paro.ppo import data, rewards
+from rlhf_paro.ppo.task import task_from_config
+from rlhf_paro.rollout import PromptBatch, RolloutBatch, join
 from rlhf_paro.reward_server import RewardServer
 from tests import hf_assets
+from tests.confs import INLINE, load
 
 TOKEN_ENV = "RLHF_PARO_TEST_WORKER_TOKEN"
 FUNCTIONS = '''
@@ -60,7 +63,7 @@ def config(assets, url: str, **reward) -> Config:
                   data=DataConfig(train_files=str(assets["train"])))
 
 
-def rollout(assets) -> tuple[dict[str, torch.Tensor], dict]:
+def rollout(assets) -> tuple[RolloutBatch, dict]:
     """Four responses of the words ``RESPONSES``, right-padded, after a two-token prompt."""
     tokenizer = data.load_tokenizer(str(assets["llama"]))
     width = max(map(len, RESPONSES))
@@ -71,9 +74,8 @@ def rollout(assets) -> tuple[dict[str, torch.Tensor], dict]:
         mask[i, :len(words)] = 1
     prompt = torch.full((len(RESPONSES), 2), tokenizer.bos_token_id)
     rows = {"texts": ["count : a b"] * len(RESPONSES), "columns": {"start": STARTS}}
-    return {"sequences": torch.cat([prompt, ids], 1),
-            "attention_mask": torch.cat([torch.ones_like(prompt), mask], 1),
-            "action_mask": mask}, rows
+    return RolloutBatch(torch.cat([prompt, ids], 1), torch.cat([torch.ones_like(prompt), mask], 1),
+                        mask.float()), rows
 
 
 def test_a_server_reward_joins_no_group_and_sums_its_extras_for_the_metrics(assets, server,
@@ -116,3 +118,21 @@ def test_a_token_variable_missing_where_the_worker_runs_is_one_config_error(asse
     with pytest.raises(ConfigError, match=f"^reward.token_env: the environment variable "
                                           f"{TOKEN_ENV} is not set on the reward worker's node"):
         RewardWorker(cfg, "reward", 0, 1)
+
+
+def test_without_prompt_files_the_reward_reports_the_task_s_score_the_one_source(monkeypatch):
+    # The task's own prompts: the reward workers score the rollout by the task's rule, which is
+    # what ppo/task_score logs (the actor scores nothing). The reward model itself is stubbed.
+    cfg = load(INLINE)
+    reward = RewardWorker(cfg, "reward", 0, 1)
+    monkeypatch.setattr(reward, "in_micro_batches", lambda batch, fn: torch.zeros(len(batch)))
+    task = task_from_config(cfg)
+    gen = torch.Generator().manual_seed(0)
+    prompts = task.sample_prompts(6, gen)
+    responses = task.sample_responses(prompts, gen)
+    batch = join(PromptBatch(prompts, torch.ones_like(prompts)), responses,
+                 task.tokenizer.eos_token_id)
+    reward.score(batch)
+    expected = task.score(prompts, responses)
+    assert 0 < expected.sum() < len(expected)  # neither all wrong nor all right
+    assert reward.score_sums() == {"count": 6.0, "task_score": float(expected.sum())}

@@ -486,3 +486,48 @@ def test_token_budget_micro_batches_keep_the_global_aggregate_on_fake_ranks(agg)
     # while the engine divides by the agreed 4 would halve the loss.
     wrong = engine_mean(batching.micro_divisor(core.agg_count(mask, agg), len(ranks), 2))
     torch.testing.assert_close(wrong, full / 2, rtol=0, atol=1e-12)
+
+
+# --- experience assembly --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+@pytest.mark.parametrize("kl_in_loss", [False, True])
+def test_make_experience_is_kl_then_token_rewards_then_the_estimator(estimator, kl_in_loss):
+    # The actor's former assembly, step by step: the k3 KL on valid tokens, the score on the last
+    # token minus kl_coef * KL (no KL when it is a loss term), then the estimator.
+    mask, rand = _rollout(seed=6)
+    old, ref, values = rand(), rand(), rand()
+    score = torch.randn(8, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    group = torch.arange(8) // 2
+    spec = core.ExperienceSpec(estimator, "k3", kl_in_loss, gamma=0.9, lam=0.8, whiten=True)
+    got = core.make_experience(spec, old, ref, score, mask, group,
+                               values if estimator == "gae" else None, kl_coef=0.3)
+    kl = core.kl_estimate(old, ref, "k3") * mask
+    rewards = core.token_rewards(score, kl, mask, 0.0 if kl_in_loss else 0.3)
+    adv, ret = core.advantages(estimator, core.AdvantageInputs(
+        rewards=rewards, mask=mask, group=group, values=values if estimator == "gae" else None,
+        gamma=0.9, lam=0.8, whiten=True))
+    torch.testing.assert_close(got.kl, kl, rtol=0, atol=0)
+    torch.testing.assert_close(got.advantages, adv, rtol=0, atol=0)
+    torch.testing.assert_close(got.returns, ret, rtol=0, atol=0)
+    assert got.old_logp is old
+    assert (got.ref_logp is ref) if kl_in_loss else got.ref_logp is None
+    # The KL moves the advantages only when it is in the reward (GRPO's outcome is the sum of the
+    # token rewards, so it moves too).
+    spec_no_kl = replace(spec, kl_in_loss=True)
+    other = core.make_experience(spec_no_kl, old, ref, score, mask, group,
+                                 values if estimator == "gae" else None, kl_coef=0.3)
+    same = torch.equal(other.advantages, got.advantages)
+    assert same == kl_in_loss
+
+
+def test_make_experience_by_hand_for_one_grpo_group_without_a_reference():
+    # Scores 1 and 0 in one group: mean 0.5, unbiased std sqrt(0.5), so the advantages are
+    # +-0.5 / (sqrt(0.5) + 1e-6) on every valid token; no reference: KL 0.
+    mask = t([[1, 1, 0], [1, 1, 1]])
+    exp = core.make_experience(core.ExperienceSpec("grpo"), torch.zeros_like(mask), None,
+                               t([1.0, 0.0]), mask, torch.tensor([0, 0]), None, kl_coef=0.5)
+    a = 0.5 / (math.sqrt(0.5) + 1e-6)
+    torch.testing.assert_close(exp.advantages, t([[a, a, 0], [-a, -a, -a]]))
+    assert exp.kl.abs().sum() == 0 and exp.ref_logp is None
+    assert torch.equal(exp.select(torch.tensor([1])).advantages, exp.advantages[1:])

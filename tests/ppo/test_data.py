@@ -13,8 +13,8 @@ from rlhf_paro import models
 from rlhf_paro.compose import load_config
 from rlhf_paro.config import ConfigError, ModelConfig
 from rlhf_paro.ppo import data, rewards
-from rlhf_paro.ppo.task import join, response_mask
 from rlhf_paro.resolve import resolve
+from rlhf_paro.rollout import PromptBatch, join
 from tests import dist_utils, hf_assets
 from tests.confs import load
 
@@ -68,13 +68,13 @@ def test_each_rank_s_prompts_are_left_padded_only_to_its_own_longest(assets):
                            [f"p{i}" for i in range(8)], {"start": list(range(8))})
     per_rank, rows = prompts.split(batch, n=2)
     pad = prompts.tokenizer.pad_token_id
-    assert [p["input_ids"].shape for p in per_rank] == [(4, 2), (4, 4), (4, 5), (4, 6)]
+    assert [p.input_ids.shape for p in per_rank] == [(4, 2), (4, 4), (4, 5), (4, 6)]
     for r, part in enumerate(per_rank):
         mine = [lengths[i] for i in (2 * r, 2 * r, 2 * r + 1, 2 * r + 1)]
-        assert part["attention_mask"].sum(-1).tolist() == mine
-        assert (part["attention_mask"][:, -1] == 1).all()  # left padding: every prompt ends last
-        assert (part["attention_mask"].any(0)).all()  # and no column is padding in every row
-        for row, ids, mask in zip(mine, part["input_ids"], part["attention_mask"]):
+        assert part.attention_mask.sum(-1).tolist() == mine
+        assert (part.attention_mask[:, -1] == 1).all()  # left padding: every prompt ends last
+        assert (part.attention_mask.any(0)).all()  # and no column is padding in every row
+        for row, ids, mask in zip(mine, part.input_ids, part.attention_mask):
             assert ids[mask.bool()].tolist() == list(range(3, 3 + row))
             assert (ids[~mask.bool()] == pad).all()
         assert rows[r]["texts"] == [f"p{i}" for i in (2 * r, 2 * r, 2 * r + 1, 2 * r + 1)]
@@ -273,9 +273,9 @@ def test_mixed_length_batch_log_probs_values_and_scores_equal_each_sequence_alon
     prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (2, 7, 4)]
     responses = torch.randint(3, vocab, (3, 5), generator=gen)
     responses[0, 3] = tokenizer.eos_token_id  # an early end: right padding after it
-    mask = response_mask(responses, tokenizer.eos_token_id)
     ids, prompt_mask = data.left_pad(prompts, tokenizer.pad_token_id)
-    seq, attn = join(ids, responses, mask, prompt_mask)
+    rollout = join(PromptBatch(ids, prompt_mask), responses, tokenizer.eos_token_id)
+    seq, attn, mask = rollout.sequences, rollout.attention_mask, rollout.action_mask
     batch_logp = actor(seq, attn, response_len=5)
     batch_values = critic(seq, attn, response_len=5)
     for i, prompt in enumerate(prompts):

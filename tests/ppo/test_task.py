@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rlhf_paro.ppo.task import CountingTask, response_mask
+from rlhf_paro.ppo.task import CountingTask
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +44,6 @@ def test_score_hand_values(task):
     assert task.score(prompt, ids(task, "a b c <eos> <pad> <pad> <pad> <pad>")).item() == 3 / 8
     # Repeating the last symbol is never right.
     assert task.score(prompt, ids(task, "p p p p p p p p")).item() == 0.0
-
-
-def test_response_mask_covers_tokens_through_the_first_eos():
-    responses = torch.tensor([[5, 2, 0, 0], [5, 6, 7, 8], [2, 5, 2, 0]])
-    expected = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]).float()
-    torch.testing.assert_close(response_mask(responses), expected)
 
 
 def test_random_policy_scores_low_and_pairs_are_ordered(task):

@@ -1,0 +1,18 @@
+"""Rollout engines: what makes a rank's responses, behind one seam (docs/design.md, "Rollout").
+
+An engine lives in the actor's worker process, one per actor rank, and samples that rank's
+prompts. The actor knows only the ``Rollout`` protocol and the registry: it builds the engine
+``rollout.engine`` names at setup, calls ``generate`` every step, and, once an engine holds its
+own copy of the weights, ``sync`` after each update and ``sleep``/``wake`` around training. A new
+engine is one module whose factory registers itself (``base.register_engine``), imported here.
+"""
+
+from __future__ import annotations
+
+from rlhf_paro.rollout import hf
+from rlhf_paro.rollout.base import ENGINES, EngineContext, Rollout, Sampling, build, \
+    register_engine
+from rlhf_paro.rollout.batch import PromptBatch, RolloutBatch, join, response_mask
+
+__all__ = ["ENGINES", "EngineContext", "PromptBatch", "Rollout", "RolloutBatch", "Sampling",
+           "build", "hf", "join", "register_engine", "response_mask"]

@@ -1,0 +1,80 @@
+"""The rollout seam: the protocol every engine implements, its sampling settings, the registry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Protocol
+
+import torch
+from torch import Tensor
+
+from rlhf_paro.rollout.batch import PromptBatch, RolloutBatch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one call samples: greedy (an evaluation) or at ``temperature`` from the ``top_k``
+    most likely tokens (0: all of them), at most ``max_new_tokens`` per response."""
+
+    max_new_tokens: int
+    greedy: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+
+    @classmethod
+    def from_config(cls, ppo: Any, greedy: bool = False) -> Sampling:
+        """The run's sampling (the ``ppo`` section); ``greedy`` for an evaluation."""
+        return cls(ppo.max_new_tokens, greedy, ppo.temperature, ppo.top_k)
+
+
+class Rollout(Protocol):
+    """A rollout engine of one actor rank."""
+
+    def generate(self, prompts: PromptBatch, sampling: Sampling) -> RolloutBatch:
+        """One response per prompt; responses as wide as the longest, never padded out to
+        ``sampling.max_new_tokens``. Tensors on the CPU, ready to travel."""
+
+    def sync(self, named_tensors: Mapping[str, Tensor]) -> None:
+        """Take the actor's updated weights (Hugging Face names, ``models.hf_name``)."""
+
+    def sleep(self) -> None:
+        """Give the device memory the engine holds back to training."""
+
+    def wake(self) -> None:
+        """Take it again before the next ``generate``."""
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """What an engine is built from on its actor rank."""
+
+    cfg: Any  # the run's Config
+    engine: Any  # the actor's TrainEngine (sharding.contract)
+    pad_token_id: int
+    eos_token_id: int
+    device: torch.device
+
+
+EngineFactory = Callable[[EngineContext], Rollout]
+ENGINES: dict[str, EngineFactory] = {}
+
+
+def register_engine(name: str) -> Callable[[EngineFactory], EngineFactory]:
+    """Register ``factory(context) -> Rollout`` as the engine ``rollout.engine=name``."""
+
+    def add(factory: EngineFactory) -> EngineFactory:
+        ENGINES[name] = factory
+        return factory
+
+    return add
+
+
+def build(name: str, context: EngineContext) -> Rollout:
+    """The engine registered as ``name``; ``ValueError`` naming the registered ones."""
+    try:
+        factory = ENGINES[name]
+    except KeyError:
+        raise ValueError(f"unknown rollout engine {name!r}; allowed: "
+                         f"{', '.join(sorted(ENGINES))}") from None
+    return factory(context)
+

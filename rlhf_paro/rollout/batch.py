@@ -1,0 +1,108 @@
+"""What a rollout engine takes and gives: the prompts of a rank and the rollout made from them.
+
+Layout (docs/design.md, "Batching"): ``(B, T)`` rows of a left-padded prompt followed by a
+right-padded response of width ``R``; ``attention_mask`` marks the real tokens and the last ``R``
+columns are the response, whose real tokens ``action_mask`` marks (through the first <eos>).
+Plain dataclasses of CPU tensors: Ray pickles them to the other models of the rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class PromptBatch:
+    """A rank's prompts, left-padded to one width."""
+
+    input_ids: Tensor  # (B, P)
+    attention_mask: Tensor  # (B, P) 1 on real tokens
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: Tensor | slice) -> PromptBatch:
+        return PromptBatch(self.input_ids[rows], self.attention_mask[rows])
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """Rows of prompt + response (the module's layout)."""
+
+    sequences: Tensor  # (B, T) int64: prompt then response tokens
+    attention_mask: Tensor  # (B, T) int64 0/1: real tokens, contiguous in every row
+    action_mask: Tensor  # (B, R) float 0/1: the real response tokens, R <= T
+
+    def __len__(self) -> int:
+        return self.sequences.shape[0]
+
+    @property
+    def response_len(self) -> int:
+        return self.action_mask.shape[1]
+
+    @property
+    def prompts(self) -> Tensor:
+        """(B, T - R) the left-padded prompts."""
+        return self.sequences[:, :self.sequences.shape[1] - self.response_len]
+
+    @property
+    def responses(self) -> Tensor:
+        """(B, R) the right-padded responses."""
+        return self.sequences[:, self.sequences.shape[1] - self.response_len:]
+
+    def num_tokens(self) -> Tensor:
+        """(B,) real tokens of each row, prompt and response."""
+        return self.attention_mask.sum(-1)
+
+    def select(self, rows: Tensor | slice) -> RolloutBatch:
+        """The sub-batch of ``rows`` (indices or a slice), same widths."""
+        return RolloutBatch(*(getattr(self, f.name)[rows] for f in fields(self)))
+
+    def trimmed(self) -> RolloutBatch:
+        """The same rows without the columns that are padding in every one: prompts as wide as
+        the longest, responses as wide as the longest."""
+        prompt_len = self.sequences.shape[1] - self.response_len
+        prompt = int(self.attention_mask[:, :prompt_len].sum(-1).max())
+        response = int(self.action_mask.sum(-1).max())
+        keep = slice(prompt_len - prompt, prompt_len + response)
+        return RolloutBatch(self.sequences[:, keep], self.attention_mask[:, keep],
+                            self.action_mask[:, :response])
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        return RolloutBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+    @classmethod
+    def concat(cls, batches: Sequence[RolloutBatch], pad_token_id: int) -> RolloutBatch:
+        """The rows of ``batches`` in order, in one layout: prompts left-padded to the widest
+        prompt, responses right-padded to the longest response (``pad_token_id``, masked)."""
+        prompt_len = max(b.sequences.shape[1] - b.response_len for b in batches)
+        response_len = max(b.response_len for b in batches)
+        parts = []
+        for b in batches:
+            left = prompt_len - (b.sequences.shape[1] - b.response_len)
+            right = response_len - b.response_len
+            parts.append(cls(
+                torch.nn.functional.pad(b.sequences, (left, right), value=pad_token_id),
+                torch.nn.functional.pad(b.attention_mask, (left, right)),
+                torch.nn.functional.pad(b.action_mask, (0, right))))
+        return cls(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(cls)))
+
+
+def response_mask(responses: Tensor, eos_token_id: int) -> Tensor:
+    """(B, R) float 0/1: generated tokens up to and including the first <eos>."""
+    is_eos = (responses == eos_token_id).long()
+    after_eos = (is_eos.cumsum(-1) - is_eos) > 0
+    return (~after_eos).float()
+
+
+def join(prompts: PromptBatch, responses: Tensor, eos_token_id: int) -> RolloutBatch:
+    """The rollout of left-padded ``prompts`` and their right-padded ``responses`` (B, R): each
+    response's real tokens run through its first <eos>."""
+    action_mask = response_mask(responses, eos_token_id)
+    return RolloutBatch(torch.cat([prompts.input_ids, responses], dim=1),
+                        torch.cat([prompts.attention_mask.long(), action_mask.long()], dim=1),
+                        action_mask)

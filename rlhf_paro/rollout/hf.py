@@ -1,0 +1,65 @@
+"""The ``hf`` rollout engine: Hugging Face ``generate`` on the actor's own parameters, gathered
+once for the whole rollout (phase ``generate`` of the actor's meter)."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import Tensor
+
+from rlhf_paro.comm.meter import GENERATE
+from rlhf_paro.rollout.base import EngineContext, Sampling, register_engine
+from rlhf_paro.rollout.batch import PromptBatch, RolloutBatch, join
+
+
+class HFRollout:
+    """Generates with the actor's model under ``engine.gathered()``, ``micro_batch_size``
+    prompts at a time (None: all at once): the key/value cache of one chunk is what it holds."""
+
+    def __init__(self, engine: object, pad_token_id: int, eos_token_id: int,
+                 device: torch.device, micro_batch_size: int | None = None) -> None:
+        self.engine = engine
+        self.pad_token_id = pad_token_id
+        self.eos_token_id = eos_token_id
+        self.device = device
+        self.micro_batch_size = micro_batch_size
+
+    @torch.no_grad()
+    def generate(self, prompts: PromptBatch, sampling: Sampling) -> RolloutBatch:
+        """Each chunk stops when its every row has ended, so its responses are as wide as its
+        own longest; the chunks are then joined as wide as the rank's longest."""
+        kwargs = ({"do_sample": False} if sampling.greedy else
+                  {"do_sample": True, "temperature": sampling.temperature,
+                   "top_k": sampling.top_k})
+        size = self.micro_batch_size or len(prompts)
+        chunks = []
+        with self.engine.gathered(phase=GENERATE) as model:
+            model.eval()
+            for start in range(0, len(prompts), size):
+                part = prompts.select(slice(start, start + size))
+                out = model.generate(part.input_ids.to(self.device),
+                                     part.attention_mask.to(self.device),
+                                     max_new_tokens=sampling.max_new_tokens,
+                                     pad_token_id=self.pad_token_id,
+                                     eos_token_id=self.eos_token_id, **kwargs)
+                responses = out[:, part.input_ids.shape[1]:].cpu()
+                chunks.append(join(part, responses, self.eos_token_id))
+        return chunks[0] if len(chunks) == 1 else RolloutBatch.concat(chunks, self.pad_token_id)
+
+    # Generation reads the engine's own parameters, gathered at each call: there is no second copy
+    # of the weights to update, and nothing held between calls to release.
+    def sync(self, named_tensors: Mapping[str, Tensor]) -> None:
+        pass
+
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+
+@register_engine("hf")
+def _hf(context: EngineContext) -> HFRollout:
+    return HFRollout(context.engine, context.pad_token_id, context.eos_token_id, context.device,
+                     context.cfg.rollout.micro_batch_size)

@@ -1,0 +1,89 @@
+"""The hf engine: chunked generation gives the rows unchunked generation gives, trimmed to the
+longest response, and sampling without chunks is Hugging Face generate's own."""
+
+import contextlib
+
+import pytest
+import torch
+
+from rlhf_paro import models, rollout
+from rlhf_paro.config import ModelConfig
+from rlhf_paro.rollout import PromptBatch, Sampling
+from rlhf_paro.rollout.hf import HFRollout
+
+PAD, VOCAB, MAX_NEW = 0, 32, 10
+TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+        "max_position_embeddings": 64}
+
+
+class Gathered:
+    """The part of the engine contract generation reads: ``gathered`` yields the full model."""
+
+    def __init__(self, model):
+        self.model = model
+
+    @contextlib.contextmanager
+    def gathered(self, phase=None):
+        yield self.model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return models.build_model("actor", ModelConfig(config=TINY), VOCAB, seed=3)
+
+
+def _prompts():
+    """7 prompts of 1 to 4 tokens, left-padded."""
+    gen = torch.Generator().manual_seed(0)
+    lens = [4, 1, 3, 2, 4, 2, 3]
+    ids = torch.full((len(lens), 4), PAD)
+    for i, n in enumerate(lens):
+        ids[i, 4 - n:] = torch.randint(3, VOCAB, (n,), generator=gen)
+    return PromptBatch(ids, (ids != PAD).long())
+
+
+def _eos(model, prompts):
+    """An eos id that ends some greedy responses early and not others: the token that the first
+    prompt's greedy response emits second."""
+    out = HFRollout(Gathered(model), PAD, -1, torch.device("cpu")).generate(
+        prompts, Sampling(MAX_NEW, greedy=True))
+    return int(out.responses[0, 1])
+
+
+@pytest.mark.parametrize("size", [3, 16])  # one that does not divide 7 prompts, one above
+def test_chunked_greedy_rows_equal_unchunked_and_are_trimmed_to_the_longest(model, size):
+    prompts = _prompts()
+    eos = _eos(model, prompts)
+    greedy = Sampling(MAX_NEW, greedy=True)
+    whole = HFRollout(Gathered(model), PAD, eos, torch.device("cpu")).generate(prompts, greedy)
+    chunked = HFRollout(Gathered(model), PAD, eos, torch.device("cpu"), size).generate(prompts,
+                                                                                       greedy)
+    lengths = whole.action_mask.sum(-1)
+    assert lengths.min() < lengths.max()  # some responses end early, so trimming shows
+    # As wide as the longest response, never wider.
+    assert chunked.response_len == whole.response_len == int(lengths.max())
+    for name in ("sequences", "attention_mask", "action_mask"):
+        assert torch.equal(getattr(chunked, name), getattr(whole, name)), name
+    # A chunk alone is as wide as its own longest response.
+    first = HFRollout(Gathered(model), PAD, eos, torch.device("cpu")).generate(
+        prompts.select(slice(0, 1)), greedy)
+    assert first.response_len == int(lengths[0]) == 2
+
+
+def test_sampling_without_chunks_is_generate_s_own_draws(model):
+    prompts = _prompts()
+    sampling = Sampling(MAX_NEW, temperature=0.7, top_k=5)
+    torch.manual_seed(11)
+    ours = HFRollout(Gathered(model), PAD, 2, torch.device("cpu")).generate(prompts, sampling)
+    torch.manual_seed(11)
+    out = model.generate(prompts.input_ids, prompts.attention_mask, max_new_tokens=MAX_NEW,
+                         pad_token_id=PAD, eos_token_id=2, do_sample=True, temperature=0.7,
+                         top_k=5)
+    assert torch.equal(ours.sequences, out)
+
+
+def test_the_registry_builds_hf_and_names_the_engines_it_knows():
+    assert "hf" in rollout.ENGINES
+    with pytest.raises(ValueError, match="allowed: hf"):
+        rollout.build("nosuch", None)
