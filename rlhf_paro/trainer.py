@@ -6,7 +6,7 @@ reference. One step (every remote call goes to all N ranks of a model at once, e
 own slice):
 
     prompts x rollout.n --slice--> actor.generate          (P gathered once: phase "generate")
-    rollouts --driver--> dealt to ranks by real tokens     (ppo.balance_batch; actor.set_rollout)
+    rollouts --driver--> dealt to ranks by real tokens     (ppo.balance_batch; actor.old_logprobs)
     rollout[r] -> actor.old_logprobs | ref.logprobs | critic.values | reward.score  (concurrent)
     actor.make_experience: token rewards, the algorithm's advantages (core.make_experience)
     actor.train | critic.train: PPO epochs, mini-batches of s micro-batches    (concurrent)
@@ -333,8 +333,9 @@ class PPOTrainer:
         generated = time.perf_counter()
         if self.cfg.ppo.balance_batch:
             rollouts, rows = self.balance(list(rollouts), rows)
-
-        old = actor.call("old_logprobs")
+            old = actor.call("old_logprobs", rollouts)  # each rank takes its dealt rows
+        else:
+            old = actor.call("old_logprobs")
         ref_logp = ref.call("logprobs", rollouts) if ref else absent
         values = critic.call("values", rollouts) if critic else absent
         scores = (reward.call("score", rollouts) if rows is None else
@@ -386,16 +387,16 @@ class PPOTrainer:
     def balance(self, rollouts: list[ray.ObjectRef], rows: list[Any] | None
                 ) -> tuple[list[ray.ObjectRef], list[Any] | None]:
         """The step's rollout dealt to the actor's ranks by real tokens ([Note: balanced ranks],
-        ``batching.rank_order``), each rank's new rows set on its actor; returns each rank's
-        rows for the other models and the prompts' rows dealt alike. The rollouts are token ids
-        and masks, small next to anything a model computes from them."""
+        ``batching.rank_order``); returns each rank's rows (the actor takes them with its
+        ``old_logprobs`` call, the other models as their rollout) and the prompts' rows dealt
+        alike. The rollouts are token ids and masks, small next to anything a model computes
+        from them."""
         cfg = self.cfg
         num_ranks = cfg.cluster.num_devices
         whole = RolloutBatch.concat(self.wait(actor=rollouts)["actor"], self.pad_token_id)
         order = batching.rank_order(whole.num_tokens(), cfg.rollout.n, num_ranks,
                                     cfg.ppo.mini_batch_size // num_ranks)
         dealt = [ray.put(whole.select(index).trimmed()) for index in order]
-        self.wait(actor=self.models["actor"].call("set_rollout", dealt))
         return dealt, None if rows is None else runs.deal_rows(rows, order)
 
     def shutdown(self) -> None:

@@ -61,8 +61,12 @@ class ActorWorker(TrainedWorker):
         self._rollout = batch
 
     @torch.no_grad()
-    def old_logprobs(self) -> None:
-        """Log-probs of this rank's rollout under the policy that sampled it (kept here)."""
+    def old_logprobs(self, rollout: RolloutBatch | None = None) -> None:
+        """Log-probs of this rank's rollout under the policy that sampled it (kept here).
+        ``rollout``: the rows the driver dealt this rank, which replace the ones it generated
+        (``set_rollout``; one call fewer than setting them first)."""
+        if rollout is not None:
+            self.set_rollout(rollout)
         with self.timed(INFERENCE):
             self._old_logp = self.in_micro_batches(self._rollout,
                                                    lambda rows: logprobs(self, rows))

@@ -49,7 +49,8 @@ def _argv(case: str, packed: bool) -> list[str]:
             f"critic.strategy={critic}", f"reward.strategy={reward}",
             "ppo.rollout_batch_size=32", "ppo.mini_batch_size=16", "ppo.ppo_epochs=1",
             "ppo.max_prompt_len=6", "ppo.max_new_tokens=8", "actor.micro_batch_size=2",
-            "critic.micro_batch_size=2", "actor.optim.lr=1e-4", "critic.optim.lr=1e-4", *split]
+            "critic.micro_batch_size=2", "actor.optim.lr=1e-4", "critic.optim.lr=1e-4",
+            "actor.optim.eps=1e-6", "critic.optim.eps=1e-6", *split]
 
 
 def _rollout(rank: int, vocab: int, pad: int):
@@ -159,12 +160,16 @@ def test_packed_token_budget_update_gives_the_padded_parameters(runs, case):
     # AdamW moves each parameter by lr * m_hat / (sqrt(v_hat) + eps), about lr * sign(g) in its
     # first steps, and a relative gradient error d moves that by at most about 2 * d * lr. d is a
     # few ulps where an element's terms add up, more where they nearly cancel: up to 1e-5 in
-    # this rollout (seen at lr = 1e-3, where it shows above the parameters' rounding). At
-    # lr = 1e-4 that is 2e-9 per step, below the float32 rounding (2^-24 relative) that each
-    # run does to its parameters at each step; relative to a tensor's largest parameter (0.04
-    # to 1 here), the runs differ by at most 4 * 2^-24 + 2 * 2e-9 / 0.04 = 3.4e-7. The value
-    # head's bias starts at 0, so its error relative to itself is its gradient's d: a sum of
-    # per-token residuals that do not cancel (1e-7 seen).
+    # this rollout (seen at lr = 1e-3, where it shows above the parameters' rounding). Where a
+    # gradient element cancels to the size of eps, m_hat / (sqrt(v_hat) + eps) turns its
+    # absolute error e into up to e / (4 eps): eps = 1e-6 (as tests/sharding/parity.py), not the
+    # default 1e-8, makes that amplification 100 times smaller. At
+    # lr = 1e-4 each step then moves a parameter by 2e-9 more or less, below the float32
+    # rounding (2^-24 relative) that each run does to its parameters at each step; relative to
+    # a tensor's largest parameter (0.04 to 1 here), the runs differ by at most
+    # 4 * 2^-24 + 2 * 2e-9 / 0.04 = 3.4e-7 (seen: 1.5e-7; 1.0e-6 with eps = 1e-8 once ranks
+    # were balanced). The value head's bias starts at 0, so its error relative to itself is its
+    # gradient's d: a sum of per-token residuals that do not cancel (1e-7 seen).
     padded, packed = runs[0][(case, False)], runs[0][(case, True)]
     for role in ("actor", "critic"):
         assert len(padded["norms"][role]) == 2  # two optimizer steps
