@@ -2,14 +2,15 @@
 
 Layout (docs/design.md, "Batching"): ``(B, T)`` rows of a left-padded prompt followed by a
 right-padded response of width ``R``; ``attention_mask`` marks the real tokens and the last ``R``
-columns are the response, whose real tokens ``action_mask`` marks (through the first <eos>).
+columns are the response, whose real tokens ``action_mask`` marks (through the first <eos>), and
+``logprobs``, when the engine gives them, the log-prob it sampled each with (0 on padding).
 Plain dataclasses of CPU tensors: Ray pickles them to the other models of the rank.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -36,6 +37,10 @@ class RolloutBatch:
     sequences: Tensor  # (B, T) int64: prompt then response tokens
     attention_mask: Tensor  # (B, T) int64 0/1: real tokens, contiguous in every row
     action_mask: Tensor  # (B, R) float 0/1: the real response tokens, R <= T
+    # (B, R) float32: the engine's log-prob of each response token under the distribution it
+    # sampled from (softmax(logits / temperature), before top-k), 0 on padding; None: the engine
+    # gives none (a greedy evaluation).
+    logprobs: Tensor | None = None
 
     def __len__(self) -> int:
         return self.sequences.shape[0]
@@ -60,7 +65,7 @@ class RolloutBatch:
 
     def select(self, rows: Tensor | slice) -> RolloutBatch:
         """The sub-batch of ``rows`` (indices or a slice), same widths."""
-        return RolloutBatch(*(getattr(self, f.name)[rows] for f in fields(self)))
+        return self._map(lambda t: t[rows])
 
     def trimmed(self) -> RolloutBatch:
         """The same rows without the columns that are padding in every one: prompts as wide as
@@ -70,17 +75,25 @@ class RolloutBatch:
         response = int(self.action_mask.sum(-1).max())
         keep = slice(prompt_len - prompt, prompt_len + response)
         return RolloutBatch(self.sequences[:, keep], self.attention_mask[:, keep],
-                            self.action_mask[:, :response])
+                            self.action_mask[:, :response],
+                            None if self.logprobs is None else self.logprobs[:, :response])
 
     def to(self, device: torch.device | str) -> RolloutBatch:
-        return RolloutBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
+        return self._map(lambda t: t.to(device))
+
+    def _map(self, fn: Callable[[Tensor], Tensor]) -> RolloutBatch:
+        """``fn`` applied to every tensor (row-wise or whole: the widths stay aligned)."""
+        return RolloutBatch(*(None if (t := getattr(self, f.name)) is None else fn(t)
+                              for f in fields(self)))
 
     @classmethod
     def concat(cls, batches: Sequence[RolloutBatch], pad_token_id: int) -> RolloutBatch:
         """The rows of ``batches`` in order, in one layout: prompts left-padded to the widest
-        prompt, responses right-padded to the longest response (``pad_token_id``, masked)."""
+        prompt, responses right-padded to the longest response (``pad_token_id``, masked).
+        ``logprobs`` only if every batch has them (one engine made them all)."""
         prompt_len = max(b.sequences.shape[1] - b.response_len for b in batches)
         response_len = max(b.response_len for b in batches)
+        with_logprobs = all(b.logprobs is not None for b in batches)
         parts = []
         for b in batches:
             left = prompt_len - (b.sequences.shape[1] - b.response_len)
@@ -88,8 +101,10 @@ class RolloutBatch:
             parts.append(cls(
                 torch.nn.functional.pad(b.sequences, (left, right), value=pad_token_id),
                 torch.nn.functional.pad(b.attention_mask, (left, right)),
-                torch.nn.functional.pad(b.action_mask, (0, right))))
-        return cls(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(cls)))
+                torch.nn.functional.pad(b.action_mask, (0, right)),
+                torch.nn.functional.pad(b.logprobs, (0, right)) if with_logprobs else None))
+        return cls(*(None if getattr(parts[0], f.name) is None else
+                     torch.cat([getattr(p, f.name) for p in parts]) for f in fields(cls)))
 
 
 def response_mask(responses: Tensor, eos_token_id: int) -> Tensor:
@@ -99,10 +114,14 @@ def response_mask(responses: Tensor, eos_token_id: int) -> Tensor:
     return (~after_eos).float()
 
 
-def join(prompts: PromptBatch, responses: Tensor, eos_token_id: int) -> RolloutBatch:
+def join(prompts: PromptBatch, responses: Tensor, eos_token_id: int,
+         logprobs: Tensor | None = None) -> RolloutBatch:
     """The rollout of left-padded ``prompts`` and their right-padded ``responses`` (B, R): each
-    response's real tokens run through its first <eos>."""
+    response's real tokens run through its first <eos>. ``logprobs`` (B, R): the engine's, of
+    every response column; those past a response's end become 0."""
     action_mask = response_mask(responses, eos_token_id)
     return RolloutBatch(torch.cat([prompts.input_ids, responses], dim=1),
                         torch.cat([prompts.attention_mask.long(), action_mask.long()], dim=1),
-                        action_mask)
+                        action_mask,
+                        None if logprobs is None else
+                        logprobs.float().masked_fill(action_mask == 0, 0.0))

@@ -42,9 +42,13 @@ class HFRollout:
                                      part.attention_mask.to(self.device),
                                      max_new_tokens=sampling.max_new_tokens,
                                      pad_token_id=self.pad_token_id,
-                                     eos_token_id=self.eos_token_id, **kwargs)
-                responses = out[:, part.input_ids.shape[1]:].cpu()
-                chunks.append(join(part, responses, self.eos_token_id))
+                                     eos_token_id=self.eos_token_id,
+                                     return_dict_in_generate=True,
+                                     output_logits=not sampling.greedy, **kwargs)
+                responses = out.sequences[:, part.input_ids.shape[1]:]
+                logp = None if sampling.greedy else sampled_logprobs(
+                    out.logits, responses, sampling.temperature).cpu()
+                chunks.append(join(part, responses.cpu(), self.eos_token_id, logp))
         return chunks[0] if len(chunks) == 1 else RolloutBatch.concat(chunks, self.pad_token_id)
 
     # Generation reads the engine's own parameters, gathered at each call: there is no second copy
@@ -57,6 +61,18 @@ class HFRollout:
 
     def wake(self) -> None:
         pass
+
+
+def sampled_logprobs(logits: tuple[Tensor, ...], responses: Tensor, temperature: float
+                     ) -> Tensor:
+    """(B, R) float32 log-probs of the sampled ``responses`` under ``softmax(logits /
+    temperature)``: ``logits`` are generate's raw ones (before top-k and the temperature), one
+    (B, V) per step, so this is the trainer's definition (``models.CausalLM``) and in fp32 the
+    two differ only by the key/value-cache path of the computation."""
+    # Step by step: one (B, V) float32 at a time next to the logits generate keeps.
+    return torch.stack([step.float().div(temperature).log_softmax(-1)
+                        .gather(-1, token.unsqueeze(-1)).squeeze(-1)
+                        for step, token in zip(logits, responses.T)], dim=1)
 
 
 @register_engine("hf")

@@ -66,3 +66,28 @@ def test_trimmed_drops_only_the_columns_that_are_padding_in_every_row():
     assert short.attention_mask.tolist() == [[1, 1, 1]]
     assert short.action_mask.tolist() == [[1.0, 1.0]]
     assert torch.equal(b.trimmed().sequences, b.sequences)  # nothing to drop
+
+
+def test_logprobs_stay_aligned_with_the_action_mask_through_select_concat_and_trimmed():
+    # Each real response token's log-prob is -(its id) / 4 (exact in float), so any misalignment shows.
+    def with_logp(prompt_lens, responses):
+        ids = torch.tensor(responses)
+        b = _batch(prompt_lens, responses)
+        return join(PromptBatch(b.prompts, b.attention_mask[:, :b.prompts.shape[1]]), ids, EOS,
+                    -ids.float() / 4)
+
+    a = with_logp([2, 1], [[5, 2, 9], [6, 7, 2]])  # row 0 ends at its eos: 9 is past the end
+    assert a.logprobs.tolist() == [[-1.25, -0.5, 0.0], [-1.5, -1.75, -0.5]]
+    b = with_logp([3], [[5, 2, 0, 0, 0]])
+    both = RolloutBatch.concat([a, b], PAD)
+    expected = torch.where(both.action_mask.bool(), -both.responses.float() / 4, 0.0)
+    assert torch.equal(both.logprobs, expected) and both.logprobs.shape == (3, 5)
+    part = both.select(torch.tensor([2, 0]))
+    assert torch.equal(part.logprobs, expected[[2, 0]])
+    short = part.trimmed()  # responses of 2 real tokens: 3 columns fewer
+    assert short.response_len == 2
+    assert torch.equal(short.logprobs, -short.responses.float() / 4)
+    assert both.to("meta").logprobs.device.type == "meta"
+    # A batch without them (a greedy one) makes a concatenation without them.
+    assert RolloutBatch.concat([a, _batch([1], [[5, 2]])], PAD).logprobs is None
+    assert _batch([1], [[5, 2]]).select(slice(0, 1)).trimmed().logprobs is None

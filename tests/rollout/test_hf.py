@@ -87,3 +87,32 @@ def test_the_registry_builds_hf_and_names_the_engines_it_knows():
     assert "hf" in rollout.ENGINES
     with pytest.raises(ValueError, match="allowed: hf"):
         rollout.build("nosuch", None)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_sampled_logprobs_equal_the_trainer_s_padded_and_packed(model, temperature):
+    # top_k=5 samples from the 5 likeliest tokens, but the log-probs are those of
+    # softmax(logits / temperature) over all of them, the trainer's definition; the eos id ends
+    # some responses early, so the padding after an end shows too.
+    prompts = _prompts()
+    eos = _eos(model, prompts)
+    torch.manual_seed(5)
+    batch = HFRollout(Gathered(model), PAD, eos, torch.device("cpu"), 3).generate(
+        prompts, Sampling(MAX_NEW, temperature=temperature, top_k=5))
+    mask = batch.action_mask
+    assert mask.sum(-1).min() < mask.sum(-1).max()
+    assert batch.logprobs.dtype == torch.float32 and batch.logprobs.shape == mask.shape
+    assert torch.all(batch.logprobs[mask == 0] == 0) and torch.all(batch.logprobs[mask == 1] < 0)
+    # In fp32 the two differ by summation order only (the cached forward of one token against
+    # the whole sequence's): a few ulps of logits of size ~1, far below 1e-5.
+    with torch.no_grad():
+        for packed in (False, True):
+            trainer = model(batch.sequences, batch.attention_mask, batch.response_len,
+                            temperature=temperature, packed=packed)
+            torch.testing.assert_close(trainer * mask, batch.logprobs, atol=1e-5, rtol=0)
+
+
+def test_greedy_rollouts_carry_no_logprobs(model):
+    out = HFRollout(Gathered(model), PAD, 2, torch.device("cpu")).generate(
+        _prompts(), Sampling(MAX_NEW, greedy=True))
+    assert out.logprobs is None
