@@ -441,9 +441,14 @@ class RolloutConfig:
     engine: str = "hf"
     # Prompts generated at once on a rank (a bounded key/value cache); null: all of the rank's.
     micro_batch_size: int | None = None
+    # Truncated importance sampling for the engine's mismatch: each token's policy-loss term is
+    # weighted by min(exp(trainer's old log-prob - engine's), tis_cap); null: off.
+    tis_cap: float | None = None
 
     def __post_init__(self) -> None:
         _positive("n", self.n)
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            raise ConfigError("tis_cap", f"must be > 0 or null (off), got {self.tis_cap}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ConfigError("micro_batch_size", f"must be >= 1 or null (all of a "
                                                   f"rank's prompts at once), got "

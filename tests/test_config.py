@@ -158,6 +158,8 @@ def test_nodes_and_gpus_per_node_define_the_cluster():
     (["ppo.lam=1.5"], "ppo.lam", "[0, 1]"),
     (["rollout.micro_batch_size=0"], "rollout.micro_batch_size", "must be >= 1 or null"),
     (["rollout.engine=sglang"], "rollout.engine", "allowed: hf"),
+    (["rollout.tis_cap=0"], "rollout.tis_cap", "must be > 0 or null (off), got 0"),
+    (["rollout.tis_cap=-2.5"], "rollout.tis_cap", "must be > 0 or null (off), got -2.5"),
     (["trainer.save_every=-1"], "trainer.save_every", "must be >= 0"),
     (["trainer.max_skipped_steps=-2"], "trainer.max_skipped_steps", "must be >= 0"),
     (["trainer.resume=/no/such/step_3"], "trainer.resume", "auto, none or a checkpoint"),

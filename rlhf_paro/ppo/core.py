@@ -437,9 +437,24 @@ def aggregate(per_token: Tensor, mask: Tensor, agg: str, divisor: float | None =
     return seq.sum() / divisor
 
 
+@torch.no_grad()
+def tis_weights(old_logp: Tensor, rollout_logp: Tensor, cap: float) -> Tensor:
+    """(B, T) truncated importance weights ``min(exp(old_logp - rollout_logp), cap)`` for the
+    rollout engine's mismatch (docs/design.md, "Rollout").
+
+    The rollout was sampled from the engine's distribution (``rollout_logp``), while the surrogate
+    treats it as sampled from the trainer's (``old_logp``, the same weights computed by another
+    path): the ratio trainer / engine reweights each token to the distribution the loss assumes,
+    and the cap bounds the variance a rare token with a tiny engine probability would bring.
+    Computed without grad: a constant correction of the sample, not something to optimise.
+    """
+    return (old_logp - rollout_logp).clamp(max=math.log(cap)).exp()
+
+
 def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_eps: float,
                 num_tokens: float | None = None, agg: str = "token_mean",
-                token_sum_norm: float | None = None) -> tuple[Tensor, dict[str, float]]:
+                token_sum_norm: float | None = None, weights: Tensor | None = None
+                ) -> tuple[Tensor, dict[str, float]]:
     """Clipped surrogate objective (Schulman et al. 2017, eq. 7), as a loss to minimise.
 
     logp: (B, T) log-probs under the current policy (with grad); old_logp: (B, T) under the policy
@@ -447,7 +462,8 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     ``max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))`` with ``ratio = exp(logp - old_logp)``,
     reduced by ``aggregate(per_token, mask, agg, num_tokens, token_sum_norm)``: ``num_tokens`` is
     the divisor of the mode (for ``token_mean`` the step's valid tokens / (ranks * micro-batches),
-    and the step is the token-mean over the global mini-batch; see the module note).
+    and the step is the token-mean over the global mini-batch; see the module note). ``weights``
+    (B, T), no grad: each token's term multiplied by it before the reduction (``tis_weights``).
 
     Metrics are token-means over this micro-batch's valid tokens plus ``num_tokens`` (its valid
     token count): combine micro-batches and ranks by weighting with that count.
@@ -457,6 +473,8 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
     per_token = torch.maximum(unclipped, clipped)
+    if weights is not None:
+        per_token = per_token * weights
     loss = aggregate(per_token, mask, agg, num_tokens, token_sum_norm)
     with torch.no_grad():
         valid = mask.sum().clamp(min=1)

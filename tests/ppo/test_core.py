@@ -90,6 +90,34 @@ def test_policy_loss_clips_hand_values():
     assert metrics["ratio_mean"] == pytest.approx((1.5 + 0.5 + 0.5) / 3)
 
 
+def test_tis_weights_are_the_capped_trainer_over_rollout_ratio_without_grad():
+    # old - rollout = log 0.5, log 1.5, log 4, 0 (the two agree) with cap 2:
+    #   weights 0.5, 1.5, min(4, 2) = 2, and exactly 1 where the log-probs agree.
+    rollout = t([[-1.0, -2.0, -0.5, -0.7]])
+    old = (rollout + t([[math.log(0.5), math.log(1.5), math.log(4.0), 0.0]])).requires_grad_()
+    w = core.tis_weights(old, rollout, cap=2.0)
+    torch.testing.assert_close(w, t([[0.5, 1.5, 2.0, 1.0]]))
+    assert not w.requires_grad
+    assert torch.equal(core.tis_weights(rollout, rollout, cap=2.0), torch.ones(1, 4))
+
+
+def test_policy_loss_with_weights_multiplies_each_token_s_term():
+    # The hand case of test_policy_loss_clips_hand_values, terms -1.2, -0.5, +0.8, with weights
+    # 0.5, 2, 1 (padding's weight 7 must not count): (-0.6 - 1.0 + 0.8) / 3. Unit weights give
+    # the unweighted loss.
+    old = t([[0.0, 0.0, 0.0, 0.0]])
+    logp = t([[math.log(1.5), math.log(0.5), math.log(0.5), 0.0]]).requires_grad_()
+    adv, mask = t([[1.0, 1.0, -1.0, 1e6]]), t([[1, 1, 1, 0]])
+    loss, _ = core.policy_loss(logp, old, adv, mask, 0.2, weights=t([[0.5, 2.0, 1.0, 7.0]]))
+    assert loss.item() == pytest.approx((-0.6 - 1.0 + 0.8) / 3)
+    # Token 1's term -ratio is unclipped: its gradient is scaled by its weight, -2 * 0.5 / 3.
+    loss.backward()
+    assert logp.grad[0, 1].item() == pytest.approx(-2.0 * 0.5 / 3)
+    plain, _ = core.policy_loss(logp, old, adv, mask, 0.2)
+    unit, _ = core.policy_loss(logp, old, adv, mask, 0.2, weights=torch.ones(1, 4))
+    assert unit.item() == plain.item() == pytest.approx(-0.3)
+
+
 def test_value_loss_clips_hand_values():
     # token 0: V=1.0, old=0, R=0.5 -> V_clip=0.2: max(0.25, 0.09) = 0.25 -> 0.125
     # token 1: V=0.3, old=0, R=1.0 -> V_clip=0.2: max(0.49, 0.64) = 0.64 -> 0.32 (clipped)
