@@ -121,6 +121,18 @@ def model_metrics(role: str, reports: list[RankReport]) -> dict[str, float]:
     return row
 
 
+def logprob_diff(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """``rollout/logprob_diff_{max,mean}``: how far the engine's log-probs of the sampled tokens
+    are from the trainer's (the actor's ``old_logprobs`` sums), over the real response tokens of
+    all ranks; nothing when the engine gives none."""
+    if not per_rank or any(not r for r in per_rank):
+        return {}
+    count = sum(r["logprob_diff_count"] for r in per_rank)
+    return {"rollout/logprob_diff_max": max(r["logprob_diff_max"] for r in per_rank),
+            "rollout/logprob_diff_mean": (sum(r["logprob_diff_sum"] for r in per_rank) / count
+                                          if count else 0.0)}
+
+
 def padding_fraction(reports: dict[str, list[RankReport]]) -> float:
     """``perf/padding_fraction``: of the token positions every model computed on during the
     step (all ranks, all phases), the fraction that were padding (0 for packed forwards;
@@ -179,7 +191,7 @@ class MetricsLogger:
             self.wandb_id = self._wandb.id
             # One section per model and per loop group, all against the PPO step.
             wandb.define_metric("step")
-            for prefix in (*ROLES, "ppo", "timing_s", "perf", "checkpoint"):
+            for prefix in (*ROLES, "ppo", "rollout", "timing_s", "perf", "checkpoint"):
                 wandb.define_metric(f"{prefix}/*", step_metric="step")
 
     def log(self, step: int, row: dict[str, float]) -> None:

@@ -47,7 +47,7 @@ from rlhf_paro.actors.group import (
 from rlhf_paro.actors.ref import RefWorker
 from rlhf_paro.actors.reward import RewardWorker
 from rlhf_paro.config import RAY_ADDRESS_ALLOWED, Config, ConfigError
-from rlhf_paro.metrics import MetricsLogger, model_metrics, padding_fraction
+from rlhf_paro.metrics import MetricsLogger, logprob_diff, model_metrics, padding_fraction
 from rlhf_paro.ppo import algorithms, core
 from rlhf_paro.ppo.data import rollout_tokenizer
 from rlhf_paro.ppo.rewards import RewardFunctionError
@@ -345,7 +345,7 @@ class PPOTrainer:
                                              kl_coef=kl_coef, num_returns=2))
         exp = _sum(self.wait(actor=list(exp_stats))["actor"])
         gen.update(_sum(self.wait(reward=reward.call("score_sums"))["reward"]))
-        self.wait(actor=old)
+        mismatch = logprob_diff(self.wait(actor=old)["actor"])
         experienced = time.perf_counter()
 
         training = {"actor": actor.call("train", step=step, kl_coef=kl_coef)}
@@ -367,6 +367,7 @@ class PPOTrainer:
             self.kl_ctl.update(kl, int(exp["count"]))
             row.update({"ppo/kl": kl, "ppo/kl_coef": kl_coef})
         row.update(reward_extras(gen))
+        row.update(mismatch)
         row.update({
             "ppo/reward_mean": exp["reward"] / exp["count"],
             "ppo/task_score": gen["task_score"] / gen["count"],

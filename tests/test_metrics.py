@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rlhf_paro.metrics import (LOOP_KEYS, MetricsLogger, RankReport, model_metrics,
+from rlhf_paro.metrics import (LOOP_KEYS, MetricsLogger, RankReport, logprob_diff, model_metrics,
                                padding_fraction, read_jsonl, required_keys)
 
 
@@ -120,3 +120,14 @@ def test_padding_fraction_is_the_padding_share_of_every_position_computed_on():
     assert padding_fraction({"critic": reports["critic"]}) == 0.0
     assert padding_fraction({"reward": [report(0, 0)]}) == 0.0  # nothing computed, nothing padded
     assert {"perf/tokens_per_s", "perf/padding_fraction"} <= set(LOOP_KEYS)
+
+
+def test_logprob_diff_is_the_largest_rank_s_max_and_the_token_weighted_mean():
+    # Rank 0: 3 tokens, |diffs| summing to 3e-6, largest 2e-6; rank 1: 1 token of 6e-6.
+    # The mean is over tokens, (3e-6 + 6e-6) / 4, not a mean of the ranks' means.
+    ranks = [{"logprob_diff_max": 2e-6, "logprob_diff_sum": 3e-6, "logprob_diff_count": 3.0},
+             {"logprob_diff_max": 6e-6, "logprob_diff_sum": 6e-6, "logprob_diff_count": 1.0}]
+    row = logprob_diff(ranks)
+    assert row["rollout/logprob_diff_max"] == 6e-6
+    assert row["rollout/logprob_diff_mean"] == pytest.approx(9e-6 / 4)
+    assert logprob_diff([{}, {}]) == {}  # an engine that gives no log-probs: no keys

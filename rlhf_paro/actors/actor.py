@@ -61,15 +61,24 @@ class ActorWorker(TrainedWorker):
         self._rollout = batch
 
     @torch.no_grad()
-    def old_logprobs(self, rollout: RolloutBatch | None = None) -> None:
+    def old_logprobs(self, rollout: RolloutBatch | None = None) -> dict[str, float]:
         """Log-probs of this rank's rollout under the policy that sampled it (kept here).
         ``rollout``: the rows the driver dealt this rank, which replace the ones it generated
-        (``set_rollout``; one call fewer than setting them first)."""
+        (``set_rollout``; one call fewer than setting them first). Returns, when the engine
+        gave its own log-probs, how far they are from these over the real response tokens:
+        the largest |difference| and its sum and count (``rollout/logprob_diff_*``)."""
         if rollout is not None:
             self.set_rollout(rollout)
         with self.timed(INFERENCE):
             self._old_logp = self.in_micro_batches(self._rollout,
                                                    lambda rows: logprobs(self, rows))
+        batch = self._rollout
+        if batch.logprobs is None:
+            return {}
+        mask = batch.action_mask.bool()
+        diff = (self._old_logp.cpu() - batch.logprobs)[mask].abs()
+        return {"logprob_diff_max": float(diff.max()) if len(diff) else 0.0,
+                "logprob_diff_sum": float(diff.sum()), "logprob_diff_count": float(len(diff))}
 
     @torch.no_grad()
     def make_experience(self, ref_logp: torch.Tensor | None, values: torch.Tensor | None,
@@ -102,6 +111,10 @@ class ActorWorker(TrainedWorker):
         aggregated as the algorithm says, plus ``kl_coef`` times the KL loss term when
         ``algorithm.kl_in_loss``."""
         batch, ppo, alg = self._rollout, self.cfg.ppo, self.cfg.algorithm
+        tis_cap = self.cfg.rollout.tis_cap
+        if tis_cap is not None and batch.logprobs is None:
+            raise ValueError(f"rollout.tis_cap needs the engine's log-probs; rollout.engine="
+                             f"{self.cfg.rollout.engine} gave none")
         agg = algorithms.loss_agg_mode(self.cfg)
         # Dr. GRPO divides each sequence's token sum by the response budget, a constant.
         norm = (ppo.max_new_tokens if algorithms.spec(self.cfg).token_sum_norm
@@ -111,9 +124,13 @@ class ActorWorker(TrainedWorker):
             rows, exp = batch.select(idx), self._experience.select(idx)
             mask = rows.action_mask.to(self.device)
             logp = logprobs(self, rows, train=True)
+            old_logp = exp.old_logp.to(self.device)
+            # The engine sampled, the trainer's old log-probs anchor the ratio: reweight to them.
+            weights = (None if tis_cap is None else
+                       core.tis_weights(old_logp, rows.logprobs.to(self.device), tis_cap))
             loss, stats = core.policy_loss(
-                logp, exp.old_logp.to(self.device), exp.advantages.to(self.device), mask,
-                ppo.clip_eps, divisor, agg=agg, token_sum_norm=norm)
+                logp, old_logp, exp.advantages.to(self.device), mask,
+                ppo.clip_eps, divisor, agg=agg, token_sum_norm=norm, weights=weights)
             metrics = {"actor/clipfrac": stats["clipfrac"], "approx_kl": stats["approx_kl"]}
             if exp.ref_logp is not None:
                 kl_loss, kl_stats = core.kl_loss(logp, exp.ref_logp.to(self.device), mask,

@@ -68,7 +68,7 @@ def test_trimmed_drops_only_the_columns_that_are_padding_in_every_row():
     assert torch.equal(b.trimmed().sequences, b.sequences)  # nothing to drop
 
 
-def test_logprobs_stay_aligned_with_the_action_mask_through_select_concat_and_trimmed():
+def test_logprobs_stay_aligned_through_select_concat_and_trimmed():
     # Each real response token's log-prob is -(its id) / 4 (exact in float), so any misalignment shows.
     def with_logp(prompt_lens, responses):
         ids = torch.tensor(responses)
