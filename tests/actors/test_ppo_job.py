@@ -43,6 +43,9 @@ def job(tmp_path_factory):
         "task.reward_pairs=256", "task.reward_eval_pairs=64", "task.reward_steps=20",
         f"task.cache_dir={out / 'cache'}", f"trainer.output_dir={out / 'run'}",
         f"trainer.steps={STEPS}", "logger.wandb.mode=disabled", "logger.progress=false",
+        # The policy loss weighted by the engine/trainer ratio: in fp32 the weights are 1 within
+        # ~1e-6, and the run goes through the path a mismatched engine would take.
+        "rollout.tis_cap=2.0",
     ])
     init_ray(None, num_cpus=N, num_devices=N)
     from rlhf_paro.trainer import PPOTrainer
@@ -61,6 +64,14 @@ def test_every_design_key_in_every_row(job):
         missing = set(required_keys()) - set(row)
         assert not missing, f"step {row['step']} lacks {sorted(missing)}"
     assert dashboard.endswith("dashboard.png")
+
+
+def test_the_hf_engine_s_logprobs_match_the_trainer_s_every_step(job):
+    # Both fp32, the same weights: the key/value-cache path against the trainer's packed forward
+    # differ by summation order, a few ulps of logits of size ~1 per layer, far below 1e-4.
+    _, rows, _ = job
+    for row in rows:
+        assert 0.0 <= row["rollout/logprob_diff_mean"] <= row["rollout/logprob_diff_max"] <= 1e-4
 
 
 def test_ref_starts_as_the_actor(job):
