@@ -111,10 +111,7 @@ class ActorWorker(TrainedWorker):
         aggregated as the algorithm says, plus ``kl_coef`` times the KL loss term when
         ``algorithm.kl_in_loss``."""
         batch, ppo, alg = self._rollout, self.cfg.ppo, self.cfg.algorithm
-        tis_cap = self.cfg.rollout.tis_cap
-        if tis_cap is not None and batch.logprobs is None:
-            raise ValueError(f"rollout.tis_cap needs the engine's log-probs; rollout.engine="
-                             f"{self.cfg.rollout.engine} gave none")
+        tis_cap = self.cfg.rollout.tis_cap  # every engine gives log-probs of a sampled rollout
         agg = algorithms.loss_agg_mode(self.cfg)
         # Dr. GRPO divides each sequence's token sum by the response budget, a constant.
         norm = (ppo.max_new_tokens if algorithms.spec(self.cfg).token_sum_norm
