@@ -655,6 +655,12 @@ class Config:
             raise ConfigError("task.prompt_len", f"{self.task.prompt_len} exceeds "
                               f"ppo.max_prompt_len={self.ppo.max_prompt_len}")
 
+    @property
+    def deals_rollouts(self) -> bool:
+        """Whether the driver deals each step's rollout to the ranks (``ppo.balance_batch``): a
+        single rank has no other to wait for, and the round trip would only cost it time."""
+        return self.ppo.balance_batch and self.cluster.num_devices > 1
+
     def prompt_bound(self) -> tuple[str, int]:
         """(key, value) of the longest prompt a step can hold: ``data.max_prompt_length`` for
         prompts from files, ``ppo.max_prompt_len`` for the task's."""

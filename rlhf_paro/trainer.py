@@ -331,7 +331,7 @@ class PPOTrainer:
         rollouts, gen_stats = zip(*actor.call("generate", prompts, num_returns=2))
         gen = _sum(self.wait(actor=list(gen_stats))["actor"])
         generated = time.perf_counter()
-        if self.cfg.ppo.balance_batch:
+        if self.cfg.deals_rollouts:
             rollouts, rows = self.balance(list(rollouts), rows)
             old = actor.call("old_logprobs", rollouts)  # each rank takes its dealt rows
         else:

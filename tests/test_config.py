@@ -278,3 +278,11 @@ def test_the_schema_rewrites_no_sibling_section():
     resolved = resolve(cfg, say=lambda _: None)
     assert resolved.ref.config == resolved.reward.config == {"hidden_size": 8}
     assert resolved.critic.strategy == "GGG" and cfg.critic.strategy == "auto"  # input untouched
+
+
+def test_the_driver_deals_rollouts_only_with_balance_batch_and_more_than_one_device():
+    # One rank has no other to wait for: dealing would only add the driver's round trip.
+    four, one = INLINE, [*INLINE, "cluster.num_devices=1", "cluster.group_size=1"]
+    assert load(four).deals_rollouts
+    assert not load([*four, "ppo.balance_batch=false"]).deals_rollouts
+    assert not load(one).deals_rollouts

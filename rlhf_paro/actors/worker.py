@@ -329,15 +329,15 @@ class TrainedWorker(Worker):
 
     def _mini_batches(self, mask: torch.Tensor, agg: str
                       ) -> list[tuple[list[batching.MicroBatch], float]]:
-        """This rank's shuffled mini-batches (with ``ppo.balance_batch``, consecutive slices of
-        the rows in the order the driver dealt them, [Note: balanced ranks]; else a random draw
-        of rows), each as its micro-batches and their divisor: the global mini-batch's count
-        under ``agg`` (valid tokens or sequences, summed over ranks) / (ranks x micro-batches
-        per step). Under ``max_tokens_per_micro_batch`` the
-        micro-batch count is the largest over ranks, fillers making up the rest
+        """This rank's shuffled mini-batches (when the driver deals, ``Config.deals_rollouts``,
+        consecutive slices of the rows in the order it dealt them, [Note: balanced ranks]; else
+        a random draw of rows), each as its micro-batches and their divisor: the global
+        mini-batch's count under ``agg`` (valid tokens or sequences, summed over ranks) /
+        (ranks x micro-batches per step). Under ``max_tokens_per_micro_batch`` the micro-batch
+        count is the largest over ranks, fillers making up the rest
         ([Note: micro-batches by tokens])."""
         size = self.cfg.ppo.mini_batch_size // self.num_ranks
-        if self.cfg.ppo.balance_batch:  # the driver's order: consecutive slices, shuffled
+        if self.cfg.deals_rollouts:  # the driver's order: consecutive slices, shuffled
             slices = batching.split_by_rows(torch.arange(mask.shape[0]), size)
             minis = [slices[i] for i in torch.randperm(len(slices)).tolist()]
         else:
