@@ -48,13 +48,20 @@ def init_ray(address: str | None, num_cpus: int | None, num_devices: int) -> Non
     """
     if ray.is_initialized():
         return
-    # ray.init sets a SIGTERM handler of its own (a bare exit, with the driver in any state):
-    # an entry point's handler, which stops the run at a safe point, is put back.
+    # ray.init first sets a SIGTERM handler of its own, a bare exit raised wherever the driver
+    # is: inside an at-fork hook (logging's, as Ray starts its processes) Python prints it and
+    # goes on, and the signal is lost (seen). An entry point's handler, which stops the run at a
+    # safe point, stays in place throughout instead.
     handler = signal.getsignal(signal.SIGTERM)
+    ours = callable(handler) and threading.current_thread() is threading.main_thread()
+    install = ray._private.utils.set_sigterm_handler
+    if ours:
+        ray._private.utils.set_sigterm_handler = lambda _handler: None
     try:
         _init(address, num_cpus, num_devices)
     finally:
-        if callable(handler) and threading.current_thread() is threading.main_thread():
+        ray._private.utils.set_sigterm_handler = install
+        if ours:
             signal.signal(signal.SIGTERM, handler)
 
 

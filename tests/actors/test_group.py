@@ -125,3 +125,37 @@ def test_a_rank_that_does_not_answer_is_named_by_the_oldest_call_in_flight(ranks
     assert str(info.value) == ("actor rank 1 did not answer in generate within "
                                "trainer.step_timeout_s=2")
     _fresh(ranks, "actor", 1)
+
+
+# A fresh driver: every SIGTERM handler installed while init_ray starts a private Ray, and the
+# one in place after it. Ray's own (an exit raised wherever the driver is) once lost a SIGTERM
+# raised inside an at-fork hook; the entry point's must stay in place throughout.
+INIT_SCRIPT = """
+import signal, sys
+import ray
+from rlhf_paro.actors.group import init_ray
+installed = []
+real = signal.signal
+def recording(signum, handler):
+    if signum == signal.SIGTERM:
+        installed.append(handler)
+    return real(signum, handler)
+signal.signal = recording
+def ours(signum, frame):
+    pass
+real(signal.SIGTERM, ours)
+init_ray(None, num_cpus=1, num_devices=1)
+signal.signal = real
+print(all(h is ours for h in installed), signal.getsignal(signal.SIGTERM) is ours)
+ray.shutdown()
+"""
+
+
+def test_init_ray_keeps_the_entry_point_s_sigterm_handler_throughout():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", INIT_SCRIPT], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-2:] == ["True", "True"], done.stdout
