@@ -444,9 +444,22 @@ class RolloutConfig:
     # Truncated importance sampling for the engine's mismatch: each token's policy-loss term is
     # weighted by min(exp(trainer's old log-prob - engine's), tis_cap); null: off.
     tis_cap: float | None = None
+    # vllm only (docs/design.md, "Rollout"). The share of a device's memory the engine may hold,
+    # its weights and key/value cache (on CUDA; on a CPU device its key/value cache is sized
+    # from the run's longest sequences and max_num_seqs instead).
+    gpu_memory_utilization: float = 0.4
+    max_num_seqs: int = 256  # sequences the engine decodes at once (continuous batching)
+    tensor_parallel_size: int = 1  # devices one engine spans; must divide cluster.group_size
+    enforce_eager: bool = True  # no CUDA graphs: an engine built every run starts sooner
+    enable_prefix_caching: bool = True  # rollout.n samples of a prompt share its prefill
 
     def __post_init__(self) -> None:
         _positive("n", self.n)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got "
+                                                        f"{self.gpu_memory_utilization}")
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ConfigError("tis_cap", f"must be > 0 or null (off), got {self.tis_cap}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
@@ -515,8 +528,9 @@ class LoggerConfig:
 
 
 def _demo_model() -> dict[str, Any]:
+    # Two heads of 32: vLLM's CPU attention takes no head size below 32 (rollout.engine=vllm).
     return {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
             "max_position_embeddings": 64}
 
 

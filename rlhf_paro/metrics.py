@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf_paro.comm.meter import GENERATE
+from rlhf_paro.comm.meter import GENERATE, SYNC
 from rlhf_paro.sharding.contract import MEMORY_KEYS
 from rlhf_paro.sharding.schedule import TRAINING_PHASES
 from rlhf_paro.config import ROLES, TRAINED_ROLES
@@ -35,7 +35,7 @@ from rlhf_paro.config import ROLES, TRAINED_ROLES
 # is a comm phase too (comm/meter.py).
 INFERENCE, TRAIN = "inference", "train"
 ROLE_PHASES = {
-    "actor": (GENERATE, INFERENCE, TRAIN),
+    "actor": (GENERATE, SYNC, INFERENCE, TRAIN),
     "critic": (INFERENCE, TRAIN),
     "reward": (INFERENCE,),
     "ref": (INFERENCE,),
@@ -44,6 +44,8 @@ ROLE_PHASES = {
 # other phase a meter reports (comm.meter.PHASES, e.g. a checkpoint's GATHER) gets columns when
 # it occurs.
 COMM_PHASES = (*TRAINING_PHASES, GENERATE)
+# The actor's own: its weights into a rollout engine with a copy of its own (0 bytes otherwise).
+ACTOR_COMM_PHASES = (*COMM_PHASES, SYNC)
 # engine.transfers' keys (m/offload/<key>); memory()'s (m/mem/<key>_bytes) are the contract's.
 OFFLOAD_KEYS = ("d2h_bytes", "h2d_bytes", "transfers")
 LOOP_KEYS = (
@@ -60,6 +62,8 @@ def model_keys(role: str) -> list[str]:
     """The keys of one model (docs/design.md, "Metrics") (the per-phase comm split comes on top)."""
     keys = [f"{role}/tokens_per_s", *(f"{role}/time_s/{p}" for p in ROLE_PHASES[role])]
     keys += [f"{role}/comm/{k}" for k in ("intra_bytes", "inter_bytes", "time_s", "calls")]
+    if role == "actor":
+        keys += [f"actor/comm/{SYNC}/{k}" for k in ("intra_bytes", "inter_bytes")]
     keys += [f"{role}/mem/{k}_bytes" for k in (*MEMORY_KEYS, "peak")]
     keys += [f"{role}/offload/{k}" for k in OFFLOAD_KEYS]
     if role in TRAINED_ROLES:
@@ -103,7 +107,8 @@ def model_metrics(role: str, reports: list[RankReport]) -> dict[str, float]:
     for key in ("intra_bytes", "inter_bytes", "calls"):
         row[f"{role}/comm/{key}"] = sum(t[key] for r in reports for t in r.comm.values())
     row[f"{role}/comm/time_s"] = max(sum(t["seconds"] for t in r.comm.values()) for r in reports)
-    phases = list(COMM_PHASES) + [p for r in reports for p in r.comm if p not in COMM_PHASES]
+    columns = ACTOR_COMM_PHASES if role == "actor" else COMM_PHASES
+    phases = list(columns) + [p for r in reports for p in r.comm if p not in columns]
     for phase in dict.fromkeys(phases):
         for key in ("intra_bytes", "inter_bytes"):
             row[f"{role}/comm/{phase}/{key}"] = sum(r.comm.get(phase, {}).get(key, 0)

@@ -24,7 +24,7 @@ import os
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -511,6 +511,44 @@ def hf_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str,
     """``state`` under its Hugging Face names (``hf_name``), without what has none."""
     named = ((hf_name(model, k), v) for k, v in state.items())
     return {k: v for k, v in named if k is not None}
+
+
+def hf_weights(model: nn.Module, named: Iterable[tuple[str, torch.Tensor]], lora_scale: float
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The causal LM ``model``'s parameters ``named`` (engine names, a unit at a time) as the
+    plain Hugging Face model's weights, in the same order: what a rollout engine loads. Under
+    LoRA (a PEFT model) each adapted linear comes merged, W + ``lora_scale`` B A (alpha / r),
+    once its base weight and both factors have come, which one unit holds."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # adapted linear -> the pieces seen
+    for name, tensor in named:
+        name = hf_name(model, name)
+        if name is None:
+            continue
+        name = name.removeprefix("base_model.model.")
+        linear, piece = _lora_piece(name)
+        if linear is None:
+            yield name, tensor
+            continue
+        if piece == "bias":
+            yield f"{linear}.bias", tensor
+            continue
+        pieces = pending.setdefault(linear, {})
+        pieces[piece] = tensor
+        if len(pieces) == 3:
+            del pending[linear]
+            a, b = pieces["lora_A"].float(), pieces["lora_B"].float()
+            base = pieces["base"]
+            yield f"{linear}.weight", (base.float() + lora_scale * (b @ a)).to(base.dtype)
+    assert not pending, f"adapted linears without all their pieces: {sorted(pending)}"
+
+
+def _lora_piece(name: str) -> tuple[str | None, str]:
+    """(the adapted linear, which piece) of a PEFT parameter name; (None, "") otherwise."""
+    for marker, piece in ((".base_layer.weight", "base"), (".base_layer.bias", "bias"),
+                          (".lora_A.", "lora_A"), (".lora_B.", "lora_B")):
+        if marker in name:
+            return name[:name.index(marker)], piece
+    return None, ""
 
 
 def export_hf(model: nn.Module, state: dict[str, torch.Tensor], directory: str | Path,

@@ -8,7 +8,8 @@ needs before anything runs or is planned, done once by the entry points (``train
 2. every file the config names is checked: model and tokenizer directories, reward function
    files, prompt files, the checkpoint to resume from, a reward server's token variable;
 3. the algorithm's rules are checked (``ppo/algorithms.check``), and the rollout engine's name
-   against the engines registered (``rlhf_paro/rollout``);
+   against the engines registered and the run against the engine's own check
+   (``rlhf_paro/rollout``: vLLM installed, the architecture served);
 4. the values that come from other sections are set: reward and ref with no source take the
    actor's (a copy of its inline config), the critic of an algorithm that trains one takes the
    reward model's directory (its score head starts the value head) or else the actor's, and the
@@ -38,9 +39,7 @@ def resolve(cfg: Config, say: Callable[[str], None] = print) -> Config:
     cfg = demo.make_assets(cfg)
     check_files(cfg)
     algorithms.check(cfg)
-    if cfg.rollout.engine not in rollout.ENGINES:
-        raise ConfigError("rollout.engine", f"got {cfg.rollout.engine!r}; allowed: "
-                                            f"{', '.join(sorted(rollout.ENGINES))}")
+    rollout.check(cfg)
     return derive(cfg, say)
 
 

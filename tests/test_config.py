@@ -60,7 +60,7 @@ def test_ppo_tiny_gives_the_values_of_the_default_run():
     cfg = load_config(["conf=ppo_tiny"])
     assert cfg.task.model == {"model_type": "llama", "hidden_size": 64,
                                 "intermediate_size": 128, "num_hidden_layers": 2,
-                                "num_attention_heads": 4, "num_key_value_heads": 4,
+                                "num_attention_heads": 2, "num_key_value_heads": 2,
                                 "max_position_embeddings": 64}
     assert (cfg.actor.optim.lr, cfg.actor.optim.betas, cfg.critic.optim.lr) == \
         (1e-3, (0.9, 0.95), 3e-3)

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from rlhf_paro import rollout
+from rlhf_paro import models, rollout
 from rlhf_paro.actors.worker import TrainedWorker, Worker
-from rlhf_paro.comm.meter import GENERATE
+from rlhf_paro.comm.meter import GENERATE, SYNC
 from rlhf_paro.metrics import INFERENCE
 from rlhf_paro.ppo import algorithms, core
 from rlhf_paro.ppo.data import rollout_tokenizer
@@ -29,6 +29,9 @@ class ActorWorker(TrainedWorker):
         self.rollout_engine: rollout.Rollout | None = None  # built at setup, on the engine
         self._old_logp: torch.Tensor | None = None  # this step's, from old_logprobs
         self._experience: core.Experience | None = None  # this step's, from make_experience
+        # Whether the weights changed since the rollout engine last took them (an engine with a
+        # copy of its own: ``Rollout.needs_sync``): at setup, after an update or a resume.
+        self._engine_stale = True
 
     def setup(self, master_addr: str, master_port: int) -> int:
         """``Worker.setup``, then the rollout engine on this rank's engine."""
@@ -36,7 +39,24 @@ class ActorWorker(TrainedWorker):
         self.rollout_engine = rollout.build(self.cfg.rollout.engine, rollout.EngineContext(
             self.cfg, self.engine, self.tokenizer.pad_token_id, self.tokenizer.eos_token_id,
             self.device))
+        self.rollout_engine.sleep()  # its memory is training's until the first generation
         return pid
+
+    def load_checkpoint(self, directory: str) -> None:
+        super().load_checkpoint(directory)
+        self._engine_stale = True
+
+    def sync_engine(self) -> None:
+        """The actor's weights into a rollout engine that holds its own copy, a unit at a time
+        at the actor's P scope (phase ``sync``, [Note: a unit at a time]); nothing for one that
+        reads the actor's parameters, or when they have not changed since the last sync."""
+        if not (self.rollout_engine.needs_sync and self._engine_stale):
+            return
+        lora = self.model_cfg.lora
+        with self.timed(SYNC):
+            self.rollout_engine.sync(models.hf_weights(
+                self.engine.module, self.engine.unit_parameters(SYNC), lora.alpha / lora.r))
+        self._engine_stale = False
 
     @torch.no_grad()
     def generate(self, prompts: PromptBatch, greedy: bool = False
@@ -45,8 +65,11 @@ class ActorWorker(TrainedWorker):
         ``greedy``: an evaluation, whose rollout is returned and not kept. Returns the rollout
         (for the other models of this rank) and sums for the driver."""
         sampling = rollout.Sampling.from_config(self.cfg.ppo, greedy)
+        self.rollout_engine.wake()
+        self.sync_engine()
         with self.timed(GENERATE):
             batch = self.rollout_engine.generate(prompts, sampling)
+        self.rollout_engine.sleep()
         # Generation runs padded (a key/value cache per row): every position of the rows.
         self.count_tokens(batch.attention_mask, packed=False)
         stats = {"count": float(len(batch)), "response_length": float(batch.action_mask.sum()),
@@ -137,6 +160,7 @@ class ActorWorker(TrainedWorker):
             return loss, metrics
 
         self.ppo_update(batch.action_mask, micro_loss, step, agg)
+        self._engine_stale = True
 
 
 def logprobs(worker: Worker, rows: RolloutBatch, train: bool = False) -> torch.Tensor:

@@ -9,10 +9,10 @@ engine is one module whose factory registers itself (``base.register_engine``), 
 
 from __future__ import annotations
 
-from rlhf_paro.rollout import hf
-from rlhf_paro.rollout.base import ENGINES, EngineContext, Rollout, Sampling, build, \
+from rlhf_paro.rollout import hf, vllm
+from rlhf_paro.rollout.base import ENGINES, EngineContext, Rollout, Sampling, build, check, \
     register_engine
 from rlhf_paro.rollout.batch import PromptBatch, RolloutBatch, join, response_mask
 
 __all__ = ["ENGINES", "EngineContext", "PromptBatch", "Rollout", "RolloutBatch", "Sampling",
-           "build", "hf", "join", "register_engine", "response_mask"]
+           "build", "check", "hf", "join", "register_engine", "response_mask", "vllm"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 from torch import Tensor
@@ -30,12 +30,18 @@ class Sampling:
 class Rollout(Protocol):
     """A rollout engine of one actor rank."""
 
+    # Whether the engine holds its own copy of the weights, which the actor then syncs before
+    # the next generation after each update; False: it reads the actor's own parameters.
+    needs_sync: bool
+
     def generate(self, prompts: PromptBatch, sampling: Sampling) -> RolloutBatch:
         """One response per prompt; responses as wide as the longest, never padded out to
         ``sampling.max_new_tokens``. Tensors on the CPU, ready to travel."""
 
-    def sync(self, named_tensors: Mapping[str, Tensor]) -> None:
-        """Take the actor's updated weights (Hugging Face names, ``models.hf_name``)."""
+    def sync(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Take the actor's updated weights: ``(Hugging Face name, tensor)`` pairs
+        (``models.hf_name``) a unit at a time, each tensor valid only until the next is drawn
+        ([Note: a unit at a time])."""
 
     def sleep(self) -> None:
         """Give the device memory the engine holds back to training."""
@@ -57,16 +63,35 @@ class EngineContext:
 
 EngineFactory = Callable[[EngineContext], Rollout]
 ENGINES: dict[str, EngineFactory] = {}
+# rollout.engine=name -> check(cfg): ConfigError for a run the engine cannot serve, before
+# anything starts (``rlhf_paro.resolve``).
+CHECKS: dict[str, Callable[[Any], None]] = {}
 
 
-def register_engine(name: str) -> Callable[[EngineFactory], EngineFactory]:
-    """Register ``factory(context) -> Rollout`` as the engine ``rollout.engine=name``."""
+def register_engine(name: str, check: Callable[[Any], None] | None = None
+                    ) -> Callable[[EngineFactory], EngineFactory]:
+    """Register ``factory(context) -> Rollout`` as the engine ``rollout.engine=name``, with the
+    ``check`` of a run's config it needs."""
 
     def add(factory: EngineFactory) -> EngineFactory:
         ENGINES[name] = factory
+        if check is not None:
+            CHECKS[name] = check
         return factory
 
     return add
+
+
+def check(cfg: Any) -> None:
+    """``ConfigError`` for an engine name not registered or a run the engine cannot serve."""
+    from rlhf_paro.config import ConfigError
+
+    name = cfg.rollout.engine
+    if name not in ENGINES:
+        raise ConfigError("rollout.engine", f"got {name!r}; allowed: "
+                                            f"{', '.join(sorted(ENGINES))}")
+    if name in CHECKS:
+        CHECKS[name](cfg)
 
 
 def build(name: str, context: EngineContext) -> Rollout:

@@ -3,7 +3,7 @@ once for the whole rollout (phase ``generate`` of the actor's meter)."""
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Iterable
 
 import torch
 from torch import Tensor
@@ -53,7 +53,9 @@ class HFRollout:
 
     # Generation reads the engine's own parameters, gathered at each call: there is no second copy
     # of the weights to update, and nothing held between calls to release.
-    def sync(self, named_tensors: Mapping[str, Tensor]) -> None:
+    needs_sync = False
+
+    def sync(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         pass
 
     def sleep(self) -> None:

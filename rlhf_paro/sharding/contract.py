@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import (TYPE_CHECKING, Any, Callable, ContextManager, NamedTuple, Protocol,
-                    runtime_checkable)
+from typing import (TYPE_CHECKING, Any, Callable, ContextManager, Iterator, NamedTuple,
+                    Protocol, runtime_checkable)
 
 from rlhf_paro.comm.meter import GATHER
 from rlhf_paro.sharding.errors import EngineError
@@ -67,6 +67,10 @@ class TrainEngine(Protocol):
     def step(self) -> float: ...  # the global gradient norm before clipping
 
     def gathered(self, phase: str = GATHER) -> ContextManager[nn.Module]: ...
+
+    # Full parameters a unit at a time: (name in module.named_parameters(), tensor), each valid
+    # until the next unit's are drawn ([Note: a unit at a time]).
+    def unit_parameters(self, phase: str = GATHER) -> Iterator[tuple[str, torch.Tensor]]: ...
 
     def memory(self) -> dict[str, int]: ...  # MEMORY_KEYS -> bytes
 

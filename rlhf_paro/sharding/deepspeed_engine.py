@@ -263,6 +263,12 @@ class DeepSpeedEngine:
             with deepspeed.zero.GatheredParameters(list(self.module.parameters())):
                 yield self.module
 
+    def unit_parameters(self, phase: str = GATHER) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter, full: DeepSpeed gathers the whole model at once (no unit order of
+        its own to follow)."""
+        with self.gathered(phase) as module:
+            yield from ((name, p.detach()) for name, p in module.named_parameters())
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded copies of every entry of ``module.state_dict()``, same keys."""
         return full_state_dict(self)

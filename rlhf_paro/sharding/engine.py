@@ -491,6 +491,29 @@ class ShardedEngine:
                 for unit in self.units:
                     unit.free()
 
+    def unit_parameters(self, phase: str = GATHER) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter, full, one unit gathered at a time: ``(name, tensor)`` with the names
+        of ``module.named_parameters()`` (a shared parameter once).
+
+        [Note: a unit at a time]  (docs/design.md, "Rollout")
+        A unit is gathered (at its P scope, metered under ``phase``) and waited for before its
+        first tensor is handed out, and freed only when the consumer asks for the next unit's
+        first tensor or stops: a tensor is a view of the gathered buffer, valid until then, so
+        a consumer that keeps one copies it. No gather is in flight while the consumer reads,
+        and at most one unit is held beyond the shards.
+        """
+        if self.state == TrainingState.BACKWARD or self._hold:
+            raise EngineError("unit_parameters() between steps only, outside gathered()")
+        self._check_on_device("unit_parameters()")
+        for unit in self.units:
+            self._gather_now(unit, phase)
+            try:
+                for buf in unit.buffers:
+                    for name, param in zip(buf.names, buf.params):
+                        yield name, param.detach()
+            finally:
+                unit.free()
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded copies of every entry of ``module.state_dict()``, same keys."""
         return full_state_dict(self)

