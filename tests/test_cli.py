@@ -273,3 +273,66 @@ def test_an_expected_response_length_outside_1_to_max_new_tokens_is_one_line(job
     assert jobs == []
     plan.main([*INLINE, "ppo.expected_response_length=8"])
     assert "ppo.expected_response_length=8)" in capsys.readouterr().out
+
+
+VLLM_MODEL = ("{model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
+              "num_attention_heads: 2, num_key_value_heads: 2, max_position_embeddings: 64}")
+VLLM_RUN = [f"actor.config={VLLM_MODEL}", "reward.path=null", "data.train_files=null",
+            "rollout.engine=vllm"]
+
+
+@pytest.mark.parametrize("bad, named", [
+    (["rollout.gpu_memory_utilization=0"], "rollout.gpu_memory_utilization"),
+    (["rollout.gpu_memory_utilization=1.5"], "rollout.gpu_memory_utilization"),
+    (["rollout.max_num_seqs=0"], "rollout.max_num_seqs"),
+])
+def test_a_rollout_value_out_of_range_is_one_line_naming_the_key(jobs, capsys, bad, named):
+    with pytest.raises(SystemExit) as info:
+        train.main([*VLLM_RUN, *bad])
+    stderr = capsys.readouterr().err
+    assert info.value.code == 2 and stderr.count("\n") == 1 and named in stderr, stderr
+    assert jobs == []
+
+
+def test_vllm_not_installed_is_one_line_naming_the_extra(jobs, capsys, monkeypatch):
+    from rlhf_paro.rollout import vllm
+
+    monkeypatch.setattr(vllm, "installed", lambda: False)
+    with pytest.raises(SystemExit) as info:
+        train.main(VLLM_RUN)
+    stderr = capsys.readouterr().err
+    assert info.value.code == 2 and stderr.count("\n") == 1, stderr
+    assert "rollout.engine" in stderr and '.[vllm]' in stderr and jobs == []
+
+
+def _needs_vllm():
+    from rlhf_paro.rollout import vllm
+
+    if not vllm.installed():
+        pytest.skip('needs the vllm extra: pip install -e ".[vllm]"')
+
+
+@pytest.mark.parametrize("bad, named, says", [
+    # vLLM implements no BioGPT.
+    ([f"actor.config={{model_type: biogpt, hidden_size: 64, intermediate_size: 64, "
+      f"num_hidden_layers: 1, num_attention_heads: 2, max_position_embeddings: 64}}"],
+     "rollout.engine", "BioGptForCausalLM"),
+    # Four heads of 16: below what its CPU attention takes.
+    ([f"actor.config={TINY_MODEL}"], "rollout.engine", "head size 16"),
+    (["rollout.tensor_parallel_size=3"], "rollout.tensor_parallel_size", "allowed: 1, 2"),
+    (["rollout.tensor_parallel_size=2"], "rollout.tensor_parallel_size", "allowed: 1"),
+])
+def test_a_run_vllm_cannot_serve_is_one_line_before_anything_starts(jobs, capsys, bad, named,
+                                                                      says):
+    _needs_vllm()
+    with pytest.raises(SystemExit) as info:
+        train.main([*VLLM_RUN, *bad])
+    stderr = capsys.readouterr().err
+    assert info.value.code == 2 and stderr.count("\n") == 1, stderr
+    assert named in stderr and says in stderr and jobs == []
+
+
+def test_a_run_vllm_serves_reaches_the_run(jobs, capsys):
+    _needs_vllm()
+    train.main(VLLM_RUN)
+    assert len(jobs) == 1 and jobs[0].rollout.engine == "vllm"

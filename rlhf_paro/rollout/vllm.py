@@ -134,6 +134,11 @@ class VLLMRollout:
                        tensor_parallel_size=ro.tensor_parallel_size,
                        generation_config="vllm", logprobs_mode=logprobs_mode(ppo),
                        **memory)
+        # vLLM's first call runs seconds longer than any after it (its kernels' first use): made
+        # here, on the dummy weights, so that no step's generation pays for it.
+        self.generate(PromptBatch(torch.ones(1, 1, dtype=torch.long),
+                                  torch.ones(1, 1, dtype=torch.long)),
+                      Sampling(max_new_tokens=2, temperature=ppo.temperature, top_k=ppo.top_k))
 
     def generate(self, prompts: PromptBatch, sampling: Sampling) -> RolloutBatch:
         """One response per prompt, continuous batching over all of them; each response ends at
