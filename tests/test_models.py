@@ -7,7 +7,8 @@ import torch
 
 from rlhf_paro.config import ConfigError, ModelConfig
 from rlhf_paro.models import (
-    build_model, count_parameters, hf_config, hf_name, hf_state_dict, save_value_model,
+    build_model, count_parameters, hf_config, hf_name, hf_state_dict, hf_weights,
+    save_value_model,
 )
 from rlhf_paro.sharding.layout import unit_sizes
 from tests.confs import INLINE, load
@@ -161,3 +162,25 @@ def test_hf_names_are_the_hugging_face_models_own(cfg, lora):
     assert head and all(k.startswith("value_head.") for k in head)
     with pytest.raises(TypeError, match="no Hugging Face names"):
         hf_name(torch.nn.Linear(2, 2), "weight")
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_hf_weights_are_what_the_plain_model_loads(cfg, lora):
+    # What a rollout engine's sync loads: the plain Hugging Face causal LM's own parameters. Under
+    # LoRA each adapted linear is merged, W + alpha / r * B A, as PEFT's merge_and_unload does
+    # (B is set non-zero first: it starts at zero, which would make any merge look right).
+    actor_cfg = dataclasses.replace(cfg.actor, lora=dataclasses.replace(cfg.actor.lora,
+                                                                        enabled=lora))
+    actor = build_model("actor", actor_cfg, VOCAB, seed=1)
+    with torch.no_grad():
+        for name, p in actor.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    lora_cfg = actor_cfg.lora
+    got = dict(hf_weights(actor, actor.named_parameters(), lora_cfg.alpha / lora_cfg.r))
+    plain = actor.lm.merge_and_unload() if lora else actor.lm
+    want = dict(plain.named_parameters())
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        # One fp32 product B A of a rank-8 adapter, added once: a few ulps apart at most.
+        torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-7, msg=name)
