@@ -17,10 +17,15 @@ without ref (``algorithm.kl_coef=0``).
 [Note: what a PPO step costs]
 Per PPO step on one device: every model runs its inference forwards over the device's share of
 the step's samples (``ppo.rollout_batch_size`` x ``rollout.n`` sequences, / N per device, in
-micro-batches), the actor also gathers its parameters once for generation, and the trained
-models each run (samples / mini-batch) x epochs optimizer steps of s micro-batches. The
-predicted time is the sum of those (the models run one after another); generation's decoding
-is the same for every strategy and is left out.
+micro-batches), the actor also gathers its parameters once, and the trained models each run
+(samples / mini-batch) x epochs optimizer steps of s micro-batches. The actor's one gather is
+its generation's (``rollout.engine=hf`` generates on its parameters, phase ``generate``) or,
+for an engine with a copy of its own (``rollout.needs_sync``: vllm), the sync of that copy
+after the update (phase ``sync``, a unit at a time, ``engine.unit_parameters``), which then
+generates without gathering: the same gathers of every unit at P's scope, so the same bytes
+and time, reported by P level under the actor's table. The predicted time is the sum of those
+(the models run one after another); generation's decoding is the same for every strategy and
+is left out.
 
 [Note: real tokens]
 A packed model (``models.packs``) computes on the real tokens of its sequences only
@@ -72,6 +77,20 @@ device bytes between phases under each offload mode the role takes (``none``, ``
 planner's one-model-at-a-time view ([Note: the run's models share a device]) is kinder to
 ``params`` than the trainer is: ref, reward and critic score a rollout at the same time, so
 their parameters are on the device together then.
+
+[Note: a rollout engine's memory]
+On CUDA, ``rollout.engine=vllm`` takes ``rollout.gpu_memory_utilization`` x ``memory_gb`` of
+the device as it starts: its copy of the weights (the actor's parameters in the actor's
+precision) and, in the rest, its key/value cache and its own activations. It is awake while the
+actor syncs and generates and asleep while the models score and train (level 1: the weights go
+to host memory, the cache is dropped). So that share is in the actor's generation peak, on top
+of the run's states and of the one unit the sync holds gathered, and in no scoring or training
+peak; and in the actor's setup peak, since the engine starts once the actor's states are on the
+device. An engine whose weights and the cache of one sequence at the longest do not fit in its
+share does not start: the planner refuses it with a ``ConfigError`` naming
+``rollout.gpu_memory_utilization`` (the engine's activations come on top: that is the least it
+needs). Without ``memory_gb`` the share is unknown, and on a CPU device the engine sizes its
+cache from the run and never sleeps: the planner then counts none of it, and says so.
 """
 
 from __future__ import annotations
@@ -123,7 +142,9 @@ class Option:
     # Micro-batch size -> prediction, for every size the model may take (the configured one
     # first); see [Note: the run's models share a device].
     by_micro: dict[int, Timed] = field(default_factory=dict)
-    setup_bytes: int = 0  # held at most while setting up: P + G + OS + one unit gathered
+    # Held at most while setting up: P + G + OS + one unit gathered, or the states and the
+    # share of the actor's rollout engine ([Note: a rollout engine's memory]).
+    setup_bytes: int = 0
     # [Note: offload] Under the conf's <role>.offload: host bytes per device, and each mode the
     # role takes -> device bytes between the model's phases (the planner's table shows them all).
     host_bytes: int = 0
@@ -156,6 +177,15 @@ class Tokens:
     packed: bool  # whether the model runs packed (compute is then the expected real length)
 
 
+class Sync(NamedTuple):
+    """The actor's sync into a rollout engine with a copy of its own, per PPO step, at one P
+    level ([Note: what a PPO step costs])."""
+
+    intra_bytes: float
+    inter_bytes: float
+    seconds: float
+
+
 @dataclass
 class ModelPlan:
     role: str
@@ -164,6 +194,13 @@ class ModelPlan:
     options: list[Option]
     tokens: Tokens
     kv_cache_bytes: float = 0.0  # the actor's generation cache, not in any peak (see format)
+    # The actor's, when its rollout engine syncs: per P level (N, I, G), what the sync costs.
+    sync: dict[Level, Sync] = field(default_factory=dict)
+    # [Note: a rollout engine's memory] The share of the device the actor's rollout engine
+    # takes while it runs, in the actor's generation and setup peaks (0: not counted), and
+    # the weights it holds in it.
+    engine_bytes: float = 0.0
+    engine_weights: float = 0.0
 
     def option(self, strategy: Strategy) -> Option:
         return next(o for o in self.options if o.strategy == strategy)
@@ -330,9 +367,11 @@ def _kv_cache_bytes(cfg: Config, vocab_size: int) -> float:
 
 
 def _timed(cfg: Config, role: str, strategy: Strategy, work: _Work, b: int,
-           onload_bytes: int = 0) -> Timed:
+           onload_bytes: int = 0, engine_bytes: float | None = None) -> Timed:
     """[Note: what a PPO step costs] for one strategy at micro-batch size ``b``;
-    ``onload_bytes``: parameters parked between the model's phases ([Note: offload])."""
+    ``onload_bytes``: parameters parked between the model's phases ([Note: offload]);
+    ``engine_bytes``: the actor's, when its rollout engine syncs ([Note: a rollout engine's
+    memory]); None when it generates on the actor's parameters."""
     from rlhf_paro.comm.topology import Topology
     from rlhf_paro.sharding.steptime import forward_time, gather_seconds, peak_memory, step_time
 
@@ -344,9 +383,9 @@ def _timed(cfg: Config, role: str, strategy: Strategy, work: _Work, b: int,
     compute = sum(t.compute for t in parts)
     mem = peak_memory(strategy, work.memory, topo, b)
     peak = mem.inference
-    if role == "actor":
+    if role == "actor":  # for generation, or to sync the rollout engine's copy
         seconds += gather_seconds(strategy, work.time, topo, m, algorithm)
-        peak = max(peak, mem.gathered)
+        peak = max(peak, mem.gathered if engine_bytes is None else mem.unit + engine_bytes)
     if role in TRAINED_ROLES:
         optimizer_steps = _optimizer_steps(cfg)
         sequences = cfg.ppo.mini_batch_size // cfg.cluster.num_devices
@@ -368,9 +407,14 @@ def model_plan(cfg: Config, role: str, vocab_size: int) -> ModelPlan:
     module notes)."""
     import torch
 
+    from rlhf_paro import rollout
+    from rlhf_paro.comm.meter import SYNC
+    from rlhf_paro.comm.topology import Topology
     from rlhf_paro.models import build_model
-    from rlhf_paro.sharding.cost import DEVICE_KEYS, offload_memory, setup_memory, traffic
+    from rlhf_paro.sharding.cost import (DEVICE_KEYS, bytes_per_element, offload_memory,
+                                         setup_memory, traffic)
     from rlhf_paro.sharding.layout import unit_sizes
+    from rlhf_paro.sharding.steptime import gather_seconds
 
     model_cfg = cfg.model(role)
     # A reward function has no model: it holds and sends nothing.
@@ -387,12 +431,25 @@ def model_plan(cfg: Config, role: str, vocab_size: int) -> ModelPlan:
     optimizer_steps = _optimizer_steps(cfg)
     # Micro-batches per optimizer step: by sequences, or as many as a token budget makes.
     accum = cfg.grad_accum_steps(role) if work.budget is None else work.budget[1]
-    passes = _inference_passes(cfg, model_cfg.micro_batch_size) + (role == "actor")
+    # The actor gathers once more per PPO step: to generate, or to sync its rollout engine.
+    syncs = int(role == "actor" and rollout.needs_sync(cfg.rollout.engine))
+    passes = _inference_passes(cfg, model_cfg.micro_batch_size) + (role == "actor") - syncs
     inference = {}  # P level -> per-step bytes of the inference forwards, shared by triples
+    sync = {}
     for level in Level:
-        phases = traffic(Strategy(level), units, n, m, passes, precision, algorithm)
+        phases = traffic(Strategy(level), units, n, m, passes, precision, algorithm,
+                         syncs=syncs)
         inference[level] = (sum(p.intra for p in phases.values()),
                             sum(p.inter for p in phases.values()))
+        if syncs:
+            sync[level] = Sync(*phases[SYNC], gather_seconds(
+                Strategy(level), work.time, Topology(n, m), machine(cfg), algorithm))
+    weights, engine = 0, None  # the syncing engine's weights, and what it takes as it runs
+    if syncs:
+        # The engine holds the plain model: a LoRA actor's adapters come merged into it.
+        weights = (num_params - num_trainable if model_cfg.lora.enabled else num_params) * \
+            bytes_per_element(precision)
+        engine = _engine_bytes(cfg, weights, vocab_size)
     options = []
     offload, modes = cfg.offload(role), OFFLOAD_ALLOWED[role][0]
     for strategy in all_strategies() if trained else frozen_strategies():
@@ -404,16 +461,40 @@ def model_plan(cfg: Config, role: str, vocab_size: int) -> ModelPlan:
                              reduce_dtype=model_cfg.reduce_dtype)
             intra += optimizer_steps * sum(p.intra for p in phases.values())
             inter += optimizer_steps * sum(p.inter for p in phases.values())
-        by_micro = {b: _timed(cfg, role, strategy, work, b, held["host_params"])
+        by_micro = {b: _timed(cfg, role, strategy, work, b, held["host_params"], engine)
                     for b in micro_batch_sizes(cfg, role)}
         setup = setup_memory(strategy, units, n, m, precision, offload)
+        if engine:  # [Note: a rollout engine's memory]: it starts beside the states
+            setup = max(setup, sum(held[k] for k in DEVICE_KEYS) + math.ceil(engine))
         options.append(Option(
             strategy, held["params"], held["grads"], held["optim"], intra, inter, by_micro,
             setup, host_bytes=sum(v for k, v in held.items() if k not in DEVICE_KEYS),
             device_by_offload={mode: sum(p[k] for k in DEVICE_KEYS)
                                for mode, p in placed.items()}))
     kv = _kv_cache_bytes(cfg, vocab_size) if role == "actor" else 0.0
-    return ModelPlan(role, num_params, num_trainable, options, tokens, kv)
+    return ModelPlan(role, num_params, num_trainable, options, tokens, kv, sync, engine or 0.0,
+                     weights)
+
+
+def _engine_bytes(cfg: Config, weights: int, vocab_size: int) -> float:
+    """[Note: a rollout engine's memory]: the device bytes the actor's syncing rollout engine,
+    holding ``weights`` bytes of weights, takes while it runs (0: not counted); ``ConfigError``
+    when it could not start in them."""
+    from rlhf_paro.models import hf_config
+    from rlhf_paro.rollout import vllm
+
+    memory_gb = cfg.cluster.memory_gb
+    if cfg.rollout.engine != vllm.NAME or cfg.cluster.device != "cuda" or memory_gb is None:
+        return 0.0
+    share = cfg.rollout.gpu_memory_utilization * memory_gb * GIB
+    least = weights + vllm.min_kv_cache_bytes(cfg, hf_config("actor", cfg.actor, vocab_size))
+    if least > share:
+        raise ConfigError("rollout.gpu_memory_utilization", (
+            f"{cfg.rollout.gpu_memory_utilization} of cluster.memory_gb={memory_gb:g} is "
+            f"{share / GIB:.2f} GiB, less than the engine's weights and the key/value cache of "
+            f"one sequence ({least / GIB:.2f} GiB); allowed: at least "
+            f"{math.ceil(least / (memory_gb * GIB) * 100) / 100:g}"))
+    return share
 
 
 def _budget(cfg: Config, reserve: float) -> float:
@@ -553,8 +634,11 @@ def _why(plan: Plan, role: str) -> str:
     t = chosen.timed
     grown = "" if chosen.micro_batch == next(iter(chosen.option.by_micro)) else \
         f", micro-batch grown to {chosen.micro_batch}"
+    sync = model.sync.get(chosen.strategy.params)
+    synced = "" if sync is None else f", of which the sync {sync.seconds:.3g} s" \
+        if sync.seconds else f", the sync nothing at P={chosen.strategy.params.name}"
     head = (f"{chosen.strategy}: {t.seconds:.4g} s/PPO step predicted (compute "
-            f"{t.compute:.3g} s, exposed communication {t.exposed:.3g} s{grown})")
+            f"{t.compute:.3g} s, exposed communication {t.exposed:.3g} s{synced}{grown})")
     faster = [o for o in model.options
               if _time_key(o.seconds, o.memory_bytes) < _time_key(t.seconds, chosen.memory_bytes)
               and o.strategy != chosen.strategy]
@@ -569,6 +653,32 @@ def _why(plan: Plan, role: str) -> str:
                 "would not fit")
     return (f"{head}; {fastest.strategy} would take {fastest.seconds:.4g} s but holds "
             f"{extra / GIB:+.2f} GiB of states: the {_COUNT[len(plan.models)]} would not fit")
+
+
+def _engine_lines(cfg: Config, model: ModelPlan, mem_unit: str, mem_scale: float,
+                  net_unit: str, net_scale: float) -> list[str]:
+    """What the actor's syncing rollout engine costs: the sync by P level ([Note: what a PPO
+    step costs]) and its memory ([Note: a rollout engine's memory])."""
+    by_level = "; ".join(
+        f"P={level.name} " + ("nothing" if not (s.intra_bytes or s.inter_bytes) else
+                              f"{s.intra_bytes / net_scale:.3f} {net_unit} intra + "
+                              f"{s.inter_bytes / net_scale:.3f} {net_unit} inter, "
+                              f"{s.seconds:.3g} s")
+        for level, s in model.sync.items())
+    engine, c = cfg.rollout.engine, cfg.cluster
+    weights = f"{model.engine_weights / mem_scale:.2f} {mem_unit} of weights"
+    if model.engine_bytes:
+        memory = (f"  the {engine} engine takes {model.engine_bytes / mem_scale:.2f} {mem_unit} "
+                  f"(rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization:g} x "
+                  f"cluster.memory_gb={c.memory_gb:g}), {weights} and the rest for its "
+                  "key/value cache, while the actor syncs and generates (in its peak and "
+                  "setup); asleep in host memory while the models score and train")
+    else:
+        memory = (f"  the {engine} engine's {weights} and its key/value cache are not counted "
+                  + ("(a CPU device)" if c.device != "cuda" else "(no cluster.memory_gb)"))
+    return [f"  sync into the {engine} engine once per PPO step, every unit gathered at P's "
+            f"scope, in place of generation's gather (in intra, inter and s/step): {by_level}",
+            memory]
 
 
 def _absent_critic_line(cfg: Config, plan: Plan, mem_unit: str, mem_scale: float) -> str:
@@ -676,7 +786,9 @@ def format_plan(cfg: Config, plan: Plan) -> str:
             lines.append(f"  offload={m_cfg.offload}: {shown.strategy} also holds "
                          f"{shown.host_bytes / mem_scale:.2f} {mem_unit} in host memory per "
                          "device")
-        if model.kv_cache_bytes:
+        if model.sync:
+            lines += _engine_lines(cfg, model, mem_unit, mem_scale, net_unit, net_scale)
+        elif model.kv_cache_bytes:
             lines.append(f"  generation also holds a key/value cache of "
                          f"{model.kv_cache_bytes / mem_scale:.1f} {mem_unit} for the device's "
                          f"{_samples_per_device(cfg)} samples at once, not counted in any peak")
@@ -686,8 +798,12 @@ def format_plan(cfg: Config, plan: Plan) -> str:
     count = _COUNT[len(roles)]
     if plan.best is None:
         leanest = sum(min(o.memory_bytes for o in m.options) for m in plan.models.values())
+        engine = plan.models["actor"].engine_bytes
         lines.append(f"no combination fits: the leanest states need {leanest / GIB:.1f} GiB "
-                     "per device; add devices or memory, or use LoRA for the actor")
+                     "per device" + (f", the rollout engine {engine / GIB:.1f} GiB more while "
+                                     "it generates" if engine else "")
+                     + "; add devices or memory, or use LoRA for the actor"
+                     + (", or lower rollout.gpu_memory_utilization" if engine else ""))
     else:
         states = sum(ch.memory_bytes for ch in plan.best.values())
         peak = max(ch.timed.peak_bytes for ch in plan.best.values())
@@ -698,8 +814,11 @@ def format_plan(cfg: Config, plan: Plan) -> str:
         lines.append(f"recommended ({total:.4g} s per PPO step predicted{room}):")
         lines += [f"  {role:<7}{_why(plan, role)}" for role in roles]
         setup = sum(ch.option.setup_bytes for ch in plan.best.values())
+        engine = ", and the actor's rollout engine its share" if \
+            plan.models["actor"].engine_bytes else ""
         lines.append(f"setup peak: {setup / mem_scale:.2f} {mem_unit} per device while the "
-                     f"{count} models set up at once (each its P + G + OS and one unit gathered)")
+                     f"{count} models set up at once (each its P + G + OS and one unit "
+                     f"gathered{engine})")
         if len(configured) == len(roles):
             picked = [plan.models[r].option(configured[r]) for r in roles]
             states = sum(o.memory_bytes for o in picked)
@@ -730,7 +849,7 @@ def _prepare(cfg: Config, conf: str) -> Config:
     from rlhf_paro.ppo.data import vocab_sizes
     from rlhf_paro.resolve import resolve
 
-    cfg = resolve(cfg)
+    cfg = resolve(cfg, engine_check=False)  # the engine is the run's to check, where it runs
     check_model_configs(cfg, vocab_sizes(cfg))
     return cfg
 

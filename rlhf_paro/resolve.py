@@ -33,13 +33,17 @@ from rlhf_paro import rollout
 from rlhf_paro.ppo import algorithms, demo, rewards
 
 
-def resolve(cfg: Config, say: Callable[[str], None] = print) -> Config:
+def resolve(cfg: Config, say: Callable[[str], None] = print, engine_check: bool = True
+            ) -> Config:
     """The config to run (see the module docstring); ``ConfigError`` for a user's mistake.
-    ``say`` prints the one line of a decision the user did not write (the critic's source)."""
+    ``say`` prints the one line of a decision the user did not write (the critic's source).
+    ``engine_check=False`` checks the rollout engine's name only, not the engine's own check of
+    the machine it runs on (the planner's: it builds no engine, and plans a cluster from a
+    machine that may not have the engine installed)."""
     cfg = demo.make_assets(cfg)
     check_files(cfg)
     algorithms.check(cfg)
-    rollout.check(cfg)
+    rollout.check(cfg, engine=engine_check)
     return derive(cfg, say)
 
 

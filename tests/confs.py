@@ -9,10 +9,11 @@ TINY_MODEL = ("{model_type: llama, hidden_size: 64, intermediate_size: 128, num_
 INLINE = [f"actor.config={TINY_MODEL}", "reward.path=null", "data.train_files=null"]
 
 
-def load(argv):
+def load(argv, engine_check=True):
     """The config an entry point runs for the command line ``argv``: composed, then resolved
-    (the demo's assets made, files checked, derived values set)."""
+    (the demo's assets made, files checked, derived values set); ``engine_check=False`` as the
+    planner resolves it, without the rollout engine's own check."""
     from rlhf_paro.compose import load_config
     from rlhf_paro.resolve import resolve
 
-    return resolve(load_config(argv))
+    return resolve(load_config(argv), engine_check=engine_check)

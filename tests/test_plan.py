@@ -7,7 +7,8 @@ import pytest
 
 from rlhf_paro.config import ROLES, ConfigError
 from rlhf_paro.plan import (
-    GIB, choose_strategies, format_plan, main, make_plan, model_plan, resolve_auto,
+    GIB, choose_strategies, configured_strategies, format_plan, main, make_plan, model_plan,
+    resolve_auto,
 )
 from rlhf_paro.sharding.strategy import Strategy
 from tests.confs import INLINE, load
@@ -407,3 +408,122 @@ def test_the_plan_says_which_lengths_it_sized_memory_and_compute_by():
             "critic (packing off)") in out.splitlines()
     # 8 sequences of a mini-batch per device, 32 tokens each expected: 2 micro-batches of 128.
     assert "s=2 expected under max_tokens_per_micro_batch=128" in out
+
+
+# --- a rollout engine with a copy of its own (rollout.engine=vllm) -------------------------------
+def test_a_syncing_engine_s_gather_is_the_sync_in_place_of_generation_s():
+    # hf generates on the actor's parameters, gathered once per PPO step; vllm generates on its
+    # own copy, which the actor syncs once per PPO step, every unit gathered at P's scope: the
+    # same gathers under phase sync. So the actor's bytes and time per step are hf's exactly
+    # (one gather fewer to generate, one more to sync), and the sync alone is one gather.
+    from rlhf_paro.comm.topology import Topology
+    from rlhf_paro.models import build_model
+    from rlhf_paro.plan import machine
+    from rlhf_paro.sharding.cost import traffic
+    from rlhf_paro.sharding.layout import padded, unit_sizes
+    from rlhf_paro.sharding.steptime import gather_seconds, transformer_workload
+    from rlhf_paro.sharding.strategy import Level
+
+    hf_cfg = load(INLINE)
+    vllm_cfg = load([*INLINE, "rollout.engine=vllm"], engine_check=False)
+    hf, vllm = (make_plan(c, vocab_sizes=VOCAB) for c in (hf_cfg, vllm_cfg))
+    assert hf.models["actor"].sync == {}
+    sync = vllm.models["actor"].sync
+    assert set(sync) == set(Level)
+    units = unit_sizes(build_model("actor", vllm_cfg.actor, 19, meta=True))
+    n, m, algorithm = 4, 2, vllm_cfg.comm.algorithm  # ppo_tiny: 2 groups of 2, fp32
+    # Gathers depend on the units and the precision only, not on the sequences.
+    work = transformer_workload(units, hidden=64, ffn=128, vocab=19, seq_len=1, precision="fp32")
+    for level, s in sync.items():
+        once = traffic(Strategy(level), units, n, m, 1, "fp32", algorithm)["forward"]
+        assert (s.intra_bytes, s.inter_bytes) == once
+        assert s.seconds == gather_seconds(Strategy(level), work, Topology(n, m),
+                                           machine(vllm_cfg), algorithm)
+    # P = N holds every unit whole: nothing to send; P = I: half of every padded buffer, in fp32,
+    # inside the group.
+    assert sync[Level.N] == (0, 0, 0.0)
+    buffers = sum(padded(u.trainable, n) + padded(u.frozen, n) for u in units)
+    assert (sync[Level.I].intra_bytes, sync[Level.I].inter_bytes) == (4 * buffers / 2, 0)
+    for a, b in zip(hf.models["actor"].options, vllm.models["actor"].options):
+        assert (b.intra_bytes, b.inter_bytes, b.seconds) == (a.intra_bytes, a.inter_bytes,
+                                                             a.seconds)
+        # The sync holds one unit gathered where generation held all of them.
+        assert b.configured.peak_bytes <= a.configured.peak_bytes
+    for role in ("critic", "reward", "ref"):
+        assert vllm.models[role].options == hf.models[role].options
+    out = format_plan(vllm_cfg, vllm)
+    assert "sync into the vllm engine once per PPO step" in out and "P=N nothing" in out
+    assert "key/value cache are not counted (a CPU device)" in out
+
+
+@pytest.fixture(scope="module")
+def llama_vllm():
+    cfg = load(["conf=ppo_llama7b", "rollout.engine=vllm"], engine_check=False)
+    return cfg, make_plan(cfg)
+
+
+def test_vllm_s_share_of_the_device_is_in_the_actor_s_generation_peak_only(llama_plan,
+                                                                          llama_vllm):
+    # [Note: a rollout engine's memory] rollout.gpu_memory_utilization=0.4 of 80 GiB: 32 GiB,
+    # holding the 7B weights in bf16. Generation's peak is that share plus the one unit the
+    # sync holds gathered: the root (embeddings, LM head, final norm) padded to N, in bf16,
+    # for P other than N. Every training peak here is a few GiB, under it.
+    cfg, plan = llama_vllm
+    actor = plan.models["actor"]
+    share = 0.4 * 80 * GIB
+    assert actor.engine_bytes == share and actor.engine_weights == 2 * PSI
+    root = 2 * (-(-(2 * 32000 * 4096 + 4096) // N) * N)
+    for o in actor.options:
+        unit = 0 if o.strategy.params.name == "N" else root
+        assert o.configured.peak_bytes == share + unit
+        # The engine starts at setup once the actor's states are on the device.
+        assert o.setup_bytes == o.memory_bytes + math.ceil(share)
+    # Asleep while the others score and train: their peaks are hf's.
+    for role in ("critic", "reward", "ref"):
+        assert plan.models[role].options == llama_plan.models[role].options
+    best = plan.best
+    states = sum(ch.memory_bytes for ch in best.values())
+    assert states + best["actor"].timed.peak_bytes <= plan.budget_bytes
+    # The conf's strategies fit beside hf (57.5 GiB of states), not beside the engine's 32 GiB.
+    conf = sum(plan.models[r].option(s).memory_bytes for r, s in configured_strategies(cfg).items())
+    assert conf + share > plan.budget_bytes
+    assert set(configured_strategies(cfg).items()) <= {(r, ch.strategy)
+                                                       for r, ch in llama_plan.best.items()}
+    out = format_plan(cfg, plan)
+    assert ("the vllm engine takes 32.00 GiB (rollout.gpu_memory_utilization=0.4 x "
+            "cluster.memory_gb=80), 12.55 GiB of weights") in out
+    sync = actor.sync[best["actor"].strategy.params]
+    assert f"actor  {best['actor'].strategy}: " in out and (
+        f"of which the sync {sync.seconds:.3g} s" in out if sync.seconds else
+        "the sync nothing at P=N" in out)
+
+
+def test_vllm_s_weights_and_one_sequence_s_cache_must_fit_in_its_share():
+    # The least the engine starts with: the weights, 2 x Psi bytes in bf16, and the key/value
+    # cache of one sequence of 1024 + 1024 tokens and one block of 16 more: 2 (key, value) x
+    # 32 layers x 32 heads x 128 x 2 bytes a token. 14.56e9 bytes, 0.1695 of 80 GiB: 0.16
+    # gives 13.7e9, 0.17 gives 14.6e9.
+    least = 2 * PSI + 2 * 32 * 32 * 128 * 2 * (2048 + 16)
+    assert 0.16 * 80 * GIB < least < 0.17 * 80 * GIB
+    argv = ["conf=ppo_llama7b", "rollout.engine=vllm"]
+    with pytest.raises(ConfigError, match=r"rollout.gpu_memory_utilization: 0.16 of "
+                                          r"cluster.memory_gb=80 .* allowed: at least 0.17$"):
+        model_plan(load([*argv, "rollout.gpu_memory_utilization=0.16"], engine_check=False),
+                   "actor", 32000)
+    actor = model_plan(load([*argv, "rollout.gpu_memory_utilization=0.17"], engine_check=False),
+                       "actor", 32000)
+    assert actor.engine_bytes == 0.17 * 80 * GIB
+
+
+def test_the_planner_plans_vllm_where_vllm_is_not_installed(monkeypatch, capsys):
+    # The engine's own check (installed, architecture served) is the trainer's, on the machine
+    # that runs it; the planner checks the engine's name and imports nothing of vLLM.
+    import sys
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm fails, find_spec finds none
+    with pytest.raises(ConfigError, match="rollout.engine: vllm is not installed"):
+        load([*INLINE, "rollout.engine=vllm"])
+    main([*INLINE, "rollout.engine=vllm"])
+    out = capsys.readouterr().out
+    assert "sync into the vllm engine once per PPO step" in out
+    assert sys.modules["vllm"] is None

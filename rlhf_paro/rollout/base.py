@@ -66,31 +66,42 @@ ENGINES: dict[str, EngineFactory] = {}
 # rollout.engine=name -> check(cfg): ConfigError for a run the engine cannot serve, before
 # anything starts (``rlhf_paro.resolve``).
 CHECKS: dict[str, Callable[[Any], None]] = {}
+# The engines whose ``needs_sync`` is true, for the planner, which builds no engine.
+SYNCED: set[str] = set()
 
 
-def register_engine(name: str, check: Callable[[Any], None] | None = None
-                    ) -> Callable[[EngineFactory], EngineFactory]:
+def register_engine(name: str, check: Callable[[Any], None] | None = None,
+                    needs_sync: bool = False) -> Callable[[EngineFactory], EngineFactory]:
     """Register ``factory(context) -> Rollout`` as the engine ``rollout.engine=name``, with the
-    ``check`` of a run's config it needs."""
+    ``check`` of a run's config it needs; ``needs_sync``: its class's ``needs_sync``."""
 
     def add(factory: EngineFactory) -> EngineFactory:
         ENGINES[name] = factory
         if check is not None:
             CHECKS[name] = check
+        if needs_sync:
+            SYNCED.add(name)
         return factory
 
     return add
 
 
-def check(cfg: Any) -> None:
-    """``ConfigError`` for an engine name not registered or a run the engine cannot serve."""
+def needs_sync(name: str) -> bool:
+    """Whether the engine ``name`` holds a copy of the weights that the actor syncs after every
+    update (``Rollout.needs_sync``), without building it."""
+    return name in SYNCED
+
+
+def check(cfg: Any, engine: bool = True) -> None:
+    """``ConfigError`` for an engine name not registered or, with ``engine``, a run the engine
+    cannot serve (its own check: what it needs installed on the machine that runs it)."""
     from rlhf_paro.config import ConfigError
 
     name = cfg.rollout.engine
     if name not in ENGINES:
         raise ConfigError("rollout.engine", f"got {name!r}; allowed: "
                                             f"{', '.join(sorted(ENGINES))}")
-    if name in CHECKS:
+    if engine and name in CHECKS:
         CHECKS[name](cfg)
 
 

@@ -77,7 +77,7 @@ def sampled_logprobs(logits: tuple[Tensor, ...], responses: Tensor, temperature:
                         for step, token in zip(logits, responses.T)], dim=1)
 
 
-@register_engine("hf")
+@register_engine("hf", needs_sync=HFRollout.needs_sync)
 def _hf(context: EngineContext) -> HFRollout:
     return HFRollout(context.engine, context.pad_token_id, context.eos_token_id, context.device,
                      context.cfg.rollout.micro_batch_size)

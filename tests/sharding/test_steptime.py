@@ -240,10 +240,12 @@ def test_peak_memory_by_hand() -> None:
     assert mem.train == mem.states + 5020
     assert mem.inference == mem.states + 2400 + 2
     assert mem.gathered == mem.states + 1200 * 2 - 1200 * 2 // 4  # every unit, minus the shard
+    assert mem.unit == mem.states + 400 * 2  # one unit at a time, to sync a rollout engine
     # NNN holds the full buffers, gathers nothing, and at the boundary keeps the fp32 OS-level
     # gradient of every unit (4800 B) beside the states.
     nnn = peak_memory(Strategy.parse("NNN"), w, TOPO, micro_batch=2)
     assert nnn.train == nnn.states + max(220 + 2400, 4800 + 1600)
+    assert nnn.unit == nnn.gathered == nnn.states  # the module's parameters are the buffers
 
 
 def test_freed_memory_buys_a_larger_micro_batch() -> None:
