@@ -19,6 +19,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import weakref
 from typing import Any, Iterable
 
 import torch
@@ -128,10 +129,10 @@ class VLLMRollout:
         ro, ppo = cfg.rollout, cfg.ppo
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.device = device
-        self.temperature, self.top_k = ppo.temperature, ppo.top_k
         longest = max_model_len(cfg, hf_config)
         # The engine reads the config's directory only: its weights come from sync.
         self._config_dir = tempfile.mkdtemp(prefix="rlhf_paro_vllm_")
+        weakref.finalize(self, shutil.rmtree, self._config_dir, ignore_errors=True)
         hf_config = hf_config.__class__.from_dict(hf_config.to_dict())
         hf_config.architectures = [architecture(hf_config)]
         hf_config.save_pretrained(self._config_dir)
@@ -201,9 +202,6 @@ class VLLMRollout:
         """Before the next sync and generation."""
         if self.device.type == "cuda":
             self.llm.wake_up()
-
-    def close(self) -> None:
-        shutil.rmtree(self._config_dir, ignore_errors=True)
 
 
 def logprobs_mode(ppo: Any) -> str:
