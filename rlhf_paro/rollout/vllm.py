@@ -167,7 +167,7 @@ class VLLMRollout:
             max_tokens=sampling.max_new_tokens, detokenize=False,
             stop_token_ids=[self.eos_token_id],
             **({"temperature": 0.0} if sampling.greedy else
-               {"temperature": sampling.temperature, "top_k": sampling.top_k or -1,
+               {"temperature": sampling.temperature, "top_k": sampling.top_k,
                 "logprobs": 0}))
         requests = [TokensPrompt(prompt_token_ids=ids[mask.bool()].tolist())
                     for ids, mask in zip(prompts.input_ids, prompts.attention_mask)]

@@ -157,3 +157,36 @@ def test_sync_sends_one_gather_of_every_unit_at_the_p_scope(runs, strategy):
     else:  # over the world ring: the last rank of each group sends across groups
         assert [runs[r][strategy][0]["sent"][1] > 0 for r in range(WORLD)] == \
             [False, True, False, True]
+
+
+
+def _top_k_rank(rank: int, world_size: int) -> dict:
+    """One rank sampling 64 responses at temperature 1 from the top 3 tokens."""
+    from rlhf_paro.actors.actor import ActorWorker
+    from rlhf_paro.ppo import data
+
+    cfg = load([*_argv("NNN"), "cluster.num_devices=1", "cluster.group_size=1",
+                "ppo.temperature=1.0", "ppo.top_k=3"])
+    actor = ActorWorker(cfg, "actor", rank, world_size)
+    actor.shard_model()
+    actor.rollout_engine = vllm_engine.VLLMRollout(
+        cfg, actor.engine.module.lm.config, actor.tokenizer.eos_token_id,
+        actor.tokenizer.pad_token_id, actor.device, seed=0)
+    actor.generate(_prompts(7, 64, data.vocab_sizes(cfg)["actor"]))
+    rollout = actor._rollout
+    diff = actor.old_logprobs()
+    with torch.no_grad():  # the trainer's logits at the positions that predict the responses
+        logits = actor.engine.module(rollout.sequences, rollout.attention_mask)
+    logits = logits[:, -rollout.response_len - 1:-1]
+    picked = logits.gather(-1, rollout.responses.unsqueeze(-1))
+    above = (logits > picked).sum(-1)  # tokens the trainer ranks above the sampled one
+    return {"diff": diff, "above": above[rollout.action_mask.bool()]}
+
+
+def test_vllm_samples_from_the_top_k_with_the_trainers_log_probs():
+    got = run_distributed(_top_k_rank, 1, timeout=600)[0]
+    # Each sampled token among the trainer's 3 most likely (ties aside, which random fp32
+    # logits do not make); at temperature 1 the engine's raw log-probs are the trainer's
+    # definition (before top-k), within the bound of the test above.
+    assert len(got["above"]) > 64 and int(got["above"].max()) <= 2
+    assert got["diff"]["logprob_diff_max"] <= 1e-4
