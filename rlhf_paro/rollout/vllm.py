@@ -113,6 +113,7 @@ class VLLMRollout:
 
         ro, ppo = cfg.rollout, cfg.ppo
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+        self.vocab_size = hf_config.vocab_size
         self.device = device
         self.temperature, self.top_k = ppo.temperature, ppo.top_k
         longest = min(cfg.prompt_bound()[1] + ppo.max_new_tokens,
@@ -145,9 +146,14 @@ class VLLMRollout:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        # The rollout's <eos> alone ends a response, as with hf: ignore_eos keeps vLLM from also
+        # stopping at the eos ids of the model's config, which ``join`` would not take for an
+        # end. One the model cannot sample (outside its vocabulary, which vLLM refuses as a stop
+        # id) ends none: every response runs to max_new_tokens.
+        stop = [self.eos_token_id] if self.eos_token_id < self.vocab_size else []
         params = SamplingParams(
-            max_tokens=sampling.max_new_tokens, detokenize=False,
-            stop_token_ids=[self.eos_token_id],
+            max_tokens=sampling.max_new_tokens, detokenize=False, ignore_eos=True,
+            stop_token_ids=stop,
             **({"temperature": 0.0} if sampling.greedy else
                {"temperature": sampling.temperature, "top_k": sampling.top_k or -1,
                 "logprobs": 0}))
