@@ -3,6 +3,7 @@
     python scripts/bench_ppo.py                                   # ppo_tiny on this machine
     python scripts/bench_ppo.py --rounds 3 --steps 6 -- cluster.num_devices=4 cluster.group_size=2
     python scripts/bench_ppo.py --contenders zero3,deepspeed --mix actor=IIG,critic=NIG,ref=I,reward=I
+    python scripts/bench_ppo.py --contenders hf,vllm --rounds 2 --steps 3   # the rollout engines
 
 On an emulated cluster (scripts/emulate_cluster.py --ray) the jobs join it through RAY_ADDRESS,
 which a job takes for ray.address (the docstring there has the rest). Here four 10.5M-parameter
@@ -21,6 +22,9 @@ Contenders (each a set of overrides on top of the given ones):
   auto       the planner's choice per model (strategy=auto)
   deepspeed  every model on DeepSpeed ZeRO-3 (backend=deepspeed), the way OpenRLHF runs today
   mix        the hand mix of --mix
+  hf         rollouts by Hugging Face generate on the actor's gathered weights (rollout.engine=hf)
+  vllm       rollouts by a vLLM engine on each actor rank, synced after every update
+             (rollout.engine=vllm; vLLM installed)
 Before the first round, each contender's strategies per model (the planner's where it is auto)
 are worked out, and, when the overrides set cluster.memory_gb, whether they fit it as the planner
 counts (`python -m rlhf_paro.plan` shows its table): a training job runs a strategy that does
@@ -28,8 +32,8 @@ not fit all the same, so the column says which contenders a device of that size 
 Every round runs each contender once, in turn, as its own `python -m rlhf_paro.train` job, so
 slow drifts of the machine fall on all alike. A job's first step (warm-up) is left out; per
 contender the table gives the median of the other steps over all rounds: `perf/samples_per_s`,
-each model's wall time per phase and the bytes it sent per step on intra and inter links (all
-ranks).
+each model's wall time per phase (the actor's sync too, where its rollout engine takes the
+weights) and the bytes it sent per step on intra and inter links (all ranks).
 """
 
 from __future__ import annotations
@@ -63,12 +67,15 @@ def contender_overrides(name: str, mix: dict[str, str], extra: dict[str, list[st
         return [f"{r}.strategy=auto" for r in ROLES]
     if name == "deepspeed":
         return [o for r in ROLES for o in (f"{r}.backend=deepspeed", f"{r}.deepspeed.zero_stage=3")]
+    if name in ("hf", "vllm"):
+        return [f"rollout.engine={name}"]
     if name == "mix":
         if not mix:
             raise SystemExit("error: --contenders mix needs --mix actor=...,critic=...")
         return [f"{r}.strategy={s}" for r, s in mix.items()]
     raise SystemExit(f"error: unknown contender {name!r}; allowed: given, zero3, ddp, auto, "
-                     f"deepspeed, mix, a name given with --also, any of them @REVISION")
+                     f"deepspeed, mix, hf, vllm, a name given with --also, any of them "
+                     f"@REVISION")
 
 
 def strategies_and_fit(overrides: list[str]) -> tuple[dict[str, str], bool | None]:
@@ -141,7 +148,8 @@ def table(results: dict[str, list[dict]], plans: dict[str, tuple[dict[str, str],
     lines = [f"| contender | strategies (actor critic reward ref) | fits {budget} | samples/s | "
              "response tokens | "
              + " | ".join(
-        f"{r} s/step (gen, infer, train) | {r} MB/step intra, inter" for r in ROLES) + " |",
+        f"{r} s/step (gen, infer, train[, sync]) | {r} MB/step intra, inter" for r in ROLES)
+        + " |",
         "|---" * (5 + 2 * len(ROLES)) + "|"]
     base = None
     for name, rows in results.items():
@@ -154,6 +162,8 @@ def table(results: dict[str, list[dict]], plans: dict[str, tuple[dict[str, str],
                  f"{rate:.2f} ({rate / base:.2f}x)", f"{s.get('ppo/response_length', 0):.1f}"]
         for r in ROLES:
             phases = [s.get(f"{r}/time_s/{p}", 0.0) for p in ("generate", "inference", "train")]
+            if f"{r}/time_s/sync" in s:  # a rollout engine with weights of its own takes them
+                phases.append(s[f"{r}/time_s/sync"])
             cells.append(", ".join(f"{t:.2f}" for t in phases))
             cells.append(f"{s.get(f'{r}/comm/intra_bytes', 0) / 1e6:.1f}, "
                          f"{s.get(f'{r}/comm/inter_bytes', 0) / 1e6:.1f}")
@@ -164,8 +174,9 @@ def table(results: dict[str, list[dict]], plans: dict[str, tuple[dict[str, str],
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--contenders", default="zero3,ddp,auto,deepspeed",
-                        help="comma-separated: given, zero3, ddp, auto, deepspeed, mix, a name "
-                             "of --also; NAME@REV runs NAME from the source of git revision REV")
+                        help="comma-separated: given, zero3, ddp, auto, deepspeed, mix, hf, vllm, "
+                             "a name of --also; NAME@REV runs NAME from the source of git "
+                             "revision REV")
     parser.add_argument("--also", action="append", default=[], metavar="NAME=OVERRIDES",
                         help="a contender of its own overrides (space-separated, shell quoting)")
     parser.add_argument("--mix", default="", help="the hand mix, e.g. actor=IIG,critic=NIG,"

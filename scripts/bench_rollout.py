@@ -1,0 +1,366 @@
+"""Generated tokens per second of the rollout engines, hf against vllm, on one model and prompts.
+
+    python scripts/bench_rollout.py                        # fixed lengths and the mix, 3 rounds
+    python scripts/bench_rollout.py --rounds 5 --json rollout.json
+    python scripts/bench_rollout.py --profile              # and where each engine's time goes
+    python scripts/bench_rollout.py --sync                 # the weight sync under P = N, I, G
+
+Both engines run in this process on one device (a gloo group of one rank), on the same random
+Llama (built from --seed, fp32) and the same random prompts of 4 to 16 tokens, left-padded as a
+rank's prompts are. The hf engine generates on the actor's sharded engine (strategy NNN) with all
+prompts in one chunk, as ``rollout.micro_batch_size=null`` runs it; the vllm engine is synced
+from that engine's parameters the way the actor syncs it, so both sample from the same weights.
+
+Cases:
+  fixed  every response exactly as long as the budget: the <eos> is an id outside the model's
+         vocabulary, which neither engine can sample (--batch-sizes x --lengths)
+  mix    responses of varied length: at temperature 1 a random model's logits are near uniform,
+         so each step samples the <eos> (--mix-eos) with a chance of about 1/--vocab and lengths
+         are about geometric, mean about --vocab, capped at --budget (--mix-batch-sizes); the
+         table gives each engine's mean response length, which must be at most a quarter of
+         the budget
+Every round runs each case on both engines, back to back, the engine that goes first taking turns
+from round to round, so slow drifts of the machine fall on both alike. Generated tokens are the
+real response tokens (``action_mask``); the first call of each engine warms up and is reported
+apart. The table gives each engine's median tokens/s over the rounds and their ratio.
+
+``--sync`` runs 4 gloo ranks as 2 groups of 2 instead (``torch.multiprocessing``), each with
+the actor sharded as NGG, IGG and GGG in turn and a vllm engine of its own, and times the sync
+(``models.hf_weights`` of ``engine.unit_parameters(SYNC)`` into ``VLLMRollout.sync``): per P
+level the bytes one rank sends on intra and inter links (the engine's meter, phase ``sync``),
+the slowest rank's seconds of the gathers alone and of the whole sync (median of --sync-reps).
+On an emulated cluster every rank is a process of its own, which takes RANK, WORLD_SIZE,
+GROUP_SIZE and the rest from the environment:
+
+    sudo python scripts/emulate_cluster.py --nodes 2 --gpus-per-node 2 --inter-rate 160MB -- \\
+        python scripts/bench_rollout.py --sync
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import socket
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# The tables are the output; vLLM's progress lines would bury them.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+ENGINES = ("hf", "vllm")
+PAD = 0
+SYNC_STRATEGIES = ("NGG", "IGG", "GGG")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One way of calling ``generate``: ``batch`` prompts, a budget of ``length`` tokens; fixed:
+    every response that long; mix: responses ended by the <eos>."""
+
+    kind: str  # "fixed" or "mix"
+    batch: int
+    length: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} {self.batch}x{self.length}"
+
+
+def model_config(args: argparse.Namespace) -> str:
+    """The actor's inline config as a command-line value: a Llama as wide as --hidden, its MLP
+    twice that, --heads heads (vLLM's CPU attention takes head sizes of 32 and up)."""
+    return (f"{{model_type: llama, hidden_size: {args.hidden}, intermediate_size: "
+            f"{2 * args.hidden}, num_hidden_layers: {args.layers}, num_attention_heads: "
+            f"{args.heads}, num_key_value_heads: {args.heads}, vocab_size: {args.vocab}, "
+            f"max_position_embeddings: {args.max_prompt + args.budget}}}")
+
+
+def load(args: argparse.Namespace, num_devices: int, group_size: int, batch: int) -> Any:
+    """The run's config with this model and ``batch`` prompts per device (what the vllm engine
+    sizes its key/value cache by), budget --budget, rollout.engine=vllm."""
+    from rlhf_paro.compose import load_config
+    from rlhf_paro.resolve import resolve
+
+    total = batch * num_devices
+    return resolve(load_config([
+        f"actor.config={model_config(args)}", "reward.path=null", "data.train_files=null",
+        f"cluster.num_devices={num_devices}", f"cluster.group_size={group_size}",
+        f"ppo.max_prompt_len={args.max_prompt}", f"ppo.max_new_tokens={args.budget}",
+        f"ppo.rollout_batch_size={total}", f"ppo.mini_batch_size={total}",
+        f"actor.micro_batch_size={batch}", f"critic.micro_batch_size={batch}",
+        "rollout.engine=vllm", f"trainer.seed={args.seed}"]))
+
+
+def build_actor(cfg: Any, strategy: str, group_size: int) -> Any:
+    """The actor's module, built from the run's seed, sharded by ``strategy`` on the default
+    process group."""
+    from rlhf_paro import models
+    from rlhf_paro.ppo.data import vocab_sizes
+    from rlhf_paro.sharding import Topology, shard
+
+    module = models.build_model("actor", cfg.actor, vocab_sizes(cfg)["actor"],
+                                seed=cfg.trainer.seed)
+    return shard(module, strategy, Topology.from_process_group(group_size=group_size),
+                 precision=cfg.actor.precision)
+
+
+def sync(rollout: Any, engine: Any) -> None:
+    """The actor's weights into ``rollout``, as ``ActorWorker.sync_engine`` hands them over
+    (no LoRA here: the scale multiplies nothing)."""
+    from rlhf_paro import models
+    from rlhf_paro.comm.meter import SYNC
+
+    rollout.sync(models.hf_weights(engine.module, engine.unit_parameters(SYNC), 1.0))
+
+
+def prompts(batch: int, vocab: int, longest: int, seed: int) -> Any:
+    """``batch`` random prompts of 4 to ``longest`` tokens, left-padded to the longest drawn."""
+    from rlhf_paro.rollout import PromptBatch
+
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(4, longest + 1, (batch,), generator=gen)
+    width = int(lengths.max())
+    ids = torch.full((batch, width), PAD, dtype=torch.long)
+    mask = torch.zeros(batch, width, dtype=torch.long)
+    for row, n in enumerate(lengths.tolist()):
+        ids[row, width - n:] = torch.randint(0, vocab, (n,), generator=gen)
+        mask[row, width - n:] = 1
+    return PromptBatch(ids, mask)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def median_rate(runs: list[dict]) -> float:
+    return statistics.median(r["tokens"] / r["seconds"] for r in runs)
+
+
+def mean_length(runs: list[dict]) -> float:
+    """Mean response length over every response of ``runs``."""
+    return sum(r["tokens"] for r in runs) / sum(r["rows"] for r in runs)
+
+
+def rate_table(cases: list[Case], runs: dict[tuple[str, str], list[dict]]) -> str:
+    """Per case: each engine's median tokens/s over the rounds, vllm's over hf's, and each
+    engine's mean response length."""
+    lines = ["| case | hf tokens/s | vllm tokens/s | vllm/hf | hf mean length | "
+             "vllm mean length |", "|---|---|---|---|---|---|"]
+    for case in cases:
+        hf, vllm = (runs[(engine, case.name)] for engine in ENGINES)
+        lines.append(f"| {case.name} | {median_rate(hf):.0f} | {median_rate(vllm):.0f} | "
+                     f"{median_rate(vllm) / median_rate(hf):.2f} | {mean_length(hf):.1f} | "
+                     f"{mean_length(vllm):.1f} |")
+    return "\n".join(lines)
+
+
+def generation(args: argparse.Namespace) -> dict:
+    from rlhf_paro.rollout import Sampling
+    from rlhf_paro.rollout.hf import HFRollout
+    from rlhf_paro.rollout.vllm import VLLMRollout
+
+    fixed = [Case("fixed", b, n) for b in args.batch_sizes for n in args.lengths]
+    mix = [Case("mix", b, args.budget) for b in args.mix_batch_sizes]
+    cases = fixed + mix
+    if max(args.lengths) > args.budget:
+        raise SystemExit("error: --lengths must not exceed --budget")
+    if not 0 <= args.mix_eos < args.vocab:
+        raise SystemExit(f"error: --mix-eos must be an id of the vocabulary (0..{args.vocab - 1})")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    torch.manual_seed(args.seed)  # hf samples from torch's generator
+    cfg = load(args, 1, 1, max(c.batch for c in cases))
+    engine = build_actor(cfg, "NNN", 1)
+    device = torch.device("cpu")
+    # One engine of each kind for every case: a vllm engine takes seconds to build, and each
+    # case's <eos> is set on the engines before it runs.
+    rollouts = {"hf": HFRollout(engine, PAD, args.vocab, device),
+                "vllm": VLLMRollout(cfg, engine.module.lm.config, args.vocab, PAD, device,
+                                    seed=args.seed + 1)}
+    sync(rollouts["vllm"], engine)
+
+    def run(name: str, case: Case, seed: int) -> dict:
+        rollout = rollouts[name]
+        rollout.eos_token_id = args.vocab if case.kind == "fixed" else args.mix_eos
+        batch = prompts(case.batch, args.vocab, args.max_prompt, seed)
+        start = time.perf_counter()
+        out = rollout.generate(batch, Sampling(case.length))
+        seconds = time.perf_counter() - start
+        tokens = int(out.action_mask.sum())
+        if case.kind == "fixed" and tokens != case.batch * case.length:
+            raise SystemExit(f"error: {name} ended a response early in {case.name}")
+        return {"seconds": seconds, "tokens": tokens, "rows": case.batch}
+
+    warmup = {name: run(name, cases[0], seed=-1) for name in ENGINES}
+    runs: dict[tuple[str, str], list[dict]] = {(e, c.name): [] for e in ENGINES for c in cases}
+    for round_ in range(args.rounds):
+        print(f"round {round_ + 1}/{args.rounds}", file=sys.stderr, flush=True)
+        order = ENGINES if round_ % 2 == 0 else ENGINES[::-1]
+        for i, case in enumerate(cases):
+            for name in order:
+                runs[(name, case.name)].append(run(name, case, seed=round_ * len(cases) + i))
+
+    print(f"{args.layers} blocks, hidden {args.hidden}, {args.heads} heads, vocab {args.vocab}, "
+          f"fp32, threads {torch.get_num_threads()}; prompts of 4-{args.max_prompt} tokens; "
+          f"median of {args.rounds} rounds; mix: <eos> {args.mix_eos} at temperature 1, budget "
+          f"{args.budget}")
+    print(rate_table(cases, runs))
+    print("warm-up (first call, " + cases[0].name + "): " + ", ".join(
+        f"{name} {w['seconds']:.2f} s" for name, w in warmup.items()))
+    limit = args.budget / 4
+    for case in mix:
+        for name in ENGINES:
+            mean = mean_length(runs[(name, case.name)])
+            if mean > limit:
+                print(f"warning: {name} {case.name}: mean response length {mean:.1f} is "
+                      f"above a quarter of the budget ({limit:.0f}): a smaller --vocab (the "
+                      f"mean is about --vocab) or another --mix-eos", file=sys.stderr)
+    result = {"args": vars(args), "cases": [asdict(c) for c in cases], "warmup": warmup,
+              "runs": {f"{e} {c}": r for (e, c), r in runs.items()}}
+    if args.profile:
+        # Where it loses most: the fixed case of the lowest ratio.
+        worst = min(fixed, key=lambda c: median_rate(runs[("vllm", c.name)])
+                    / median_rate(runs[("hf", c.name)]))
+        for name in ENGINES:
+            print(f"\n{name}, {worst.name}: functions by own time (cProfile, one call)")
+            profiler = cProfile.Profile()
+            profiler.runcall(run, name, worst, seed=0)
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.top)
+            total, _, rest = text.getvalue().strip().partition("\n\n")
+            print(total.strip())
+            print(rest.split("\n\n", 1)[-1].rstrip())
+    # The process group stays: vLLM's exit hook takes down its own groups on it.
+    rollouts["vllm"].close()
+    return result
+
+
+def sync_rank(rank: int, args: argparse.Namespace, port: int | None) -> None:
+    """One rank of ``--sync``: rank 0 prints the table (and writes --json)."""
+    from rlhf_paro import models
+    from rlhf_paro.comm.meter import SYNC
+    from rlhf_paro.ppo.data import vocab_sizes
+    from rlhf_paro.rollout.vllm import VLLMRollout
+
+    torch.set_num_threads(1)  # four ranks share the machine's cores
+    if port is None:  # every rank a process of its own (emulate_cluster.py)
+        dist.init_process_group("gloo")
+        group_size = int(os.environ["GROUP_SIZE"])
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=args.world)
+        group_size = args.group_size
+    world = dist.get_world_size()
+    # A short budget and two prompts a rank: the four engines' key/value caches stay small.
+    cfg = load(args, world, group_size, batch=2)
+    vocab = vocab_sizes(cfg)["actor"]
+    rollout = VLLMRollout(cfg, models.hf_config("actor", cfg.actor, vocab), args.vocab, PAD,
+                          torch.device("cpu"), seed=args.seed + rank + 1)
+    rows = []
+    for strategy in SYNC_STRATEGIES:
+        engine = build_actor(cfg, strategy, group_size)
+        gather_s, sync_s = [], []
+        for _ in range(args.sync_reps + 1):  # the first warms up
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in engine.unit_parameters(SYNC):
+                pass
+            gather_s.append(slowest(time.perf_counter() - start))
+            engine.meter.reset()
+            dist.barrier()
+            start = time.perf_counter()
+            sync(rollout, engine)
+            sync_s.append(slowest(time.perf_counter() - start))
+        sent = engine.meter.totals(phase=SYNC)
+        counts = torch.tensor([sent["intra_bytes"], sent["inter_bytes"]], dtype=torch.float64)
+        dist.all_reduce(counts)
+        rows.append({"strategy": strategy, "intra_bytes": counts[0].item() / world,
+                     "inter_bytes": counts[1].item() / world,
+                     "gather_s": statistics.median(gather_s[1:]),
+                     "sync_s": statistics.median(sync_s[1:])})
+    if dist.get_rank() == 0:
+        params = models.count_parameters("actor", cfg.actor, vocab)[0]
+        print(f"sync on {world} gloo ranks as {world // group_size} groups x {group_size}; "
+              f"{params / 1e6:.2f}M parameters (fp32, {params * 4 / 1e6:.1f} MB); median of "
+              f"{args.sync_reps} repetitions, the slowest rank of each")
+        print(sync_table(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"sync": rows}, f, indent=1)
+    rollout.close()
+
+
+def slowest(seconds: float) -> float:
+    t = torch.tensor([seconds])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def sync_table(rows: list[dict]) -> str:
+    lines = ["| P | strategy | intra MB / rank | inter MB / rank | gather s | sync s |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['strategy'][0]} | {r['strategy']} | {r['intra_bytes'] / 1e6:.2f} | "
+                     f"{r['inter_bytes'] / 1e6:.2f} | {r['gather_s']:.3f} | {r['sync_s']:.3f} |")
+    return "\n".join(lines)
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch-sizes", type=ints, default=[8, 32, 64],
+                        help="prompts per call of the fixed cases")
+    parser.add_argument("--lengths", type=ints, default=[64, 256],
+                        help="response lengths of the fixed cases")
+    parser.add_argument("--mix-batch-sizes", type=ints, default=[16, 64],
+                        help="prompts per call of the mix")
+    parser.add_argument("--budget", type=int, default=256, help="the mix's max_new_tokens")
+    parser.add_argument("--mix-eos", type=int, default=2, help="the mix's <eos> id")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=64)
+    parser.add_argument("--max-prompt", type=int, default=16, help="longest prompt (tokens)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one call of each engine on the fixed case where vllm "
+                             "does worst")
+    parser.add_argument("--top", type=int, default=15, help="functions --profile prints")
+    parser.add_argument("--sync", action="store_true", help="time the weight sync instead")
+    parser.add_argument("--sync-reps", type=int, default=3)
+    parser.add_argument("--world", type=int, default=4, help="--sync: ranks")
+    parser.add_argument("--group-size", type=int, default=2, help="--sync: ranks per group")
+    parser.add_argument("--json", help="also write the raw numbers here")
+    args = parser.parse_args()
+    if args.rounds < 1:
+        raise SystemExit("error: --rounds must be at least 1")
+    if args.sync:
+        if "WORLD_SIZE" in os.environ:
+            sync_rank(int(os.environ["RANK"]), args, None)
+        else:
+            torch.multiprocessing.spawn(sync_rank, args=(args, free_port()), nprocs=args.world)
+        return
+    result = generation(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
