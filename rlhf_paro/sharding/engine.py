@@ -311,7 +311,12 @@ class ShardedEngine:
                 self._accumulated(unit)
             elif not added:
                 grad = grad.to(self.reduce_dtype)
-                grad.div_(self.topo.num_ranks)
+                # Direct accumulators hold undivided sums, divided once the step's is whole
+                # (``_accumulated``): a gradient that missed the accumulator (its unit's backward
+                # began without ``_pre_backward``, as under a reentrant checkpoint that runs the
+                # module hooks inside it) joins them undivided.
+                if not self._direct_grads:
+                    grad.div_(self.topo.num_ranks)
                 if not self._grad_reduce:
                     unit.grad_acc.add_(grad)
                     if self._last_micro_batch:

@@ -12,6 +12,7 @@ that its tolerance can be derived: see [Note: bf16 error bound].
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 from typing import Iterator
@@ -29,7 +30,10 @@ OPTIM = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
 MAX_NORM = 0.01  # below every variant's gradient norm (LoRA's is about 0.02)
 
 # bf16_reduce: bf16 weights with gradient reductions in bf16 (Table 3's traffic) instead of fp32.
-VARIANTS = ("base", "odd", "tied", "lora", "ckpt", "ckpt_reentrant", "bf16", "bf16_reduce")
+# ckpt_hooks_inside: each block under a reentrant checkpoint that runs the module's hooks inside
+# it, as some transformers releases checkpoint (5.19: the layer's __call__, not its forward).
+VARIANTS = ("base", "odd", "tied", "lora", "ckpt", "ckpt_reentrant", "ckpt_hooks_inside", "bf16",
+            "bf16_reduce")
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,21 @@ class TwoLayer(nn.Module):
         return self.b(self.a(x)).sum()
 
 
+def _hooks_inside(cls: type) -> type:
+    """``cls`` whose calls run, hooks and all, under a reentrant checkpoint: the engine's
+    pre-forward and post-forward hooks see the first pass without gradients and run again in
+    the recomputation inside backward."""
+
+    class HooksInside(cls):
+        def __call__(self, *args, **kwargs):
+            return torch.utils.checkpoint.checkpoint(
+                functools.partial(nn.Module.__call__, self, **kwargs), *args, use_reentrant=True)
+
+    # The engine finds its units by class name (the model's _no_split_modules).
+    HooksInside.__name__ = HooksInside.__qualname__ = cls.__name__
+    return HooksInside
+
+
 def build_model(variant: str, seed: int = 0) -> nn.Module:
     """A tiny Hugging Face Llama. ``odd`` has unit sizes that N=4 does not divide."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -93,7 +112,10 @@ def build_model(variant: str, seed: int = 0) -> nn.Module:
             for name, p in model.named_parameters():
                 if "lora_B" in name:
                     p.normal_(0.0, 0.1)
-    if variant.startswith("ckpt"):
+    if variant == "ckpt_hooks_inside":
+        for layer in model.model.layers:
+            layer.__class__ = _hooks_inside(type(layer))
+    elif variant.startswith("ckpt"):
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": variant == "ckpt_reentrant"})
     if variant.startswith("bf16"):
