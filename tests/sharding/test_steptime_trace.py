@@ -15,8 +15,8 @@ lets overlap freely: it underrates every step, the cheap ones most. Once, in CI 
 machine, NNN came out at -58% (36 ms predicted against 87: a FLOP/s probe whose fastest round
 ran well above the others, and a boundary all-reduce that gloo runs 2 to 3 times slower than
 its port), its ratio to GGG 46% from the measured one; four runs after it gave -36% to -46%
-and ratios within 24%. So the test holds: the order of every pair the model puts more than ORDER_GAP apart (NNN below IGG and GGG; IGG
-against GGG is not held), each strategy's ratio to GGG within RATIO_TOLERANCE of the measured
+and ratios within 24%. So the test holds: the order of every pair the model puts more than
+ORDER_GAP apart (NNN below IGG and GGG; IGG against GGG is not held), each strategy's ratio to GGG within RATIO_TOLERANCE of the measured
 one, each step within a factor of ABSOLUTE_FACTOR of its prediction, and the phases: NNN
 communicates only in ``step()`` (the boundary all-reduce) and GGG mostly in its passes (world
 gathers and reduce-scatters every micro-batch), so ``step()`` takes a larger share of NNN's
