@@ -2,25 +2,25 @@
 loopback): a small Llama, three strategies far apart in how much they communicate, each step
 traced as its passes and its ``step()``. The model's constants (FLOP/s, each port's latency and
 bandwidth) are measured in the same run, on the same ranks, by probes that run in the same
-rotated rounds as the steps (``scripts/check_steptime.py``'s own functions), so that the load
-of the machine falls on the constants as it falls on the steps.
+rotated rounds as the steps (``scripts/check_steptime.py``'s own functions), so that the load of
+the machine falls on the constants as it falls on the steps.
 
 Tolerances. The constants and the steps take the fastest of 9 rounds (on a shared machine the
 least disturbed one; a median still moves with the load). Observed in five runs on a 2-core
 machine shared with other work, load average 3 to 25: predicted / measured steps from -43% to
-+4%, ratios to GGG within 29% of the measured ones, and IGG measured within 4% of GGG where
-the model puts it 27-29% below. On loopback the intra and inter "ports" are the same memory
-copies, and on 2 cores the ranks' communication takes CPU from their compute, which the model
-lets overlap freely: it underrates every step, the cheap ones most. Once, in CI on a quiet
-machine, NNN came out at -58% (36 ms predicted against 87: a FLOP/s probe whose fastest round
-ran well above the others, and a boundary all-reduce that gloo runs 2 to 3 times slower than
-its port), its ratio to GGG 46% from the measured one; four runs after it gave -36% to -46%
-and ratios within 24%. So the test holds: the order of every pair the model puts more than
-ORDER_GAP apart (NNN below IGG and GGG; IGG against GGG is not held), each strategy's ratio to GGG within RATIO_TOLERANCE of the measured
-one, each step within a factor of ABSOLUTE_FACTOR of its prediction, and the phases: NNN
-communicates only in ``step()`` (the boundary all-reduce) and GGG mostly in its passes (world
-gathers and reduce-scatters every micro-batch), so ``step()`` takes a larger share of NNN's
-step than of GGG's, predicted and measured alike.
++4%, ratios to GGG within 29% of the measured ones, and IGG measured within 4% of GGG where the
+model puts it 27-29% below. On loopback the intra and inter "ports" are the same memory copies,
+and on 2 cores the ranks' communication takes CPU from their compute, which the model lets
+overlap freely: it underrates every step, the cheap ones most. Once, in CI on a quiet machine,
+NNN came out at -58% (36 ms predicted against 87: a FLOP/s probe whose fastest round ran well
+above the others, and a boundary all-reduce that gloo runs 2 to 3 times slower than its port),
+its ratio to GGG 46% from the measured one; four runs after it gave -36% to -46% and ratios
+within 24%. So the test holds: the order of every pair the model puts more than ORDER_GAP apart
+(NNN below IGG and GGG; IGG against GGG is not held), each strategy's ratio to GGG within
+RATIO_TOLERANCE of the measured one, each step within a factor of ABSOLUTE_FACTOR of its
+prediction, and the phases: NNN communicates only in ``step()`` (the boundary all-reduce) and
+GGG mostly in its passes (world gathers and reduce-scatters every micro-batch), so ``step()``
+takes a larger share of NNN's step than of GGG's, predicted and measured alike.
 """
 
 from __future__ import annotations
