@@ -217,6 +217,13 @@ def _tokenized(prompt: Any, where: str, data: Any, tokenizer: Any) -> tuple[str,
     return text, tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def first_row(cfg: Config) -> dict[str, Any]:
+    """The first row of the first training file, as an environment is built from it
+    (``NAME(**row)``: the prompt column as it is in the file, the other columns)."""
+    tables = _read(data_files(cfg.data.train_files)[:1], "data.train_files")
+    return dict(tables[0][1][0])
+
+
 def load_prompts(cfg: Config, tokenizer: Any, split: str = "train") -> PromptSet:
     """The prompts of ``data.train_files`` (or ``val_files``), tokenized; ``ConfigError`` for a
     missing column, messages without a chat template, an empty file or nothing short enough,
