@@ -757,6 +757,10 @@ class Config:
             raise ConfigError("env.max_total_tokens", f"{env.max_total_tokens} leaves no room "
                               f"for an action after a prompt of {prompt_key}={prompt} tokens; "
                               f"allowed: more than {prompt}")
+        if env.tools is not None and not self.data.apply_chat_template:
+            raise ConfigError("env.tools", "the tools reach the model through its chat template "
+                                           "(their schemas, its tool-call format); allowed: "
+                                           "with data.apply_chat_template=true")
         sources = self.reward.reward_sources()
         if env.tools is not None and not sources and env.reward != "reward":
             raise ConfigError("env.tools", "a tool scores nothing: the finished trajectory needs "
