@@ -384,6 +384,8 @@ class PPOConfig:
     max_new_tokens: int = 8  # response length limit in tokens
     # Mean response length the planner sizes packed models' compute by (null: max_new_tokens,
     # the worst case); memory is always sized by max_new_tokens (docs/design.md, "Batching").
+    # With an environment, an episode's response: its actions and observations (null: the
+    # episode's budget less the prompt bound).
     expected_response_length: int | None = None
     temperature: float = 1.0  # sampling temperature (log-probs use the same one)
     top_k: int = 0  # 0: sample from the full distribution
@@ -402,10 +404,7 @@ class PPOConfig:
             _positive(key, getattr(self, key))
         _unit_interval("gamma", self.gamma)
         _unit_interval("lam", self.lam)
-        expected = self.expected_response_length
-        if expected is not None and not 1 <= expected <= self.max_new_tokens:
-            raise ConfigError("expected_response_length", f"got {expected}; allowed: null or an "
-                              f"integer from 1 to ppo.max_new_tokens={self.max_new_tokens}")
+        _positive("expected_response_length", self.expected_response_length)
         if self.top_k < 0:
             raise ConfigError("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
 
@@ -732,6 +731,10 @@ class Config:
                               f"{samples}")
         self.check_micro_batches("actor")  # the critic's, where there is one: algorithms.check
         self._check_env()
+        expected, (bound_key, bound) = self.ppo.expected_response_length, self.response_bound()
+        if expected is not None and expected > bound:
+            raise ConfigError("ppo.expected_response_length", f"got {expected}; allowed: null or "
+                              f"an integer from 1 to {bound_key}={bound}")
         if self.task.prompt_len > self.ppo.max_prompt_len:
             raise ConfigError("task.prompt_len", f"{self.task.prompt_len} exceeds "
                               f"ppo.max_prompt_len={self.ppo.max_prompt_len}")
@@ -789,6 +792,15 @@ class Config:
         prompt_key, prompt = self.prompt_bound()
         return (f"{prompt_key}={prompt} + ppo.max_new_tokens={self.ppo.max_new_tokens}",
                 prompt + self.ppo.max_new_tokens)
+
+    def response_bound(self) -> tuple[str, int]:
+        """(what bounds it, tokens) of the longest response a step can hold: an episode's
+        actions and observations within its budget (``env.max_total_tokens`` less the prompt
+        bound), else ``ppo.max_new_tokens``."""
+        if self.env.enabled and self.env.max_total_tokens is not None:
+            return ("env.max_total_tokens - " + self.prompt_bound()[0],
+                    self.env.max_total_tokens - self.prompt_bound()[1])
+        return "ppo.max_new_tokens", self.ppo.max_new_tokens
 
     def prompt_bound(self) -> tuple[str, int]:
         """(key, value) of the longest prompt a step can hold: ``data.max_prompt_length`` for
