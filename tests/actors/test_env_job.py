@@ -50,7 +50,7 @@ class Stuck(OneStep):
         self.seed = seed
 
     def step(self, action):
-        if self.columns.get("stall"):
+        if self.columns["stall"][0]:
             time.sleep(60)
         return super().step(action)
 '''
