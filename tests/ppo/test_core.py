@@ -64,6 +64,37 @@ def test_gae_with_discount_and_padding():
     torch.testing.assert_close(ret, t([[0.63, 1.0, 0.0]]))
 
 
+def test_gae_steps_once_across_an_observation_and_ignores_its_rewards():
+    # A multi-turn row: an action (t=0), an observation (t=1, 2), two actions (t=3, 4), padding
+    # (t=5). gamma = 0.9, lam = 0.5; the valid steps are t = 0, 3, 4, in that order, and the
+    # observation's and the padding's rewards (5.0, 9.0) and values (7.0, 3.0) count for nothing:
+    #   t=4: delta = 1 + 0.9*0 - 0.4 = 0.6,                    A_4 = 0.6
+    #   t=3: delta = 0 + 0.9*0.4 - 0.3 = 0.06,                 A_3 = 0.06 + 0.45*0.6 = 0.33
+    #   t=0: delta = 0.1 + 0.9*0.3 - 0.2 = 0.17 (V_3 next),    A_0 = 0.17 + 0.45*0.33 = 0.3185
+    # returns = A + V = [0.5185, 0, 0, 0.63, 1.0, 0].
+    rewards, values = t([[0.1, 5.0, 5.0, 0.0, 1.0, 9.0]]), t([[0.2, 7.0, 7.0, 0.3, 0.4, 3.0]])
+    mask = t([[1, 0, 0, 1, 1, 0]])
+    adv, ret = core.gae(rewards, values, mask, gamma=0.9, lam=0.5)
+    torch.testing.assert_close(adv, t([[0.3185, 0.0, 0.0, 0.33, 0.6, 0.0]]))
+    torch.testing.assert_close(ret, t([[0.5185, 0.0, 0.0, 0.63, 1.0, 0.0]]))
+    # The same as the textbook recursion on the row without its observation.
+    keep = mask[0].bool()
+    compact = core.gae(rewards[:, keep], values[:, keep], mask[:, keep], 0.9, 0.5)
+    torch.testing.assert_close(adv[:, keep], compact[0])
+    torch.testing.assert_close(ret[:, keep], compact[1])
+
+
+def test_last_token_index_and_token_rewards_with_holes():
+    # The last valid token of each row is its last action, whatever holes come before it.
+    mask = t([[1, 0, 0, 1, 1, 0], [1, 1, 0, 0, 0, 0], [0, 1, 0, 1, 0, 0], [1, 0, 1, 0, 1, 1]])
+    assert core.last_token_index(mask).tolist() == [4, 1, 3, 5]
+    # The score lands on it, and the KL penalty only on actions: row 0's observations and
+    # padding carry kl 9.0 that must not reach the rewards.
+    kl = t([[0.1, 9.0, 9.0, 0.2, 0.3, 9.0]])
+    rewards = core.token_rewards(t([1.0]), kl, mask[:1], kl_coef=0.5)
+    torch.testing.assert_close(rewards, t([[-0.05, 0.0, 0.0, -0.1, 0.85, 0.0]]))
+
+
 def test_masked_whiten_uses_valid_tokens_only():
     # valid 1, 2, 3: mean 2, unbiased variance 1 -> -1, 0, 1; the padded 100 is ignored and zeroed.
     x, mask = t([[1.0, 2.0, 3.0, 100.0]]), t([[1, 1, 1, 0]])
