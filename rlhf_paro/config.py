@@ -404,7 +404,6 @@ class PPOConfig:
             _positive(key, getattr(self, key))
         _unit_interval("gamma", self.gamma)
         _unit_interval("lam", self.lam)
-        _positive("expected_response_length", self.expected_response_length)
         if self.top_k < 0:
             raise ConfigError("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
 
@@ -732,7 +731,7 @@ class Config:
         self.check_micro_batches("actor")  # the critic's, where there is one: algorithms.check
         self._check_env()
         expected, (bound_key, bound) = self.ppo.expected_response_length, self.response_bound()
-        if expected is not None and expected > bound:
+        if expected is not None and not 1 <= expected <= bound:
             raise ConfigError("ppo.expected_response_length", f"got {expected}; allowed: null or "
                               f"an integer from 1 to {bound_key}={bound}")
         if self.task.prompt_len > self.ppo.max_prompt_len:

@@ -20,7 +20,8 @@ to fp32 first and then rounding.
 When a unit's backward begins, every trained parameter's ``.grad`` is made a view of one padded
 flat buffer (``attach_grads``), and autograd, which adds into an existing ``.grad`` in place,
 writes the gradients where the reduce-scatter reads them: no copy per parameter and micro-batch.
-The buffer is a new zeroed one per micro-batch (0 + g is g exactly), or, for an fp32 model whose
+The buffer is a zeroed one per micro-batch (0 + g is g exactly; kept for the next on a CPU:
+[Note: a pool of gradient buffers] in _pool.py), or, for an fp32 model whose
 gradients stay at the N level, the fp32 accumulator itself, which then sums the micro-batches
 without any pass of our own (the division by N waits for the step). A gradient that autograd put
 elsewhere (``.grad`` reset by the user) is added in when the unit's backward ends.
@@ -187,16 +188,15 @@ class FlatBuffer:
         return self.host if self.parked else self.shard
 
     # -- gradients: [Note: gradients land in flat buffers] ------------------------------------
-    def attach_grads(self, into: torch.Tensor | None = None) -> None:
-        """Point every parameter's ``.grad`` at its slice of one padded flat buffer of S
-        elements: ``into`` (the fp32 accumulator of a model whose gradients stay at the N level)
-        or, by default, a new zeroed buffer of the parameters' dtype. Autograd then adds each
+    def attach_grads(self, into: torch.Tensor, accumulator: bool) -> None:
+        """Point every parameter's ``.grad`` at its slice of ``into``, a padded flat buffer of S
+        elements: the fp32 accumulator of a model whose gradients stay at the N level
+        (``accumulator``), or a zeroed buffer of the parameters' dtype. Autograd then adds each
         gradient in place where the reduction reads it. No-op when already attached."""
         if self.grad is not None:
             return
-        self.grad = into if into is not None else torch.zeros(self.size, dtype=self.full.dtype,
-                                                              device=self.device)
-        self._grad_is_acc = into is not None
+        self.grad = into
+        self._grad_is_acc = accumulator
         for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
             p.grad = self.grad[off:off + n].view(shape)
 

@@ -64,6 +64,7 @@ from rlhf_paro.comm.topology import Topology
 from rlhf_paro.sharding import _checkpoint
 from rlhf_paro.sharding._flat import DTYPES, FlatBuffer, Read
 from rlhf_paro.sharding._host import OFFLOAD_MODES, Transfers
+from rlhf_paro.sharding._pool import BufferPool
 from rlhf_paro.sharding._step import BoundaryStep
 from rlhf_paro.sharding._unit import PostBackward, Unit, UnitState, tensors_requiring_grad
 from rlhf_paro.sharding.contract import (EngineOptions, MicroBatches, ModelFactory, full_state_dict,
@@ -195,6 +196,9 @@ class ShardedEngine:
         read, device = _values(module, source, device)
         self.units = self._build_units(unit_classes, DTYPES[precision], read, device)
         self.root = self.units[0]
+        # Gradient buffers of one micro-batch, kept for the next ([Note: a pool of gradient
+        # buffers] in _pool.py).
+        self._pool = BufferPool(torch.device(device))
         # The parameters are views into the flat buffers on ``device`` now; the buffers follow.
         module.to(device)
         self._boundary = None if strategy.frozen else BoundaryStep(
@@ -295,7 +299,11 @@ class ShardedEngine:
         unit.state = UnitState.BACKWARD
         if unit.trainable is not None and self._boundary is not None:
             # [Note: gradients land in flat buffers]
-            unit.trainable.attach_grads(unit.grad_acc if self._direct_grads else None)
+            buf = unit.trainable
+            if self._direct_grads:
+                buf.attach_grads(unit.grad_acc, accumulator=True)
+            else:
+                buf.attach_grads(self._pool.zeros(buf.size, buf.full.dtype), accumulator=False)
         self._gather_now(unit, BACKWARD)
         self._prefetch(unit, -1)
 
@@ -310,7 +318,10 @@ class ShardedEngine:
             if added and self._last_micro_batch:
                 self._accumulated(unit)
             elif not added:
-                grad = grad.to(self.reduce_dtype)
+                reduced = grad.to(self.reduce_dtype)
+                if reduced is not grad:
+                    self._pool.give(grad)
+                grad = reduced
                 # Direct accumulators hold undivided sums, divided once the step's is whole
                 # (``_accumulated``): a gradient that missed the accumulator (its unit's backward
                 # began without ``_pre_backward``, as under a reentrant checkpoint that runs the
@@ -319,6 +330,7 @@ class ShardedEngine:
                     grad.div_(self.topo.num_ranks)
                 if not self._grad_reduce:
                     unit.grad_acc.add_(grad)
+                    self._pool.give(grad)
                     if self._last_micro_batch:
                         self._accumulated(unit)
                 elif grad.numel() >= self.bucket_numel:  # schedule.buckets: a large one alone
@@ -341,9 +353,13 @@ class ShardedEngine:
         ([Note: gradient reduction in flight])."""
         (c,) = self._grad_reduce  # one row: N -> G on the scope between them
         n = self.comm.size(c.scope)
-        grad = (members[0][1] if len(members) == 1
-                else torch.cat([g.view(n, -1) for _, g in members], dim=1).view(-1))
-        out = grad.new_empty(grad.numel() // n)
+        if len(members) == 1:
+            grad = members[0][1]
+        else:
+            grad = self._pool.empty(sum(g.numel() for _, g in members), members[0][1].dtype)
+            torch.cat([g.view(n, -1) for _, g in members], dim=1, out=grad.view(n, -1))
+            self._pool.give(*(g for _, g in members))
+        out = self._pool.empty(grad.numel() // n, grad.dtype)
         pending = self.comm.reduce_scatter(out, grad, c.scope, c.phase, async_op=True)
         self._reductions.append(_Reduction([u for u, _ in members], pending, grad, out,
                                            self._last_micro_batch))
@@ -359,6 +375,7 @@ class ShardedEngine:
             unit.grad_acc.add_(part)
             if reduction.last:
                 self._accumulated(unit)
+        self._pool.give(reduction.grad, reduction.out)
 
     def _accumulated(self, unit: Unit) -> None:
         """The unit's accumulator holds this step's whole sum: start its boundary reduction
