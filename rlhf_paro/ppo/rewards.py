@@ -227,8 +227,8 @@ def _call_server(where: str, url: str, prompts: list[str], responses: list[str],
             if 300 <= status < 400:
                 raise RewardFunctionError(
                     f"{where}: HTTP {status}: the server redirects to "
-                    f"{hide(_one_line(location)) or 'nowhere'}; redirects are not followed (the token "
-                    "would go with them): set reward.url to the address that answers")
+                    f"{hide(_one_line(location)) or 'nowhere'}; redirects are not followed (the "
+                    "token would go with them): set reward.url to the address that answers")
             if status in (401, 403):
                 why = ("refused the token" if token else
                        "wants a token; set reward.token_env to the variable holding it")
@@ -252,7 +252,7 @@ def _call_server(where: str, url: str, prompts: list[str], responses: list[str],
         raise RewardFunctionError(f"{where}: the answer is JSON nested deeper than "
                                   f"{sys.getrecursionlimit()} levels") from None
     except ValueError as err:
-        raise RewardFunctionError(f"{where}: the answer is not JSON ({_one_line(str(err))})"
+        raise RewardFunctionError(f"{where}: the answer is not JSON ({hide(_one_line(str(err)))})"
                                   ) from None
     if not isinstance(answer, dict) or "rewards" not in answer:
         raise RewardFunctionError(f"{where}: the answer has no 'rewards'; expected "
