@@ -15,7 +15,8 @@ without one, as it would score for anyone who reaches it. The function runs one 
 time, so it need not be thread-safe. Nothing is logged per request; a failing function is said
 in one line on stderr.
 
-What a request may cost the server, whoever sends it [Note: a request's cost]:
+[Note: a request's cost]
+What a request may cost the server, whoever sends it:
 
 - its headers must arrive whole within ``--timeout-s`` of the connection (at most 16 KiB);
 - the token, the path, the method, the content type and a declared ``Content-Length`` over
@@ -79,6 +80,7 @@ class RewardServer:
         self.expected = None if token is None else b"Bearer " + token.encode("latin-1")
         self.max_body_bytes = max_body_bytes
         self.timeout_s = timeout_s
+        self.lock: asyncio.Lock | None = None  # one call of the function at a time
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._stop_asked = threading.Event()  # shutdown() before the loop started
@@ -110,7 +112,7 @@ class RewardServer:
         self.socket.close()
 
     async def _serve(self) -> None:
-        self._lock = asyncio.Lock()  # one call of the function at a time
+        self.lock = asyncio.Lock()  # made here: it belongs to this loop
         self._stop = asyncio.Event()
         self._loop = asyncio.get_running_loop()
         if self._stop_asked.is_set():
@@ -162,6 +164,8 @@ class _Exchange:
         refused = self._refusal(request)
         if refused is not None:
             return await self._answer(*refused, linger=True)
+        if self.conn.they_are_waiting_for_100_continue:  # curl's way to be refused unsent
+            self.writer.write(self.conn.send(h11.InformationalResponse(status_code=100)))
         try:
             body = await self._body()
         except asyncio.TimeoutError:
@@ -177,7 +181,7 @@ class _Exchange:
         except ValueError as err:
             return await self._answer(400, f"bad request: {err}")
         try:
-            async with server._lock:
+            async with server.lock:
                 out = await asyncio.to_thread(rewards.call_function, server.function,
                                               server.spec, None, prompts, responses, columns)
         except rewards.RewardFunctionError as err:
@@ -267,10 +271,10 @@ class _Exchange:
         return True
 
     async def _drop_rest(self) -> None:
-        """[Note: lingering close] A socket closed with bytes unread sends a reset, which can
-        reach the client before it has read the answer: so stop sending, and read and drop what
-        comes until the client is done, for ``timeout_s`` at most and never more than the body
-        cap."""
+        """[Note: lingering close]
+        A socket closed with bytes unread sends a reset, which can reach the client before it
+        has read the answer: so stop sending, and read and drop what comes until the client is
+        done, for ``timeout_s`` at most and never more than the body cap."""
         if self.writer.can_write_eof():
             self.writer.write_eof()
         deadline = self.loop.time() + self.server.timeout_s

@@ -613,6 +613,8 @@ def test_token_env_must_name_a_set_variable_when_url_is_set(monkeypatch):
     check_files(run_config(token_env=TOKEN_ENV))  # no url: not read
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
     check_files(run_config(url=url, token_env=TOKEN_ENV))
+    monkeypatch.setenv(TOKEN_ENV, TOKEN + "\n")  # stripped where it is read
+    check_files(run_config(url=url, token_env=TOKEN_ENV))
 
 
 @pytest.mark.parametrize("timeout_s", [0.0, -1.0, float("inf"), float("nan")])

@@ -286,10 +286,11 @@ def _post(url: str, body: bytes, headers: dict[str, Any], timeout_s: float
     """One POST: the answer's status, its ``Location`` and its body (None: a 2xx body over
     ``MAX_ANSWER_BYTES``; the first ``ERROR_BYTES`` of any other).
 
-    [Note: a total deadline] httpx's timeouts bound each network operation, so a server that
-    sends its answer a byte at a time would never trip them. The attempt runs as a task that
-    is cancelled at ``timeout_s`` instead, wherever it is: connecting, sending, or reading the
-    body; cancelled, httpx closes the connection. The event loop is this call's own."""
+    [Note: a total deadline]
+    httpx's timeouts bound each network operation, so a server that sends its answer a byte at
+    a time would never trip them. The attempt runs as a task that is cancelled at ``timeout_s``
+    instead, wherever it is: connecting, sending, or reading the body; cancelled, httpx closes
+    the connection. The event loop is this call's own."""
     import httpx  # here, not at the top: a run without a reward server never pays its import
 
     async def attempt() -> tuple[int, str, bytes | None]:
