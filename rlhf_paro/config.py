@@ -223,7 +223,8 @@ class ModelConfig:
     # responses and columns and answers their rewards (``python -m rlhf_paro.reward_server``);
     # no model, like ``function``.
     url: str | None = None
-    # Reward only: seconds the reward server has to answer before the run stops.
+    # Reward only: seconds the reward server has for each answer, whole (connecting, sending,
+    # the answer's last byte), before the run stops.
     timeout_s: float = 60.0
     # Reward only: the NAME of an environment variable holding the reward server's bearer
     # token; the token itself stays out of the config, which is printed and saved.

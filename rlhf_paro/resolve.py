@@ -56,11 +56,14 @@ def check_files(cfg: Config) -> None:
             if getattr(model, key) is not None:
                 rewards.function_file(getattr(model, key), f"{role}.{key}")
         # Checked when the run starts, not at the first step: a missing token would stop it there.
-        if model.url is not None and model.token_env is not None and \
-                not os.environ.get(model.token_env):
-            raise ConfigError(f"{role}.token_env", f"the environment variable {model.token_env} "
-                                                   "is not set (or empty); allowed: the name of "
-                                                   "a variable holding the reward server's token")
+        if model.url is not None and model.token_env is not None:
+            token = os.environ.get(model.token_env)
+            if not token:
+                raise ConfigError(f"{role}.token_env", f"the environment variable "
+                                                       f"{model.token_env} is not set (or empty); "
+                                                       "allowed: the name of a variable holding "
+                                                       "the reward server's token")
+            rewards.clean_token(token, model.token_env, f"{role}.token_env")
         if model.tokenizer is not None and not Path(model.tokenizer).expanduser().is_dir():
             raise ConfigError(f"{role}.tokenizer", f"no directory at {model.tokenizer!r}; "
                                                    "allowed: a local tokenizer directory, never "

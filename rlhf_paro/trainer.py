@@ -59,6 +59,19 @@ WORKERS = {"actor": ActorWorker, "critic": CriticWorker, "reward": RewardWorker,
            "ref": RefWorker}
 
 
+def _running(cfg: Config, err: WorkerError) -> str:
+    """What a dead reward rank was running, when it runs no model: its process runs the user's
+    functions in a step and little else, so one that calls ``os._exit`` or crashes the
+    interpreter is named. A ``RewardFunctionError`` names them itself."""
+    reward = cfg.model("reward")
+    if not (err.died and err.role == "reward" and reward.function is not None):
+        return ""
+    if reward.score_function is None:
+        return f" running reward function {reward.function}"
+    return (f" running reward function {reward.function} or score function "
+            f"{reward.score_function}")
+
+
 class RunError(RuntimeError):
     """Why a run stopped before its last step, in one line; ``resume`` is the
     ``trainer.resume`` value that goes on from the newest checkpoint."""
@@ -200,7 +213,8 @@ class PPOTrainer:
             if isinstance(err.cause, (RewardFunctionError, EnvError)):
                 raise self._stopped(str(err.cause)) from None
             raise self._stopped(f"{err.role} rank {err.rank} {'died' if err.died else 'raised'}"
-                                f" at step {step} ({err.reason})") from None
+                                f" at step {step}{_running(self.cfg, err)} ({err.reason})"
+                                ) from None
         except NoAnswerError as err:
             raise self._stopped(f"{err} at step {step}") from None
         except KeyboardInterrupt:

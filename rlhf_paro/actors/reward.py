@@ -146,7 +146,8 @@ class RewardWorker(Worker):
 
 
 def _token(name: str | None) -> str | None:
-    """The reward server's token from the variable ``reward.token_env`` names (None: no token)."""
+    """The reward server's token from the variable ``reward.token_env`` names (None: no token),
+    without the whitespace around it (``rewards.clean_token``)."""
     if name is None:
         return None
     token = os.environ.get(name)
@@ -154,7 +155,7 @@ def _token(name: str | None) -> str | None:
         raise ConfigError("reward.token_env", f"the environment variable {name} is not set on the "
                                               "reward worker's node; allowed: set it where the "
                                               "workers run, as where the run starts")
-    return token
+    return rewards.clean_token(token, name, "reward.token_env")
 
 
 def _score_sums(score: torch.Tensor, extras: dict[str, list[float | None]]) -> dict[str, float]:

@@ -14,6 +14,8 @@ stops the run with ``RewardFunctionError``, one line naming the function or serv
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import importlib.util
 import json
 import math
@@ -21,10 +23,8 @@ import numbers
 import re
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
-from http.client import HTTPException
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,6 +36,10 @@ RewardFunction = Callable[..., Any]
 # before the next one starts here and doubles, so a restarting server has about a second.
 SERVER_ATTEMPTS = 3
 RETRY_DELAY_S = 0.25
+# A reward server's answer past this is refused unparsed: the rewards of a batch are KiBs.
+MAX_ANSWER_BYTES = 16 * 2**20
+# The part of a failed answer read for its reason.
+ERROR_BYTES = 64 * 2**10
 # Extras become metric names (``reward/<name>``, ``reward/<name>:count``): no separators in them.
 EXTRA_NAME = re.compile(r"[A-Za-z0-9_]+")
 
@@ -94,11 +98,17 @@ def load_function(spec: str, key: str = "reward.function") -> RewardFunction:
 def call_function(fn: RewardFunction, spec: str, step: int | None, prompts: list[str],
                   responses: list[str], columns: dict[str, list[Any]]) -> RewardOutput:
     """``fn``'s rewards, checked (``check_rewards``). ``step`` None: outside a run (the reward
-    server), and the errors name no step."""
+    server), and the errors name no step.
+
+    ``fn`` gets copies of the lists: one that empties or extends its arguments still has its
+    count checked against the responses as given. Whatever it raises, ``KeyboardInterrupt`` and
+    ``SystemExit`` (``sys.exit``) included, is a ``RewardFunctionError``: on a worker they would
+    read as a Ctrl-C of the run or the worker's own exit, blaming no function."""
     where = f"reward function {spec}" + (f" at step {step}" if step is not None else "")
     try:
-        out = fn(prompts, responses, **columns)
-    except Exception as err:  # the user's function, whatever it raises
+        out = fn(list(prompts), list(responses),
+                 **{name: list(values) for name, values in columns.items()})
+    except BaseException as err:  # the user's function, whatever it raises
         raise RewardFunctionError(f"{where} raised {_described(err)}") from None
     return check_rewards(out, len(responses), where)
 
@@ -142,61 +152,169 @@ def check_rewards(out: Any, num_responses: int, where: str) -> RewardOutput:
     return RewardOutput(scores, extras)
 
 
+def clean_token(token: str, name: str, key: str) -> str:
+    """A bearer token read from the environment variable ``name``, without the whitespace around
+    it (a secret mounted from a file often ends in a newline); ``ConfigError`` naming ``key``,
+    never the token, when what is left cannot go in an HTTP header."""
+    token = token.strip()
+    if not token:
+        raise ConfigError(key, f"the environment variable {name} holds only whitespace; allowed: "
+                               "a token of printable characters")
+    if not header_text(token):
+        raise ConfigError(key, f"the value of the environment variable {name} holds a control "
+                               "character or one outside Latin-1 (the value is not shown); "
+                               "allowed: a token of printable characters, as an HTTP header "
+                               "carries")
+    return token
+
+
+def header_text(text: str) -> bool:
+    """Whether ``text`` can be an HTTP header value as it is: printable Latin-1, no controls."""
+    return all(" " <= c <= "~" or "\xa0" <= c <= "\xff" for c in text)
+
+
 def call_server(url: str, step: int, prompts: list[str], responses: list[str],
                 columns: dict[str, list[Any]], timeout_s: float, token: str | None = None
                 ) -> RewardOutput:
     """The rewards a reward server at ``url`` answers, checked as a function's are.
 
     POSTs ``{"prompts", "responses", "columns"}`` as JSON (with ``Authorization: Bearer
-    <token>`` when a token is given) and reads ``{"rewards": [items]}``. An unreachable server
-    or an HTTP 5xx is tried again, ``SERVER_ATTEMPTS`` times in all; any other failure stops at
-    once, a timeout included (a server past its time would most likely be again)."""
+    <token>`` when a token is given) and reads ``{"rewards": [items]}``. ``timeout_s`` bounds
+    each attempt whole: connecting, sending, and the answer to its last byte. An unreachable
+    server or an HTTP 5xx is tried again, ``SERVER_ATTEMPTS`` times in all; any other failure
+    stops at once, a timeout included (a server past its time would most likely be again). A
+    redirect is never followed: the token would go wherever it points.
+
+    Every failure is a ``RewardFunctionError`` naming the server and the step. The token is
+    never in it: what the server said (its error text, its redirect, its malformed answer) is
+    quoted with the token, should the server echo it, as ``<token>``."""
     where = f"reward server {url} at step {step}"
+
+    def hide(said: str) -> str:  # a part of the line that the server wrote
+        return said.replace(token, "<token>") if token else said
+
+    try:
+        return _call_server(where, url, prompts, responses, columns, timeout_s, token, hide)
+    except RewardFunctionError:
+        raise
+    except Exception as err:  # anything else is the answer's doing: never the actor's
+        raise RewardFunctionError(f"{where}: {hide(_described(err))}") from None
+
+
+def _call_server(where: str, url: str, prompts: list[str], responses: list[str],
+                 columns: dict[str, list[Any]], timeout_s: float, token: str | None,
+                 hide: Callable[[str], str]) -> RewardOutput:
     try:
         body = json.dumps({"prompts": prompts, "responses": responses, "columns": columns})
     except (TypeError, ValueError) as err:
         raise RewardFunctionError(f"{where}: the prompts' columns do not go as JSON: "
                                   f"{_described(err)}") from None
-    headers = {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/json", "Accept": "application/json"}
     if token:
-        headers["Authorization"] = f"Bearer {token}"
-    request = urllib.request.Request(url, data=body.encode(), headers=headers, method="POST")
+        if not header_text(token):
+            raise RewardFunctionError(f"{where}: the token holds a control character or one "
+                                      "outside Latin-1, which no HTTP header can carry")
+        headers["Authorization"] = b"Bearer " + token.encode("latin-1")
     for attempt in range(1, SERVER_ATTEMPTS + 1):
         try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as answer:
-                text = answer.read()
-            break
-        except urllib.error.HTTPError as err:
-            with err:  # the failed answer's connection
-                if err.code in (401, 403):
-                    why = ("refused the token" if token else
-                           "wants a token; set reward.token_env to the variable holding it")
-                    raise RewardFunctionError(f"{where}: HTTP {err.code}: the server {why}"
-                                              ) from None
-                problem = f"HTTP {err.code}: {_error_text(err)}"
-            if err.code < 500:
-                raise RewardFunctionError(f"{where}: {problem}") from None
-        except TimeoutError:
-            raise RewardFunctionError(f"{where}: timed out after {timeout_s:g} s") from None
-        except urllib.error.URLError as err:
-            if isinstance(err.reason, TimeoutError):
-                raise RewardFunctionError(f"{where}: timed out after {timeout_s:g} s") from None
-            problem = f"unreachable ({_one_line(str(err.reason))})"
-        except (HTTPException, OSError) as err:  # the connection broke during the answer
-            problem = f"unreachable ({_described(err)})"
+            status, location, text = _post(url, body.encode(), headers, timeout_s)
+        except _TimedOut:
+            raise RewardFunctionError(f"{where}: timed out after {timeout_s:g} s "
+                                      "(reward.timeout_s)") from None
+        except _Unreachable as err:
+            problem = f"unreachable ({hide(str(err))})"
+        else:
+            if 300 <= status < 400:
+                raise RewardFunctionError(
+                    f"{where}: HTTP {status}: the server redirects to "
+                    f"{hide(_one_line(location)) or 'nowhere'}; redirects are not followed (the "
+                    "token would go with them): set reward.url to the address that answers")
+            if status in (401, 403):
+                why = ("refused the token" if token else
+                       "wants a token; set reward.token_env to the variable holding it")
+                raise RewardFunctionError(f"{where}: HTTP {status}: the server {why}")
+            if status < 300:
+                break
+            problem = f"HTTP {status}: {hide(_error_text(text, status))}"
+            if status < 500:
+                raise RewardFunctionError(f"{where}: {problem}")
         if attempt < SERVER_ATTEMPTS:
             time.sleep(RETRY_DELAY_S * 2 ** (attempt - 1))
     else:
         raise RewardFunctionError(f"{where}: {SERVER_ATTEMPTS} attempts failed, the last: "
                                   f"{problem}")
+    if text is None:
+        raise RewardFunctionError(f"{where}: the answer is over {MAX_ANSWER_BYTES} bytes; "
+                                  "expected {\"rewards\": [one item per response]}")
     try:
         answer = json.loads(text)
+    except RecursionError:
+        raise RewardFunctionError(f"{where}: the answer is JSON nested deeper than "
+                                  f"{sys.getrecursionlimit()} levels") from None
     except ValueError as err:
-        raise RewardFunctionError(f"{where}: the answer is not JSON ({err})") from None
+        raise RewardFunctionError(f"{where}: the answer is not JSON ({hide(_one_line(str(err)))})"
+                                  ) from None
     if not isinstance(answer, dict) or "rewards" not in answer:
         raise RewardFunctionError(f"{where}: the answer has no 'rewards'; expected "
                                   '{"rewards": [one item per response]}')
-    return check_rewards(answer["rewards"], len(responses), where)
+    try:
+        return check_rewards(answer["rewards"], len(responses), where)
+    except RewardFunctionError as err:  # an extra's name is the server's
+        raise RewardFunctionError(where + hide(str(err)[len(where):])) from None
+
+
+@functools.cache
+def _tls_context() -> Any:
+    """httpx's default TLS context (certifi's roots, or ``SSL_CERT_FILE``), made once: loading
+    the roots takes a tenth of a second, which every step would pay again."""
+    import httpx
+
+    return httpx.create_ssl_context()
+
+
+class _TimedOut(Exception):
+    """An attempt ran past its ``timeout_s``."""
+
+
+class _Unreachable(Exception):
+    """An attempt found no server, or lost the connection before a whole answer; ``str()`` is
+    one line."""
+
+
+def _post(url: str, body: bytes, headers: dict[str, Any], timeout_s: float
+          ) -> tuple[int, str, bytes | None]:
+    """One POST: the answer's status, its ``Location`` and its body (None: a 2xx body over
+    ``MAX_ANSWER_BYTES``; the first ``ERROR_BYTES`` of any other).
+
+    [Note: a total deadline]
+    httpx's timeouts bound each network operation, so a server that sends its answer a byte at
+    a time would never trip them. The attempt runs as a task that is cancelled at ``timeout_s``
+    instead, wherever it is: connecting, sending, or reading the body; cancelled, httpx closes
+    the connection. The event loop is this call's own."""
+    import httpx  # here, not at the top: a run without a reward server never pays its import
+
+    async def attempt() -> tuple[int, str, bytes | None]:
+        async with httpx.AsyncClient(follow_redirects=False, timeout=timeout_s,
+                                     verify=_tls_context()) as client:
+            async with client.stream("POST", url, content=body, headers=headers) as answer:
+                limit = MAX_ANSWER_BYTES if answer.status_code < 300 else ERROR_BYTES
+                data = bytearray()
+                async for chunk in answer.aiter_bytes():
+                    data += chunk
+                    if len(data) > limit:
+                        break
+                else:
+                    return answer.status_code, answer.headers.get("location", ""), bytes(data)
+                over = answer.status_code < 300
+                return (answer.status_code, answer.headers.get("location", ""),
+                        None if over else bytes(data[:limit]))
+
+    try:
+        return asyncio.run(asyncio.wait_for(attempt(), timeout_s))
+    except (asyncio.TimeoutError, httpx.TimeoutException):
+        raise _TimedOut from None
+    except (httpx.NetworkError, httpx.RemoteProtocolError, httpx.ProxyError) as err:
+        raise _Unreachable(_described(err)) from None
 
 
 # --- checking items -------------------------------------------------------------------------
@@ -255,15 +373,16 @@ def _described(err: BaseException) -> str:
     return f"{type(err).__name__}: {message}" if message else type(err).__name__
 
 
-def _error_text(err: urllib.error.HTTPError) -> str:
+def _error_text(body: bytes, status: int) -> str:
     """What a failed answer says: its JSON ``error`` (as ``reward_server`` sends), else its
     first line, else the status's name."""
+    text = body.decode(errors="replace")
     try:
-        body = err.read(64 * 1024).decode(errors="replace")
-    except (HTTPException, OSError):
-        body = ""
+        said = json.loads(text).get("error")
+    except (ValueError, AttributeError, RecursionError):
+        said = text
     try:
-        said = json.loads(body).get("error")
-    except (ValueError, AttributeError):
-        said = body
-    return _one_line(str(said or "")) or str(err.reason)
+        phrase = HTTPStatus(status).phrase
+    except ValueError:  # a status of the server's own
+        phrase = "no reason given"
+    return _one_line(str(said or "")) or phrase

@@ -25,7 +25,7 @@ import pytest
 from rlhf_paro.actors import checkpoint
 from rlhf_paro.metrics import required_keys
 from tests.confs import load
-from tests.test_trainer import MARK, Run, _compared, _train
+from tests.test_trainer import MARK, Run, _compared, _error_line, _train
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -120,3 +120,20 @@ def test_a_reward_server_gives_the_run_of_the_same_function_in_process(runs):
     for step in range(2):
         expected, got = _compared(straight.rows[step]), _compared(served.rows[step])
         assert got == pytest.approx(expected, rel=1e-6, abs=0), step
+
+
+def test_a_reward_function_that_kills_its_worker_is_named_with_the_step(tmp_path_factory):
+    # Before, the line said "reward rank 0 died" and named no function. A function that raises
+    # SystemExit or KeyboardInterrupt raises a RewardFunctionError instead (tests/ppo/
+    # test_rewards.py), which reaches the user as any other function error does
+    # (tests/actors/test_own_models.py): only a death needs a run of its own.
+    root = tmp_path_factory.mktemp("leaving")
+    fns = root / "leaving.py"
+    fns.write_text("import os\n\n\ndef score(prompts, responses, **columns):\n    os._exit(3)\n")
+    spec = f"{fns}:score"
+    run = _train(root / "run", *SMALL, "cluster.num_devices=1", "trainer.steps=1",
+                 f"reward.function={spec}", cache=root / "cache")
+    assert run.returncode == 1 and run.left == []
+    assert _error_line(run).startswith(
+        f"error: reward rank 0 died at step 0 running reward function {spec} (its process "
+        "exited: killed, out of memory or crashed); no checkpoint yet")

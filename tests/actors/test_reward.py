@@ -120,6 +120,20 @@ def test_a_token_variable_missing_where_the_worker_runs_is_one_config_error(asse
         RewardWorker(cfg, "reward", 0, 1)
 
 
+def test_a_token_read_with_a_trailing_newline_is_sent_without_it(assets, server, monkeypatch):
+    # As a secret mounted from a file often ends: before, the newline went into the header and
+    # the error that refused it printed the token.
+    monkeypatch.setenv(TOKEN_ENV, "tok\n")
+    reward = RewardWorker(config(assets, server), "reward", 0, 1)
+    batch, rows = rollout(assets)
+    torch.testing.assert_close(reward.score(batch, rows, step=0), torch.tensor([2., 1., 3., 1.]))
+    monkeypatch.setenv(TOKEN_ENV, "to\x1bk")
+    with pytest.raises(ConfigError) as err:
+        RewardWorker(config(assets, server), "reward", 0, 1)
+    assert str(err.value).startswith(f"reward.token_env: the value of the environment variable "
+                                     f"{TOKEN_ENV} holds a control character")
+
+
 def test_without_prompt_files_the_reward_reports_the_task_s_score_the_one_source(monkeypatch):
     # The task's own prompts: the reward workers score the rollout by the task's rule, which is
     # what ppo/task_score logs (the actor scores nothing). The reward model itself is stubbed.

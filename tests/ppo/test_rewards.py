@@ -130,3 +130,53 @@ def test_load_function_checks_the_spec_and_the_name(tmp_path):
         rewards.load_function("fns.py", "spec")
     with pytest.raises(ConfigError, match=r"has no function 'nope'"):
         rewards.load_function(f"{file}:nope")
+
+
+def test_a_function_that_empties_its_lists_is_checked_against_the_lists_as_given():
+    prompts, responses, columns = list(PROMPTS), list(RESPONSES), {"answer": ["a"] * 4}
+
+    def greedy(prompts, responses, answer):
+        prompts.clear(), responses.clear(), answer.clear()
+        return []
+
+    with pytest.raises(RewardFunctionError) as err:
+        rewards.call_function(greedy, SPEC, 7, prompts, responses, columns)
+    assert str(err.value) == f"{WHERE} returned 0 values for 4 responses"
+    # It emptied copies: the caller's lists are as they were.
+    assert (prompts, responses, columns) == (PROMPTS, RESPONSES, {"answer": ["a"] * 4})
+
+
+@pytest.mark.parametrize("body, said", [
+    ("raise KeyboardInterrupt", "KeyboardInterrupt"),
+    ("raise SystemExit(3)", "SystemExit: 3"),
+    ("import sys; sys.exit('no more')", "SystemExit: no more"),
+], ids=["keyboard_interrupt", "exit_3", "exit_message"])
+def test_a_function_that_exits_or_interrupts_is_one_line_naming_it_and_the_step(body, said):
+    # On a worker these would read as a Ctrl-C of the run or the worker's own exit.
+    namespace: dict = {}
+    exec(f"def leaving(prompts, responses, **columns):\n    {body}\n", namespace)
+    with pytest.raises(RewardFunctionError) as err:
+        rewards.call_function(namespace["leaving"], SPEC, 7, PROMPTS, RESPONSES, {})
+    assert str(err.value) == f"{WHERE} raised {said}"
+
+
+@pytest.mark.parametrize("value", ["tok\n", "  tok\r\n", "\ttok "])
+def test_a_token_is_read_without_the_whitespace_around_it(value):
+    assert rewards.clean_token(value, "NAME", "reward.token_env") == "tok"
+
+
+@pytest.mark.parametrize("value, said", [
+    (" \n", "the environment variable NAME holds only whitespace"),
+    ("t\nok", "the value of the environment variable NAME holds a control character or one "
+              "outside Latin-1 (the value is not shown)"),
+    ("t\x7fok", "the value of the environment variable NAME holds a control character"),
+    ("t\u0100ok", "the value of the environment variable NAME holds a control character"),
+])
+def test_a_token_no_header_can_carry_is_refused_without_showing_it(value, said):
+    with pytest.raises(ConfigError) as err:
+        rewards.clean_token(value, "NAME", "reward.token_env")
+    assert str(err.value).startswith(f"reward.token_env: {said}"), str(err.value)
+    line = str(err.value)
+    assert "\n" not in line and (not value.strip() or value.strip() not in line)
+    # Latin-1 letters are header text: a token may hold them.
+    assert rewards.clean_token("t\u00e9ok", "NAME", "reward.token_env") == "t\u00e9ok"
