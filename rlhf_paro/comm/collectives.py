@@ -116,10 +116,11 @@ class Communicator:
 
     @torch.no_grad()
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, scope: str, phase: str,
-                       async_op: bool = False) -> Pending:
+                       async_op: bool = False, overwrite: bool = False) -> Pending:
         """Sum ``full`` over the scope's ranks and keep this rank's chunk in ``out``. With
         ``async_op`` the result is in ``out`` only after ``wait()`` on what this returns, and
-        ``full`` must not change until then."""
+        ``full`` must not change until then. ``overwrite``: ``full`` is scratch that nobody
+        reads again, which a ring algorithm may sum in place."""
         n = self.size(scope)
         start = time.perf_counter()
         if n == 1:
@@ -127,7 +128,8 @@ class Communicator:
             return _done()
         name = self._algorithm("reduce_scatter", scope, full.numel(), full.element_size())
         if name != "native":
-            running = rings.ALGORITHMS[name].reduce_scatter(out, full, self.topo, async_op)
+            running = rings.ALGORITHMS[name].reduce_scatter(out, full, self.topo, async_op,
+                                                            overwrite)
             return _pending(None, lambda: self._record(phase, "reduce_scatter", scope, name,
                                                        running.wait(), start), async_op)
         if scope == "world" and not self._world_is_nested():

@@ -491,17 +491,22 @@ class Algorithm:
 
     @torch.no_grad()
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, topo: Topology,
-                       async_op: bool = False) -> Running:
+                       async_op: bool = False, overwrite: bool = False) -> Running:
         """Sum ``full`` (N chunks in nested order, possibly short of a padded tail) over all
         ranks and write this rank's chunk ``topo.chunk_index()`` to ``out``. ``full`` is left
-        as it was, and copied before this returns: the partial sums live in a working copy.
-        With ``async_op``, ``out`` holds the result once ``wait()`` has returned."""
+        as it was, and copied before this returns: the partial sums live in a working copy;
+        with ``overwrite`` (a scratch buffer nobody reads again) and a ``full`` of exactly N
+        chunks they live in ``full`` itself, which saves a buffer's allocation, zeroing and
+        copy. With ``async_op``, ``out`` holds the result once ``wait()`` has returned."""
         c, n = out.numel(), topo.num_ranks
         if _chunk_numel(full.numel(), n) != c:
             raise ValueError(f"reduce_scatter: full has {full.numel()} elements, expected "
                              f"{n} chunks of {c} (the last rank's chunk may be padded)")
-        work = full.new_zeros(n * c)
-        work[:full.numel()].copy_(full.reshape(-1))
+        if overwrite and full.numel() == n * c and full.is_contiguous():
+            work = full.view(-1)
+        else:
+            work = full.new_zeros(n * c)
+            work[:full.numel()].copy_(full.reshape(-1))
         k = topo.chunk_index()
 
         def run() -> LinkBytes:

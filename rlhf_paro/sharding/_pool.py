@@ -1,7 +1,6 @@
 """Flat buffers a pass asks for again and again, kept for the next one on a CPU device.
 
-[Note: a pool of gradient buffers]  (docs/design.md, "Gradients: flat buffers, reductions in
-flight, buckets")
+[Note: a pool of gradient buffers]  (docs/design.md, "The engine in parts")
 Every micro-batch, a unit whose gradients leave the N level takes a zeroed flat buffer as large as
 the unit for autograd to add its gradients into, and a buffer of 1/n of it for the reduce-scatter's
 result; both are dropped once the reduction is added to the accumulator. On CUDA the caching

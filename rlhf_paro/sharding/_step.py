@@ -2,8 +2,9 @@
 the global norm, AdamW on the OS shards, bring the new parameters back to the P level.
 
 [Note: exactness]  (docs/design.md, "Exactness")
-Gradients are divided by N before the reduction and the loss by s in ``backward``, so the
-accumulated gradient is the mean over the N*s micro-batches, as in the unsharded reference fed
+Gradients are summed over ranks and divided by N once the step's sum is whole (engine.py,
+[Note: one division by N]), and the loss by s in ``backward``, so the accumulated gradient is
+the mean over the N*s micro-batches, as in the unsharded reference fed
 the whole global batch. The squared norm is summed over this rank's OS shard and all-reduced
 over the ranks whose OS shards are disjoint (the schedule's norm row), so each element counts
 once. The update is ``torch.optim.AdamW`` itself on the OS shard, element for element the same

@@ -88,6 +88,15 @@ from rlhf_paro.sharding.strategy import Level, Strategy
 # the same reductions in the same order (units finish backward in the same order everywhere).
 REDUCTIONS_IN_FLIGHT = 2
 
+# [Note: one division by N]  (docs/design.md, "Exactness")
+# The mean over the N ranks is the accumulated sum divided by N once, when a unit's accumulator
+# holds the whole step (``_accumulated``): every path into an accumulator adds undivided
+# gradients (autograd's direct additions, a reduce-scatter's sums, a gradient added in place).
+# Dividing each micro-batch's unsharded gradient before its reduction instead cost a pass over
+# the whole unit per micro-batch, where this costs a pass over the G-level accumulator per step.
+# For N a power of two the two are the same bits (a division by 2^k is exact); otherwise they
+# differ by the rounding of one division, far inside the reference's 1e-6.
+
 # [Note: the boundary starts in the last backward]
 # In the step's last micro-batch a unit's accumulator is complete as soon as its own gradient is
 # in: at its post-backward when gradients stay at the N level, when its last reduce-scatter is
@@ -318,16 +327,14 @@ class ShardedEngine:
             if added and self._last_micro_batch:
                 self._accumulated(unit)
             elif not added:
+                # Accumulators hold undivided sums, divided once the step's is whole
+                # (``_accumulated``, [Note: one division by N]); a gradient that missed a direct
+                # accumulator (its unit's backward began without ``_pre_backward``, as under a
+                # reentrant checkpoint that runs the module hooks inside it) joins it undivided.
                 reduced = grad.to(self.reduce_dtype)
                 if reduced is not grad:
                     self._pool.give(grad)
                 grad = reduced
-                # Direct accumulators hold undivided sums, divided once the step's is whole
-                # (``_accumulated``): a gradient that missed the accumulator (its unit's backward
-                # began without ``_pre_backward``, as under a reentrant checkpoint that runs the
-                # module hooks inside it) joins them undivided.
-                if not self._direct_grads:
-                    grad.div_(self.topo.num_ranks)
                 if not self._grad_reduce:
                     unit.grad_acc.add_(grad)
                     self._pool.give(grad)
@@ -360,7 +367,9 @@ class ShardedEngine:
             torch.cat([g.view(n, -1) for _, g in members], dim=1, out=grad.view(n, -1))
             self._pool.give(*(g for _, g in members))
         out = self._pool.empty(grad.numel() // n, grad.dtype)
-        pending = self.comm.reduce_scatter(out, grad, c.scope, c.phase, async_op=True)
+        # The input is this micro-batch's scratch: a ring may sum in it.
+        pending = self.comm.reduce_scatter(out, grad, c.scope, c.phase, async_op=True,
+                                           overwrite=True)
         self._reductions.append(_Reduction([u for u, _ in members], pending, grad, out,
                                            self._last_micro_batch))
         while len(self._reductions) > REDUCTIONS_IN_FLIGHT:
@@ -378,10 +387,10 @@ class ShardedEngine:
         self._pool.give(reduction.grad, reduction.out)
 
     def _accumulated(self, unit: Unit) -> None:
-        """The unit's accumulator holds this step's whole sum: start its boundary reduction
-        ([Note: the boundary starts in the last backward])."""
-        if self._direct_grads:  # the accumulator holds the sum of undivided gradients
-            unit.grad_acc.div_(self.topo.num_ranks)
+        """The unit's accumulator holds this step's whole sum: the mean over ranks once divided
+        by N ([Note: one division by N]); start its boundary reduction ([Note: the boundary
+        starts in the last backward])."""
+        unit.grad_acc.div_(self.topo.num_ranks)
         self._boundary.start(unit)
 
     def _end_of_backward(self) -> None:
