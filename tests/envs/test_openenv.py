@@ -78,12 +78,12 @@ def echo():
         url = None
         served = (Recorded, example.EchoAction, example.EchoObservation)
 
-    return Echo, Recorded
+    return Echo, Recorded, example
 
 
 @pytest.mark.slow
 def test_episodes_of_a_served_openenv_environment_carry_its_observations_and_rewards(echo):
-    Echo, Recorded = echo
+    Echo, Recorded, _ = echo
     tokenizer = hf_assets.word_tokenizer(chat=False)
     model = models.build_model("actor", ModelConfig(config=TINY), len(tokenizer), seed=3)
     engine = HFRollout(Gathered(model), tokenizer.pad_token_id, tokenizer.eos_token_id,
@@ -145,6 +145,29 @@ def test_episodes_of_a_served_openenv_environment_carry_its_observations_and_rew
     # The scores are the sums of the server's rewards (0.1 a word): at most 1.5, so float32
     # holds them within 1e-7; 1e-6 is far below the 0.1 a word more or less would move them.
     torch.testing.assert_close(batch.scores, torch.tensor(scores), atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
+def test_an_environment_that_raises_on_the_server_stops_the_step_in_one_line(echo):
+    Echo, _, example = echo
+
+    class Raising(example.EchoEnvironment):
+        def step(self, action, timeout_s=None, **kwargs):
+            raise ValueError(f"no echo for {action.message!r}\ntoday")
+
+    class Broken(Echo):
+        served = (Raising, *Echo.served[1:])
+
+    runner = envs.EnvRunner(Broken, "Broken", num_workers=2, timeout_s=60)
+    try:
+        opened, _ = runner.start([{"prompt": "count : a"}], [0], lambda i: f"at step 4, sample {i}")
+        with pytest.raises(envs.EnvError) as info:
+            runner.step(opened, ["a b"], lambda i: f"at step 4, sample {i} (turn 0)")
+        runner.end(opened, lambda i: f"at step 4, sample {i}")
+    finally:
+        runner.close()
+    assert str(info.value) == ("Broken.step raised at step 4, sample 0 (turn 0) (RuntimeError: "
+                               "Server error: no echo for 'a b')")
 
 
 @pytest.mark.slow
