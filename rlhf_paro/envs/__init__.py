@@ -6,6 +6,7 @@ from the columns of its prompt's row (the prompt column as the text the model se
 
     reset() -> observation | None          # None: the prompt alone starts the episode
     step(action: str) -> (observation | None, reward: float, done: bool)
+    close()                                # optional: called once the rollout's episodes end
 
 ``action`` is the model's turn decoded without special tokens. An observation is text, or chat
 messages (a ``{"role": "tool" | "user", "content": ...}`` dict or a list of them) rendered with
@@ -206,6 +207,21 @@ class EnvRunner:
         results = self._run([lambda i=i: one(i) for i in range(len(envs))], "step", where)
         self.calls.steps += len(results)
         return results
+
+    def end(self, envs: Sequence[Any], where: Callable[[int], str]) -> None:
+        """``close()`` of each environment that has one, once the rollout's episodes have
+        ended (what an environment holds for its episode, a session or a process, is freed
+        then; gymnasium's convention)."""
+        closing = [i for i, env in enumerate(envs) if callable(getattr(env, "close", None))]
+
+        def one(i: int) -> None:
+            try:
+                envs[i].close()
+            except Exception as err:
+                raise EnvError(f"{self.name}.close raised {where(i)} ({_one_line(err)})"
+                               ) from None
+
+        self._run([lambda i=i: one(i) for i in closing], "close", lambda k: where(closing[k]))
 
     def _run(self, calls: list[Callable[[], Any]], what: str, where: Callable[[int], str]
              ) -> list[Any]:

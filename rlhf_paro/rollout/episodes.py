@@ -3,7 +3,8 @@
 
 Each turn generates the next action of every episode still running, in one batched call of the
 rollout engine (``Rollout.generate`` on the episodes' contexts; finished episodes drop out), and
-steps their environments (``envs.EnvRunner``: in threads, each call within ``env.timeout_s``).
+steps their environments (``envs.EnvRunner``: in threads, each call within ``env.timeout_s``);
+once all have ended, it closes the environments that have a ``close()``.
 Token in, token out: an episode's context is the exact token ids of its prompt, its actions and
 the observations' tokens (``envs.Observations``), never a re-tokenised transcript, so the
 trainer's log-probs of an action are those of the context it was sampled in. An action runs
@@ -130,6 +131,7 @@ def run(engine: Rollout, prompts: PromptBatch, rows: Sequence[dict[str, Any]],
                     continue
                 episode.add(ids, False)
                 observed += len(ids)
+    runner.end(envs, where)
     stats = {
         "episodes": float(len(episodes)),
         "turns": float(sum(e.turns for e in episodes)),
