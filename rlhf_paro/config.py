@@ -459,9 +459,30 @@ class RolloutConfig:
     tensor_parallel_size: int = 1  # devices one engine spans; must divide cluster.group_size
     enforce_eager: bool = True  # no CUDA graphs: an engine built every run starts sooner
     enable_prefix_caching: bool = True  # rollout.n samples of a prompt share its prefill
+    # Devices of their own for the rollout (docs/design.md, "Asynchronous rollouts"): 0, the
+    # engines live in the actor's ranks and share their devices; D > 0, D more devices each
+    # host one engine replica, which takes the actor's weights after every update.
+    num_devices: int = 0
+    # Steps the rollout may lag behind training, exactly: the rollout of step t comes from the
+    # policy after update t - K (or the initial one), generated while step t - 1 trains; 0: the
+    # synchronous order. K > 0 needs rollout.num_devices > 0.
+    max_staleness: int = 0
 
     def __post_init__(self) -> None:
         _positive("n", self.n)
+        for key in ("num_devices", "max_staleness"):
+            if getattr(self, key) < 0:
+                raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}")
+        if self.max_staleness and not self.num_devices:
+            raise ConfigError("max_staleness", f"{self.max_staleness} overlaps generation with "
+                              "training, which needs devices of its own for the rollout "
+                              "(colocated, both would share the same devices and only "
+                              "queue behind each other); allowed: 0, or with "
+                              "rollout.num_devices >= 1")
+        if self.num_devices and self.num_devices % self.tensor_parallel_size:
+            raise ConfigError("tensor_parallel_size", f"{self.tensor_parallel_size} does not "
+                              f"divide rollout.num_devices={self.num_devices}; allowed: a "
+                              f"divisor of it")
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         if not 0 < self.gpu_memory_utilization <= 1:

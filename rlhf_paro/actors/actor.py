@@ -13,44 +13,74 @@ from typing import Any
 
 import torch
 
-from rlhf_paro import envs, models, rollout
+from rlhf_paro import models, rollout
+from rlhf_paro.actors.rollout import Generation
 from rlhf_paro.actors.worker import TrainedWorker, Worker
 from rlhf_paro.comm.meter import GENERATE, SYNC
+from rlhf_paro.comm.transfer import TransferGroup
 from rlhf_paro.metrics import INFERENCE
 from rlhf_paro.ppo import algorithms, core
 from rlhf_paro.ppo.data import rollout_tokenizer
-from rlhf_paro.rollout import PromptBatch, RolloutBatch, episodes
+from rlhf_paro.rollout import PromptBatch, RolloutBatch
 
 
 class ActorWorker(TrainedWorker):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.tokenizer = rollout_tokenizer(self.cfg)  # its pad and eos ids
-        self.rollout_engine: rollout.Rollout | None = None  # built at setup, on the engine
+        # Built at setup, on the engine, when the rollout lives in this rank
+        # (rollout.num_devices=0); None when replicas of their own generate.
+        self.rollout_engine: rollout.Rollout | None = None
+        self.generation: Generation | None = None
+        # Where this rank sends its weights to the replicas it serves (rollout.num_devices > 0).
+        self.transfer: TransferGroup | None = None
         self._old_logp: torch.Tensor | None = None  # this step's, from old_logprobs
         self._experience: core.Experience | None = None  # this step's, from make_experience
         # Whether the weights changed since the rollout engine last took them (an engine with a
         # copy of its own: ``Rollout.needs_sync``): at setup, after an update or a resume.
         self._engine_stale = True
-        # Multi-turn episodes (env.function, env.tools): this rank's environments' runner and
-        # what turns their observations into tokens; None for single-turn rollouts.
-        self.env_runner: envs.EnvRunner | None = None
-        self.observations: envs.Observations | None = None
-        if self.cfg.env.enabled:
-            factory, name = envs.load(self.cfg)
-            self.env_runner = envs.EnvRunner(factory, name, self.cfg.env.num_workers,
-                                             self.cfg.env.timeout_s)
-            self.observations = envs.Observations(
-                self.tokenizer, self.cfg.data.apply_chat_template, envs.tool_schemas(self.cfg))
 
     def setup(self, master_addr: str, master_port: int) -> int:
-        """``Worker.setup``, then the rollout engine on this rank's engine."""
+        """``Worker.setup``, then the rollout engine on this rank's engine, unless the rollout
+        has devices of its own."""
         pid = super().setup(master_addr, master_port)
-        self.rollout_engine = rollout.build(self.cfg.rollout.engine, rollout.EngineContext(
-            self.cfg, self.engine, self.tokenizer.pad_token_id, self.tokenizer.eos_token_id,
-            self.device))
-        self.rollout_engine.sleep()  # its memory is training's until the first generation
+        if self.cfg.rollout.num_devices == 0:
+            self.rollout_engine = rollout.build(self.cfg.rollout.engine, rollout.EngineContext(
+                self.cfg, self.engine, self.tokenizer.pad_token_id, self.tokenizer.eos_token_id,
+                self.device))
+            self.rollout_engine.sleep()  # its memory is training's until the first generation
+            self.generation = Generation(self.cfg, self.rollout_engine, self.tokenizer,
+                                         self.device)
         return pid
+
+    # -- rollout replicas on devices of their own (rollout.num_devices > 0) -------------------
+    def weight_manifest(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """(Hugging Face name, shape, dtype) of every weight a replica takes, in the order
+        ``send_weights`` sends them (one pass of the sync's gathers, on every rank)."""
+        lora = self.model_cfg.lora
+        return [(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                for name, t in models.hf_weights(self.engine.module,
+                                                 self.engine.unit_parameters(SYNC),
+                                                 lora.alpha / lora.r)]
+
+    def join_transfer(self, host: str, port: int, same_node: list[bool]) -> None:
+        """The transfer group of this rank and the replicas it serves (``comm/transfer.py``);
+        ``same_node``: whether each of them is on this rank's node."""
+        self.transfer = TransferGroup(host, port, f"transfer{self.rank}/", 0,
+                                      len(same_node) + 1, self.device, self.engine.meter,
+                                      same_node)
+
+    def send_weights(self) -> None:
+        """The weights to the replicas: every rank gathers each unit at the P scope (phase
+        ``sync``, [Note: a unit at a time]) and a rank that serves replicas sends them each
+        weight (phase ``transfer``)."""
+        lora = self.model_cfg.lora
+        with self.timed(SYNC):
+            for _, tensor in models.hf_weights(self.engine.module,
+                                                self.engine.unit_parameters(SYNC),
+                                                lora.alpha / lora.r):
+                if self.transfer is not None:
+                    self.transfer.broadcast(tensor.contiguous())
 
     def load_checkpoint(self, directory: str) -> None:
         super().load_checkpoint(directory)
@@ -73,47 +103,19 @@ class ActorWorker(TrainedWorker):
                  greedy: bool = False, step: int = 0) -> tuple[RolloutBatch, dict[str, float]]:
         """Sample one response per prompt (``prompts``: left-padded, ``runs.Prompts``), or, with
         an environment, one episode per prompt (``rows``: the prompts' texts and columns, which
-        build the environments). ``greedy``: an evaluation, whose rollout is returned and not
-        kept. Returns the rollout (for the other models of this rank) and sums for the driver
-        (an environment's as ``env_<name>``, ``episodes.run``)."""
-        sampling = rollout.Sampling.from_config(self.cfg.ppo, greedy)
+        build the environments): ``Generation``, on this rank's prompt slice. ``greedy``: an
+        evaluation, whose rollout is returned and not kept. Returns the rollout (for the other
+        models of this rank) and sums for the driver."""
         self.rollout_engine.wake()
         self.sync_engine()
-        env_stats: dict[str, float] = {}
         with self.timed(GENERATE):
-            if self.env_runner is None:
-                batch = self.rollout_engine.generate(prompts, sampling)
-            else:
-                batch, env_stats = self._episodes(prompts, rows, sampling, step)
+            batch, stats = self.generation(prompts, rows, greedy, step, self.rank)
         self.rollout_engine.sleep()
         # Generation runs padded (a key/value cache per row): every position of the rows.
         self.count_tokens(batch.attention_mask, packed=False)
-        stats = {"count": float(len(batch)), "response_length": float(batch.action_mask.sum()),
-                 "real_tokens": float(batch.attention_mask.sum()),
-                 **{f"env_{k}": v for k, v in env_stats.items()}}
         if not greedy:
             self._rollout = batch
         return batch, stats
-
-    def _episodes(self, prompts: PromptBatch, rows: dict[str, Any], sampling: rollout.Sampling,
-                  step: int) -> tuple[RolloutBatch, dict[str, float]]:
-        """This rank's episodes (``episodes.run``): sample i of the step is number
-        rank x len(prompts) + i, which names it in error lines and seeds its environment (an
-        evaluation's seeds are apart from the training steps')."""
-        cfg = self.cfg
-        first = self.rank * len(prompts)
-        key = cfg.data.prompt_key
-        samples = [{key: text, **{c: values[i] for c, values in rows["columns"].items()}}
-                   for i, text in enumerate(rows["texts"])]
-        stream = -1 - step if sampling.greedy else step
-        seeds = [envs.sample_seed(cfg.trainer.seed, stream, first + i)
-                 for i in range(len(prompts))]
-        what = "evaluation after step" if sampling.greedy else "step"
-        return episodes.run(
-            self.rollout_engine, prompts, samples, seeds, self.env_runner, self.observations,
-            lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), sampling,
-            episodes.Budget(cfg.env.max_turns, cfg.env.max_total_tokens),
-            self.tokenizer.pad_token_id, lambda i: f"at {what} {step}, sample {first + i}")
 
     def set_rollout(self, batch: RolloutBatch) -> None:
         """Replace this rank's rollout with ``batch``: the rows the driver dealt it

@@ -28,11 +28,13 @@ ALGORITHM_CHOICES = (AUTO, *ALGORITHM_NAMES)  # the values of comm.algorithm
 FORWARD, BACKWARD, BOUNDARY, UPDATE = "forward", "backward", "boundary", "update"
 GENERATE = "generate"  # every unit gathered for the actor's generation
 SYNC = "sync"  # every unit gathered, one at a time, into the actor's rollout engine
+TRANSFER = "transfer"  # the gathered weights sent on to rollout replicas on devices of their own
 GATHER = "gather"  # every unit gathered for anything else: a full state dict, an export
 VERIFY = "verify"  # checksums of gathered chunks (verify_gathers)
 CHECKPOINT = "checkpoint"  # a DeepSpeed model saving or loading its own checkpoint
 OTHER = "other"  # a DeepSpeed collective outside the engine's calls (its setup)
-PHASES = (FORWARD, BACKWARD, BOUNDARY, UPDATE, GENERATE, SYNC, GATHER, VERIFY, CHECKPOINT, OTHER)
+PHASES = (FORWARD, BACKWARD, BOUNDARY, UPDATE, GENERATE, SYNC, TRANSFER, GATHER, VERIFY, CHECKPOINT,
+          OTHER)
 
 
 class CommRecord(NamedTuple):

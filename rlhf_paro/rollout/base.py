@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterable, Protocol
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Protocol
 
 import torch
 from torch import Tensor
@@ -53,6 +54,23 @@ class Rollout(Protocol):
 
     def wake(self) -> None:
         """Take it again before the next ``generate``."""
+
+
+def generation_seed(run_seed: int, step: int, shard: int) -> int:
+    """The seed of the random stream that samples step ``step``'s rollout of prompt slice
+    ``shard`` (an actor rank's, or a rollout replica's): a pure function of the three, so the
+    same rollout comes from any process that generates that slice at that step, colocated or on a
+    replica, straight or resumed (docs/design.md, "Asynchronous rollouts")."""
+    return ((run_seed * 1_000_003 + step) * 1_000_003 + shard) & 0x7FFFFFFF
+
+
+@contextlib.contextmanager
+def seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """Sample from a random stream of its own, seeded with ``seed``: the process's own streams
+    (what shuffles mini-batches) are as they were afterwards."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,203 @@
+"""Generation: what samples a rollout, in an actor rank's process or on a rollout replica.
+
+``Generation`` is the one place a rank's rollout is sampled: its engine (``rollout.engine``), the
+environments of multi-turn episodes, the random stream of each step (``rollout.generation_seed``:
+the same rollout from any process that generates the same prompt slice at the same step). The
+actor holds one when the engines live in its ranks (``rollout.num_devices=0``); with
+``rollout.num_devices=D`` a ``RolloutWorker`` holds one on each of D devices of its own, with a
+copy of the actor's weights that the actor sends after each update (``comm/transfer.py``;
+docs/design.md, "Asynchronous rollouts").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Any
+
+import torch
+
+from rlhf_paro import envs, models, rollout
+from rlhf_paro.actors.worker import Worker, bind_gloo, peak_bytes
+from rlhf_paro.comm.meter import GENERATE, SYNC
+from rlhf_paro.comm.transfer import TransferGroup
+from rlhf_paro.metrics import RankReport
+from rlhf_paro.ppo.data import rollout_tokenizer, vocab_sizes
+from rlhf_paro.rollout import PromptBatch, RolloutBatch, episodes
+
+
+class Generation:
+    """Samples a prompt slice's rollout with ``engine``: one response per prompt, or, with an
+    environment, one episode per prompt."""
+
+    def __init__(self, cfg: Any, engine: rollout.Rollout, tokenizer: Any,
+                 device: torch.device) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.tokenizer = tokenizer  # its pad and eos ids, and an episode's text
+        self.device = device
+        # Multi-turn episodes (env.function, env.tools): the environments' runner and what
+        # turns their observations into tokens; None for single-turn rollouts.
+        self.env_runner: envs.EnvRunner | None = None
+        self.observations: envs.Observations | None = None
+        if cfg.env.enabled:
+            factory, name = envs.load(cfg)
+            self.env_runner = envs.EnvRunner(factory, name, cfg.env.num_workers,
+                                             cfg.env.timeout_s)
+            self.observations = envs.Observations(
+                tokenizer, cfg.data.apply_chat_template, envs.tool_schemas(cfg))
+
+    @torch.no_grad()
+    def __call__(self, prompts: PromptBatch, rows: dict[str, Any] | None, greedy: bool,
+                 step: int, shard: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """The rollout of prompt slice ``shard`` at step ``step`` (``prompts``: left-padded,
+        ``runs.Prompts``; ``rows``: their texts and columns, which build the environments), and
+        sums for the driver (an environment's as ``env_<name>``, ``episodes.run``).
+        ``greedy``: an evaluation. Sampled from the slice's own random stream."""
+        cfg = self.cfg
+        sampling = rollout.Sampling.from_config(cfg.ppo, greedy)
+        env_stats: dict[str, float] = {}
+        with rollout.seeded(rollout.generation_seed(cfg.trainer.seed, step, shard), self.device):
+            if self.env_runner is None:
+                batch = self.engine.generate(prompts, sampling)
+            else:
+                batch, env_stats = self._episodes(prompts, rows, sampling, step, shard)
+        stats = {"count": float(len(batch)), "response_length": float(batch.action_mask.sum()),
+                 "real_tokens": float(batch.attention_mask.sum()),
+                 **{f"env_{k}": v for k, v in env_stats.items()}}
+        return batch, stats
+
+    def _episodes(self, prompts: PromptBatch, rows: dict[str, Any], sampling: rollout.Sampling,
+                  step: int, shard: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """The slice's episodes (``episodes.run``): sample i of the step is number
+        shard x len(prompts) + i, which names it in error lines and seeds its environment (an
+        evaluation's seeds are apart from the training steps')."""
+        cfg = self.cfg
+        first = shard * len(prompts)
+        key = cfg.data.prompt_key
+        samples = [{key: text, **{c: values[i] for c, values in rows["columns"].items()}}
+                   for i, text in enumerate(rows["texts"])]
+        stream = -1 - step if sampling.greedy else step
+        seeds = [envs.sample_seed(cfg.trainer.seed, stream, first + i)
+                 for i in range(len(prompts))]
+        what = "evaluation after step" if sampling.greedy else "step"
+        return episodes.run(
+            self.engine, prompts, samples, seeds, self.env_runner, self.observations,
+            lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), sampling,
+            episodes.Budget(cfg.env.max_turns, cfg.env.max_total_tokens),
+            self.tokenizer.pad_token_id, lambda i: f"at {what} {step}, sample {first + i}")
+
+
+class LocalWeights:
+    """A replica's own copy of the actor's model, as the hf engine reads an engine's weights
+    (``gathered``), loaded by name from the actor's (``load``)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        # Hugging Face names, a tied weight once (what the actor sends: models.hf_weights).
+        self.params = dict(module.lm.named_parameters())
+
+    def gathered(self, phase: str | None = None) -> Any:
+        return contextlib.nullcontext(self.module)
+
+    @torch.no_grad()
+    def load(self, named: Any) -> None:
+        for name, tensor in named:
+            self.params[name].copy_(tensor)
+
+
+class HFReplica(rollout.hf.HFRollout):
+    """The hf engine on a replica: generates on its own copy of the weights, which ``sync``
+    overwrites."""
+
+    needs_sync = True
+
+    def sync(self, named_tensors: Any) -> None:
+        self.engine.load(named_tensors)
+
+
+class RolloutWorker(Worker):
+    """Replica ``rank`` of the rollout on a device of its own: an engine with its own copy of
+    the actor's weights (``receive_weights`` after each update), sampling the prompt slices the
+    driver gives it (``generate``)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.tokenizer = rollout_tokenizer(self.cfg)
+        self.generation: Generation | None = None  # built at setup
+        self.transfer: TransferGroup | None = None  # its actor rank and it (setup)
+        # (Hugging Face name, shape, dtype) of every weight, in the order the actor sends them.
+        self.manifest: list[tuple[str, tuple[int, ...], str]] = []
+        self.received_bytes = 0  # this step's, for its report
+
+    def setup(self, host: str, port: int, source: int, group_rank: int, group_size: int,
+              manifest: list[tuple[str, tuple[int, ...], str]]) -> int:
+        """Join the transfer group of actor rank ``source`` (as ``group_rank`` of
+        ``group_size``) and build the engine; returns this worker's process id."""
+        if self.device.type == "cpu":
+            bind_gloo(__import__("ray").util.get_node_ip_address())
+        # A replica owns its device alone: every core of its slot (a CPU bundle is one here).
+        if self.device.type == "cpu":
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(
+                1, self.cfg.cluster.num_devices + self.cfg.rollout.num_devices)))
+        self.transfer = TransferGroup(host, port, f"transfer{source}/", group_rank, group_size,
+                                      self.device)
+        self.manifest = manifest
+        cfg = self.cfg
+        actor = cfg.actor
+        hf_config = models.hf_config("actor", actor, vocab_sizes(cfg)["actor"])
+        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        if cfg.rollout.engine == "hf":
+            # The plain model: a LoRA actor sends its weights merged (models.hf_weights).
+            plain = dataclasses.replace(actor, lora=dataclasses.replace(actor.lora, enabled=False))
+            module = models.build_model("actor", plain, vocab_sizes(cfg)["actor"],
+                                        seed=cfg.trainer.seed).to(self.device)
+            module.eval()
+            engine: rollout.Rollout = HFReplica(LocalWeights(module), pad, eos, self.device,
+                                                cfg.rollout.micro_batch_size)
+        else:
+            from rlhf_paro.rollout.vllm import VLLMRollout
+
+            engine = VLLMRollout(cfg, hf_config, eos, pad, self.device,
+                                 seed=cfg.trainer.seed * 1000 + 500 + self.rank)
+        self.generation = Generation(cfg, engine, self.tokenizer, self.device)
+        return os.getpid()
+
+    def receive_weights(self) -> None:
+        """The actor's weights, as its rank sends them (``ActorWorker.send_weights``), into the
+        engine, one weight at a time (phase ``sync``)."""
+        engine = self.generation.engine
+
+        def stream() -> Any:
+            for name, shape, dtype in self.manifest:
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+                self.transfer.broadcast(tensor)
+                self.received_bytes += tensor.numel() * tensor.element_size()
+                yield name, tensor
+
+        engine.wake()
+        with self.timed(SYNC):
+            engine.sync(stream())
+
+    def generate(self, prompts: PromptBatch, rows: dict[str, Any] | None = None,
+                 greedy: bool = False, step: int = 0) -> tuple[RolloutBatch, dict[str, float]]:
+        """This replica's prompt slice of step ``step`` (``Generation``)."""
+        with self.timed(GENERATE):
+            batch, stats = self.generation(prompts, rows, greedy, step, self.rank)
+        # vLLM's continuous batch computes on real tokens only; hf's static batch on every row.
+        self.count_tokens(batch.attention_mask,
+                          packed=not getattr(self.generation.engine, "computes_padding", True))
+        return batch, stats
+
+    def report(self) -> RankReport:
+        """This step's report: its time generating and taking weights, the tokens it generated,
+        the weights' bytes it received (``counters``); resets them."""
+        report = RankReport(tokens=self._tokens, real_tokens=self._real_tokens,
+                            time_s=dict(self._time_s), comm={}, memory={},
+                            peak_bytes=peak_bytes(self.device),
+                            counters={"received_bytes": float(self.received_bytes)})
+        self._time_s.clear()
+        self._tokens = self._real_tokens = 0
+        self.received_bytes = 0
+        return report
