@@ -423,7 +423,9 @@ class AlgorithmConfig:
 
     # gae (PPO with a critic), grpo, dr_grpo, rloo or reinforce_pp (critic-free).
     adv_estimator: str = "gae"
-    kl_estimator: str = "k1"  # per-token KL estimator against ref: k1, k2 or k3
+    # Per-token KL estimator against ref: k1, k2 or k3; null: by where the KL goes, k1 as the
+    # penalty in the reward (unbiased), k3 as the loss term (k1 there has zero expected gradient).
+    kl_estimator: str | None = None
     # KL coefficient (the start value when adaptive); 0: no KL anywhere and no ref model.
     kl_coef: float = 0.05
     # The KL as a loss term of the actor (GRPO) instead of a penalty in the token rewards.

@@ -14,7 +14,8 @@ needs before anything runs or is planned, done once by the entry points (``train
    actor's (a copy of its inline config), the critic of an algorithm that trains one takes the
    reward model's directory (its score head starts the value head) or else the actor's, and the
    actor's instead when the reward model has a tokenizer of its own (said in one line); a
-   DeepSpeed model's ``strategy`` is the PaRO strategy its stage stands for.
+   DeepSpeed model's ``strategy`` is the PaRO strategy its stage stands for; a null
+   ``algorithm.kl_estimator`` is the one for where the KL goes (``algorithms.kl_estimator``).
 
 The input is left as it is; resolving a resolved config returns an equal one.
 """
@@ -113,7 +114,8 @@ def derive(cfg: Config, say: Callable[[str], None] = print) -> Config:
                                            .strategy(role in FROZEN_ROLES,
                                                      cfg.cluster.group_size))
                  for role in ROLES if cfg.model(role).backend == "deepspeed"}
-    return dataclasses.replace(cfg, **deepspeed)
+    algorithm = dataclasses.replace(cfg.algorithm, kl_estimator=algorithms.kl_estimator(cfg))
+    return dataclasses.replace(cfg, algorithm=algorithm, **deepspeed)
 
 
 def _with_critic_source(cfg: Config, say: Callable[[str], None]) -> Config:

@@ -211,7 +211,12 @@ def test_good_overrides_still_reach_the_run(jobs, capsys, good):
      "rollout.n",
      "allowed: 2 or more, got 1"),
     (["algorithm.adv_estimator=ppo2"], "algorithm.adv_estimator", "allowed: gae, "),
-    (["algorithm.kl_estimator=k9"], "algorithm.kl_estimator", "allowed: k1, k2, k3"),
+    (["algorithm.kl_estimator=k9"], "algorithm.kl_estimator", "allowed: null, k1, k2, k3"),
+    # k1 as a loss term: its expected gradient is 0, the KL grows unchecked.
+    (["conf=grpo_tiny", "algorithm.kl_estimator=k1"], "algorithm.kl_estimator",
+     "zero expected gradient"),
+    (["algorithm.kl_in_loss=true", "algorithm.kl_estimator=k1"], "algorithm.kl_estimator",
+     "allowed: k3 or k2 (null: k3), or k1 with kl_in_loss=false"),
     (["algorithm.loss_agg_mode=seq_sum"], "algorithm.loss_agg_mode", "token_mean"),
     (["conf=grpo_tiny", "algorithm.adaptive_kl=true"], "algorithm.adaptive_kl", "allowed: false"),
 ])

@@ -286,3 +286,15 @@ def test_the_driver_deals_rollouts_only_with_balance_batch_and_more_than_one_dev
     assert load(four).deals_rollouts
     assert not load([*four, "ppo.balance_batch=false"]).deals_rollouts
     assert not load(one).deals_rollouts
+
+
+@pytest.mark.parametrize("argv, estimator", [
+    ([], "k1"),  # the penalty in the reward
+    (["algorithm.kl_in_loss=true"], "k3"),  # the loss term
+    (["algorithm.kl_in_loss=true", "algorithm.kl_estimator=k2"], "k2"),  # the user's, kept
+    (["algorithm.kl_estimator=k3"], "k3"),
+])
+def test_the_kl_estimator_goes_by_where_the_kl_goes_unless_set(argv, estimator):
+    # The schema leaves it unset (null) until resolve: whether the user set it is knowable.
+    assert AlgorithmConfig().kl_estimator is None
+    assert resolve(load_config([*INLINE, *argv])).algorithm.kl_estimator == estimator
