@@ -117,6 +117,13 @@ def hf_config(role: str, model_cfg: ModelConfig, vocab_size: int) -> Any:
     return config
 
 
+def max_positions(config: Any) -> int | None:
+    """The most positions a model of the Hugging Face ``config`` takes: its (text config's)
+    ``max_position_embeddings``, GPT-2's ``n_positions`` under that name; None without one."""
+    value = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def check_model_configs(cfg: Config, vocab_sizes: dict[str, int]) -> None:
     """Raise ``ConfigError`` for a model section of any role that transformers rejects (run it
     before anything is written). Each distinct inline config is also built on the meta device

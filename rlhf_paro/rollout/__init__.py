@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from rlhf_paro.rollout import hf, vllm
 from rlhf_paro.rollout.base import ENGINES, EngineContext, Rollout, Sampling, build, check, \
-    needs_sync, register_engine
+    max_len, needs_sync, register_engine
 from rlhf_paro.rollout.batch import PromptBatch, RolloutBatch, join, response_mask
 
 __all__ = ["ENGINES", "EngineContext", "PromptBatch", "Rollout", "RolloutBatch", "Sampling",
-           "build", "check", "hf", "join", "needs_sync", "register_engine", "response_mask", "vllm"]
+           "build", "check", "hf", "join", "max_len", "needs_sync", "register_engine",
+           "response_mask", "vllm"]
