@@ -86,8 +86,10 @@ class ActorWorker(TrainedWorker):
             else:
                 batch, env_stats = self._episodes(prompts, rows, sampling, step)
         self.rollout_engine.sleep()
-        # Generation runs padded (a key/value cache per row): every position of the rows.
-        self.count_tokens(batch.attention_mask, packed=False)
+        # The positions the engine computed on: every position of the rows for a static batch,
+        # the real tokens for one that computes no padding (``Rollout.computes_padding``).
+        self.count_tokens(batch.attention_mask,
+                          packed=not self.rollout_engine.computes_padding)
         stats = {"count": float(len(batch)), "response_length": float(batch.action_mask.sum()),
                  "real_tokens": float(batch.attention_mask.sum()),
                  **{f"env_{k}": v for k, v in env_stats.items()}}

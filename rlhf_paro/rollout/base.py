@@ -33,6 +33,10 @@ class Rollout(Protocol):
     # Whether the engine holds its own copy of the weights, which the actor then syncs before
     # the next generation after each update; False: it reads the actor's own parameters.
     needs_sync: bool
+    # Whether generation computes on the rows' padding too (a static batch runs every row as
+    # wide as the longest); False: on the real tokens only (a continuous batch). What the actor
+    # counts in ``perf/padding_fraction``.
+    computes_padding: bool
 
     def generate(self, prompts: PromptBatch, sampling: Sampling) -> RolloutBatch:
         """One response per prompt; responses as wide as the longest, never padded out to

@@ -158,6 +158,9 @@ class VLLMRollout:
     """A vLLM engine serving the actor's architecture, its weights synced from the actor."""
 
     needs_sync = True  # holds its own copy of the weights
+    # Continuous batching over each sequence's own tokens: no padding is computed on (the rows
+    # are padded only when the responses are laid out for the trainer).
+    computes_padding = False
 
     def __init__(self, cfg: Config, hf_config: Any, eos_token_id: int, pad_token_id: int,
                  device: torch.device, seed: int) -> None:
