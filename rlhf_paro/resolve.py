@@ -59,13 +59,14 @@ def resolve(cfg: Config, say: Callable[[str], None] = print, engine_check: bool 
 
 
 def longest_sequence(cfg: Config) -> tuple[int, str, str]:
-    """(tokens, key, what) of the longest sequence a PPO step may hold: the prompt bound
-    (``Config.prompt_bound``) and ``ppo.max_new_tokens``, the key an error names, and what the
-    tokens are made of, for the error's line."""
-    prompt_key, prompt = cfg.prompt_bound()
-    new = cfg.ppo.max_new_tokens
-    return (prompt + new, "ppo.max_new_tokens",
-            f"{new} new tokens + {prompt} prompt tokens ({prompt_key})")
+    """(tokens, key, what) of the longest sequence a step of the resolved run may hold
+    (``Config.longest_sequence``): the key an error names and what the tokens are, for its line.
+    An episode's budget, ``env.max_total_tokens``, with an environment; else the prompt bound +
+    ``ppo.max_new_tokens``."""
+    what, longest = cfg.longest_sequence()
+    if cfg.env.enabled:
+        return longest, "env.max_total_tokens", "an episode's budget"
+    return longest, "ppo.max_new_tokens", what
 
 
 def context_limits(cfg: Config, vocab_sizes: dict[str, int], engine: bool = True
@@ -100,8 +101,8 @@ def check_longest_sequence(cfg: Config, longest: int, key: str, what: str,
     """``ConfigError`` naming ``key`` when a sequence of ``longest`` tokens, the longest a step of
     the resolved run may hold (``what``: what it is made of), exceeds a limit of
     ``context_limits``: a model would index positions it has not got (GPT-2 fails at its first
-    forward), and vLLM would cut responses short without a word. ``longest_sequence`` gives a
-    PPO step's; a run whose sequences are bounded otherwise passes its own bound and key."""
+    forward), and vLLM would cut responses short without a word. ``longest_sequence`` gives the
+    run's (a PPO step's, or an episode's budget); any other bound comes with its own key."""
     for tokens, limit in context_limits(cfg, vocab_sizes, engine):
         if longest <= tokens:
             continue
@@ -110,8 +111,9 @@ def check_longest_sequence(cfg: Config, longest: int, key: str, what: str,
             value = getattr(value, part)
         lower = value - (longest - tokens)
         hint = f" ({key}={lower} here)" if lower > 0 else ""
-        raise ConfigError(key, f"{what} = {longest} exceed {limit}={tokens}; allowed: at most "
-                               f"{tokens} tokens in all{hint}, or a model with more positions")
+        raise ConfigError(key, f"{longest} tokens ({what}) exceed {limit}={tokens}; allowed: "
+                               f"at most {tokens} tokens in all{hint}, or a model with more "
+                               "positions")
 
 
 def check_files(cfg: Config) -> None:

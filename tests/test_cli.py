@@ -20,7 +20,7 @@ import yaml
 from rlhf_paro import plan, train
 from rlhf_paro.cli import _leaves
 from rlhf_paro.compose import load_config
-from rlhf_paro.config import ConfigError, PPOConfig, TaskConfig
+from rlhf_paro.config import PPOConfig, TaskConfig
 from rlhf_paro.ppo import demo
 from tests.confs import INLINE, TINY_MODEL
 
@@ -288,17 +288,18 @@ SHORT_MODEL = TINY_MODEL.replace("max_position_embeddings: 64", "max_position_em
 
 @pytest.mark.parametrize("argv, says", [
     ([*INLINE, f"actor.config={GPT2_64}", "ppo.max_new_tokens=60"],
-     "60 new tokens + 8 prompt tokens (ppo.max_prompt_len) = 68 exceed actor's "
+     "68 tokens (ppo.max_prompt_len=8 + ppo.max_new_tokens=60) exceed actor's "
      "max_position_embeddings=64; allowed: at most 64 tokens in all (ppo.max_new_tokens=56 "
      "here), or a model with more positions"),
     # Every model the run builds: here the reward model has fewer positions than the actor.
     ([*INLINE, f"reward.config={SHORT_MODEL}"],
-     "8 new tokens + 8 prompt tokens (ppo.max_prompt_len) = 16 exceed reward's "
+     "16 tokens (ppo.max_prompt_len=8 + ppo.max_new_tokens=8) exceed reward's "
      "max_position_embeddings=12; allowed: at most 12 tokens in all (ppo.max_new_tokens=4 here)"),
     # Prompts from files are bounded by data.max_prompt_length (the demo's models: 64 positions).
-    (["data.max_prompt_length=60"], "8 new tokens + 60 prompt tokens (data.max_prompt_length) = "
-                                    "68 exceed actor's max_position_embeddings=64; allowed: at "
-                                    "most 64 tokens in all (ppo.max_new_tokens=4 here)"),
+    (["data.max_prompt_length=60"], "68 tokens (data.max_prompt_length=60 + "
+                                    "ppo.max_new_tokens=8) exceed actor's "
+                                    "max_position_embeddings=64; allowed: at most 64 tokens in "
+                                    "all (ppo.max_new_tokens=4 here)"),
 ])
 def test_a_sequence_longer_than_a_model_takes_is_one_line_before_anything_starts(
         jobs, capsys, tmp_path, argv, says):
@@ -309,22 +310,6 @@ def test_a_sequence_longer_than_a_model_takes_is_one_line_before_anything_starts
         assert info.value.code == 2 and stderr.count("\n") == 1, stderr
         assert stderr.startswith(f"error: ppo.max_new_tokens: {says}"), stderr
     assert jobs == [] and list(tmp_path.iterdir()) == []
-
-
-def test_the_longest_sequence_check_takes_any_bound_and_names_its_key():
-    # A run whose sequences another key bounds (a multi-turn episode's budget) passes its own.
-    from rlhf_paro.ppo import data
-    from rlhf_paro.resolve import check_longest_sequence
-    from tests.confs import load
-
-    cfg = load([*INLINE, f"actor.config={GPT2_64}"])
-    sizes = data.vocab_sizes(cfg)
-    check_longest_sequence(cfg, 64, "ppo.max_new_tokens", "64 tokens", sizes)
-    with pytest.raises(ConfigError, match=r"^ppo.max_new_tokens: 65 tokens of an episode = 65 "
-                                          r"exceed actor's max_position_embeddings=64; allowed: "
-                                          r"at most 64 tokens in all \(ppo.max_new_tokens=7 "
-                                          r"here\)"):
-        check_longest_sequence(cfg, 65, "ppo.max_new_tokens", "65 tokens of an episode", sizes)
 
 
 VLLM_MODEL = ("{model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
@@ -422,8 +407,8 @@ def test_a_sequence_longer_than_vllm_takes_the_model_at_is_one_line(jobs, capsys
         train.main(argv)
     stderr = capsys.readouterr().err
     assert info.value.code == 2 and stderr.count("\n") == 1, stderr
-    assert stderr.startswith("error: ppo.max_new_tokens: 30 new tokens + 8 prompt tokens "
-                             "(ppo.max_prompt_len) = 38 exceed rollout.engine=vllm's "
+    assert stderr.startswith("error: ppo.max_new_tokens: 38 tokens (ppo.max_prompt_len=8 + "
+                             "ppo.max_new_tokens=30) exceed rollout.engine=vllm's "
                              "max_model_len (the actor config's seq_length)=32; "), stderr
     # The hf engine has no limit of its own: the model's 64 positions hold 38 tokens.
     train.main([*argv, "rollout.engine=hf"])

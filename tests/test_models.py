@@ -223,6 +223,7 @@ def test_dropout_is_off_unless_kept_and_an_export_writes_the_config_as_given(rol
     assert not torch.equal(kept.train()(*args), expected)
 
 
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out")  # PEFT on GPT-2's Conv1D: said and done
 def test_lora_keeps_its_own_dropout():
     lora = dataclasses.replace(ModelConfig().lora, enabled=True, dropout=0.25,
                                target_modules=["c_attn"])

@@ -112,6 +112,7 @@ def test_generation_counts_the_positions_its_engine_computes_on(engine, computed
 
     worker = object.__new__(ActorWorker)  # the counters only: no process group, no model
     worker.cfg, worker.rollout_engine, worker._engine_stale = load(INLINE), Engine(), False
+    worker.env_runner = None  # single-turn: one generate
     worker.packed, worker._tokens, worker._real_tokens = True, 0, 0
     worker._time_s = defaultdict(float)
     worker.generate(PromptBatch(mask, mask))
