@@ -92,9 +92,10 @@ def kl_estimator(cfg: Config) -> str:
 
 def check(cfg: Config) -> None:
     """``ConfigError`` in one line for a combination the algorithm cannot run: names the math
-    does not know, k1 as a loss term, a critic given to a critic-free algorithm, a group baseline with one sample
-    per prompt, micro-batches of a trained model that do not tile a mini-batch. Reads the
-    config as the user wrote it, before ``rlhf_paro.resolve`` gives the critic its source."""
+    does not know, k1 as a loss term, a critic given to a critic-free algorithm, a group
+    baseline with one sample per prompt, micro-batches of a trained model that do not tile a
+    mini-batch. Reads the config as the user wrote it, before ``rlhf_paro.resolve`` gives the
+    critic its source and a null KL estimator its value."""
     algo, alg = spec(cfg), cfg.algorithm
     if alg.kl_estimator is not None and alg.kl_estimator not in core.KL_ESTIMATORS:
         raise ConfigError("algorithm.kl_estimator", f"got {alg.kl_estimator!r}; allowed: null, "

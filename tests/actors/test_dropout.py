@@ -25,10 +25,10 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 GPT2 = ("{model_type: gpt2, n_embd: 64, n_layer: 2, n_head: 2, n_positions: 64, "
         "bos_token_id: 1, eos_token_id: 2}")
 ARGV = [f"actor.config={GPT2}", "reward.path=null", "data.train_files=null",
-        "cluster.num_devices=1", "cluster.group_size=1", "algorithm.adv_estimator=grpo", "rollout.n=2",
-        "algorithm.kl_in_loss=true", "algorithm.kl_coef=0.1", "ppo.rollout_batch_size=4",
-        "ppo.mini_batch_size=8", "ppo.ppo_epochs=1", "actor.micro_batch_size=4",
-        "ref.micro_batch_size=4"]
+        "cluster.num_devices=1", "cluster.group_size=1", "algorithm.adv_estimator=grpo",
+        "rollout.n=2", "algorithm.kl_in_loss=true", "algorithm.kl_coef=0.1",
+        "ppo.rollout_batch_size=4", "ppo.mini_batch_size=8", "ppo.ppo_epochs=1",
+        "actor.micro_batch_size=4", "ref.micro_batch_size=4"]
 
 
 def _rollout(vocab: int, pad: int) -> RolloutBatch:
