@@ -201,10 +201,9 @@ class ModelConfig:
     # keeps micro_batch_size.
     max_micro_batch_size: int | None = None
     gradient_checkpointing: bool = False  # recompute block activations in the backward pass
-    # Every dropout probability of the model set to 0 when it is built (its config's and its
-    # dropout modules'; LoRA's own lora.dropout is left as given): with dropout on, the training
-    # forward samples another policy than the one that generated, and at step 0 the ratio is not
-    # 1 nor the KL 0 (TRL's disable_dropout). false: the model's own dropout.
+    # Dropout off: the model's dropout probabilities set to 0 when it is built (lora.dropout is
+    # left as given). With dropout on, the training forward is another network than the one that
+    # sampled: at step 0 the ratio is not 1 nor the KL 0 (TRL's disable_dropout). false: keep it.
     disable_dropout: bool = True
     # Forward and backward on the real tokens only, a micro-batch's sequences packed into one
     # row (docs/design.md, "Batching"); null: packed wherever the architecture supports it.
