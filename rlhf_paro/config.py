@@ -201,6 +201,10 @@ class ModelConfig:
     # keeps micro_batch_size.
     max_micro_batch_size: int | None = None
     gradient_checkpointing: bool = False  # recompute block activations in the backward pass
+    # Dropout off: the model's dropout probabilities set to 0 when it is built (lora.dropout is
+    # left as given). With dropout on, the training forward is another network than the one that
+    # sampled: at step 0 the ratio is not 1 nor the KL 0 (TRL's disable_dropout). false: keep it.
+    disable_dropout: bool = True
     # Forward and backward on the real tokens only, a micro-batch's sequences packed into one
     # row (docs/design.md, "Batching"); null: packed wherever the architecture supports it.
     packing: bool | None = None
@@ -418,7 +422,9 @@ class AlgorithmConfig:
 
     # gae (PPO with a critic), grpo, dr_grpo, rloo or reinforce_pp (critic-free).
     adv_estimator: str = "gae"
-    kl_estimator: str = "k1"  # per-token KL estimator against ref: k1, k2 or k3
+    # Per-token KL estimator against ref: k1, k2 or k3; null: by where the KL goes, k1 as the
+    # penalty in the reward (unbiased), k3 as the loss term (k1 there has zero expected gradient).
+    kl_estimator: str | None = None
     # KL coefficient (the start value when adaptive); 0: no KL anywhere and no ref model.
     kl_coef: float = 0.05
     # The KL as a loss term of the actor (GRPO) instead of a penalty in the token rewards.

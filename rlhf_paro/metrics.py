@@ -141,8 +141,8 @@ def logprob_diff(per_rank: list[dict[str, float]]) -> dict[str, float]:
 
 def padding_fraction(reports: dict[str, list[RankReport]]) -> float:
     """``perf/padding_fraction``: of the token positions every model computed on during the
-    step (all ranks, all phases), the fraction that were padding (0 for packed forwards;
-    generation runs padded)."""
+    step (all ranks, all phases), the fraction that were padding (none in a packed forward, nor
+    in generation by an engine that computes on real tokens only, ``Rollout.computes_padding``)."""
     computed = sum(r.tokens for per_rank in reports.values() for r in per_rank)
     real = sum(r.real_tokens for per_rank in reports.values() for r in per_rank)
     return 1.0 - real / computed if computed else 0.0

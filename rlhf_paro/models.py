@@ -36,6 +36,9 @@ from rlhf_paro.sharding import TensorFiles
 VALUE_HEAD_FILE = "value_head.safetensors"
 # Sizes and counts of a Hugging Face config (its names for them); below 1 they build no model.
 _SIZE_KEY = re.compile(r"^num_|_size$|_dim$|^max_position_embeddings$")
+# Dropout probabilities of a Hugging Face config (attention_dropout, hidden_dropout_prob,
+# resid_pdrop, embd_pdrop, summary_first_dropout, layerdrop, ...) and the modules' copies of them.
+_DROPOUT_KEY = re.compile(r"dropout|pdrop|layerdrop")
 
 
 def _transformers():
@@ -114,6 +117,13 @@ def hf_config(role: str, model_cfg: ModelConfig, vocab_size: int) -> Any:
     return config
 
 
+def max_positions(config: Any) -> int | None:
+    """The most positions a model of the Hugging Face ``config`` takes: its (text config's)
+    ``max_position_embeddings``, GPT-2's ``n_positions`` under that name; None without one."""
+    value = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def check_model_configs(cfg: Config, vocab_sizes: dict[str, int]) -> None:
     """Raise ``ConfigError`` for a model section of any role that transformers rejects (run it
     before anything is written). Each distinct inline config is also built on the meta device
@@ -142,6 +152,57 @@ def check_model_configs(cfg: Config, vocab_sizes: dict[str, int]) -> None:
             raise _rejected(f"{role}.config", "no model can be built from it", err) from None
 
 
+def dropout_off(config: Any) -> dict[str, float]:
+    """Set every dropout probability of the Hugging Face ``config`` (and of its text config, in a
+    model that has one) to 0, before a model is built from it: some modules copy them when built,
+    others read the config at each forward. Returns the values given, to write back on export."""
+    given = {}
+    text = config.get_text_config()
+    for prefix, part in (("", config), ("text_config.", text)):
+        if prefix and text is config:
+            continue
+        for name, value in part.to_dict().items():
+            if _DROPOUT_KEY.search(name) and isinstance(value, (int, float)) \
+                    and not isinstance(value, bool) and value != 0:
+                given[prefix + name] = value
+                setattr(part, name, 0.0)
+    return given
+
+
+def _dropout_modules_off(module: nn.Module) -> None:
+    """Every dropout module of ``module`` at p = 0, and every dropout probability a module keeps
+    as a number of its own (a value set in code, not from the config)."""
+    for sub in module.modules():
+        if isinstance(sub, (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d,
+                            nn.AlphaDropout, nn.FeatureAlphaDropout)):
+            sub.p = 0.0
+            continue
+        for name, value in vars(sub).items():
+            if _DROPOUT_KEY.search(name) and isinstance(value, float):
+                setattr(sub, name, 0.0)
+
+
+@contextlib.contextmanager
+def _given_dropout(model: nn.Module, given: dict[str, float]) -> Iterator[None]:
+    """The Hugging Face config of ``model`` (a ``CausalLM`` or ``ValueModel``) with the dropout
+    probabilities the user gave (``dropout_off``) while inside: an export writes the model's
+    config as it came, not as the run trained it."""
+    if not given:
+        yield
+        return
+    config = (model.lm if isinstance(model, CausalLM) else model.backbone).config
+    text = config.get_text_config()
+    parts = [(text if name.startswith("text_config.") else config,
+              name.removeprefix("text_config."), value) for name, value in given.items()]
+    for part, name, value in parts:
+        setattr(part, name, value)
+    try:
+        yield
+    finally:
+        for part, name, _ in parts:
+            setattr(part, name, 0.0)
+
+
 def packs(model_cfg: ModelConfig, model_type: str) -> bool:
     """Whether the model runs its forwards packed: ``packing``, where null means wherever its
     architecture reads packed sequences (``batching.PACKED_MODEL_TYPES``)."""
@@ -162,6 +223,8 @@ class CausalLM(nn.Module):
     def __init__(self, lm: nn.Module) -> None:
         super().__init__()
         self.lm = lm  # Hugging Face *ForCausalLM, or a PEFT model around one
+        # Dropout probabilities of the config as given, which ``dropout_off`` set to 0.
+        self.given_dropout: dict[str, float] = {}
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 response_len: int | None = None, temperature: float = 1.0,
@@ -218,6 +281,8 @@ class ValueModel(nn.Module):
         self.backbone = backbone  # Hugging Face base model (no LM head), or a PEFT model
         self.value_head = nn.Linear(hidden_size, 1)
         self.per_token = per_token
+        # Dropout probabilities of the config as given, which ``dropout_off`` set to 0.
+        self.given_dropout: dict[str, float] = {}
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 response_len: int | None = None, packed: bool = False) -> torch.Tensor:
@@ -296,8 +361,8 @@ def _backbone(role: str, model_cfg: ModelConfig, config: Any, auto_class: Any,
         # meant, so transformers' load report is not shown.
         _transformers().utils.logging.set_verbosity_error()
         try:
-            module = auto_class.from_pretrained(model_cfg.path, local_files_only=True,
-                                                dtype=torch.float32,
+            module = auto_class.from_pretrained(model_cfg.path, config=config,
+                                                local_files_only=True, dtype=torch.float32,
                                                 trust_remote_code=model_cfg.trust_remote_code)
         except MemoryError:
             raise
@@ -306,6 +371,8 @@ def _backbone(role: str, model_cfg: ModelConfig, config: Any, auto_class: Any,
             raise ConfigError(f"{role}.path", f"cannot load the weights in {model_cfg.path!r} "
                               f"({type(err).__name__}: {detail}); allowed: a directory saved "
                               "by save_pretrained") from None
+    if model_cfg.disable_dropout:  # before LoRA: its own dropout is the user's choice
+        _dropout_modules_off(module)
     if model_cfg.gradient_checkpointing and not meta:
         module.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -317,13 +384,16 @@ def _backbone(role: str, model_cfg: ModelConfig, config: Any, auto_class: Any,
 
 def build_causal_lm(model_cfg: ModelConfig, vocab_size: int, *, role: str = "actor",
                     seed: int = 0, meta: bool = False, lazy: bool = False) -> CausalLM:
-    """Actor or ref: a Hugging Face causal LM (LoRA on top if enabled)."""
+    """Actor or ref: a Hugging Face causal LM (LoRA on top if enabled), without dropout
+    unless ``disable_dropout=false``."""
     config = hf_config(role, model_cfg, vocab_size)
+    given = dropout_off(config) if model_cfg.disable_dropout else {}
     transformers = _transformers()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         lm = _backbone(role, model_cfg, config, transformers.AutoModelForCausalLM, meta, lazy)
     model = CausalLM(lm)
+    model.given_dropout = given
     if model_cfg.path is not None and not (meta or lazy):
         weights.start_fresh(model, seed)  # LoRA adapters ([Note: fresh parameters])
     return model
@@ -338,6 +408,7 @@ def build_value_model(model_cfg: ModelConfig, vocab_size: int, *, role: str = "c
     without one the head starts fresh, which only makes sense for a critic.
     """
     config = hf_config(role, model_cfg, vocab_size)
+    given = dropout_off(config) if model_cfg.disable_dropout else {}
     transformers = _transformers()
     head = None if model_cfg.path is None or meta else saved_head(model_cfg.path)
     if not per_token and model_cfg.path is not None and not meta and head is None:
@@ -349,6 +420,7 @@ def build_value_model(model_cfg: ModelConfig, vocab_size: int, *, role: str = "c
         with torch.device("meta" if meta else "cpu"), \
                 _parameters_on_meta() if lazy else contextlib.nullcontext():
             model = ValueModel(backbone, config.hidden_size, per_token)
+        model.given_dropout = given
         if not meta and model_cfg.path is None:
             # A small head keeps initial values near 0 whatever the backbone's scale.
             nn.init.normal_(model.value_head.weight, std=1.0 / (config.hidden_size + 1))
@@ -568,26 +640,8 @@ def export_hf(model: nn.Module, state: dict[str, torch.Tensor], directory: str |
     directory.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
     try:
-        if isinstance(model, CausalLM):
-            inner = hf_state_dict(model, state)
-            model.lm.save_pretrained(scratch, state_dict=inner, safe_serialization=True)
-            if merge_lora and hasattr(model.lm, "merge_and_unload"):
-                _merged(model.lm, inner).save_pretrained(scratch / "merged",
-                                                         safe_serialization=True)
-                if tokenizer is not None:
-                    tokenizer.save_pretrained(scratch / "merged")
-        elif isinstance(model, ValueModel):
-            inner = hf_state_dict(model, state)
-            model.backbone.save_pretrained(scratch, state_dict=inner, safe_serialization=True)
-            from safetensors.torch import save_file
-
-            head = {k.removeprefix("value_head."): v.contiguous() for k, v in state.items()
-                    if k.startswith("value_head.")}
-            save_file(head, str(scratch / VALUE_HEAD_FILE))
-        else:
-            raise TypeError(f"cannot export {type(model).__name__}")
-        if tokenizer is not None:
-            tokenizer.save_pretrained(scratch)
+        with _given_dropout(model, getattr(model, "given_dropout", {})):
+            _write_hf(model, state, scratch, tokenizer, merge_lora)
         _readable(scratch)
         old = None
         if directory.exists():
@@ -600,6 +654,30 @@ def export_hf(model: nn.Module, state: dict[str, torch.Tensor], directory: str |
         shutil.rmtree(scratch, ignore_errors=True)
         raise
     return directory
+
+
+def _write_hf(model: nn.Module, state: dict[str, torch.Tensor], scratch: Path, tokenizer: Any,
+              merge_lora: bool) -> None:
+    """``export_hf``'s files, written into the directory ``scratch``."""
+    if isinstance(model, CausalLM):
+        inner = hf_state_dict(model, state)
+        model.lm.save_pretrained(scratch, state_dict=inner, safe_serialization=True)
+        if merge_lora and hasattr(model.lm, "merge_and_unload"):
+            _merged(model.lm, inner).save_pretrained(scratch / "merged", safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(scratch / "merged")
+    elif isinstance(model, ValueModel):
+        inner = hf_state_dict(model, state)
+        model.backbone.save_pretrained(scratch, state_dict=inner, safe_serialization=True)
+        from safetensors.torch import save_file
+
+        head = {k.removeprefix("value_head."): v.contiguous() for k, v in state.items()
+                if k.startswith("value_head.")}
+        save_file(head, str(scratch / VALUE_HEAD_FILE))
+    else:
+        raise TypeError(f"cannot export {type(model).__name__}")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(scratch)
 
 
 def _readable(directory: Path) -> None:

@@ -5,13 +5,18 @@ curves (task score and reward, KL and its coefficient), where the time of a step
 model's throughput, each model's P/G/OS bytes per device, and each model's bytes on intra- and
 inter-group links per phase. The models are the run's (``run_roles``): four for PPO, fewer
 without a critic or a reference model. Training runs it at the end; it also works on a run in
-progress, or one a kill stopped: a line that is not a row (the last one, cut short) is skipped
-and a metric a row lacks is a gap in its curve, each said in one line on stderr.
+progress, or one a kill stopped: a line that is not a row (the last one, cut short) is skipped,
+so is a row with no metrics (nothing but its step, or NaN and infinite values only), and a
+metric a row lacks or holds as NaN or infinity is a gap in its curve, each said in one line on
+stderr. Nothing else reaches the console: numpy's and matplotlib's warnings about empty or
+non-finite data are the dashboard's gaps, not the user's business.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import numbers
 import os
 import sys
@@ -89,11 +94,58 @@ def read_rows(path: str) -> tuple[list[tuple[int, dict]], list[str]]:
                 why = "cut short" if not line.endswith("\n") else "not JSON"
                 notes.append(f"skipped {path} line {number}: {why}")
                 continue
-            if not isinstance(row, dict) or not isinstance(row.get("step"), numbers.Real):
+            step = row.get("step") if isinstance(row, dict) else None
+            if not (isinstance(step, numbers.Real) and not isinstance(step, bool)
+                    and math.isfinite(step)):
                 notes.append(f"skipped {path} line {number}: not a row with a numeric 'step'")
                 continue
             rows.append((number, row))
     return rows, notes
+
+
+def _finite(value: object) -> bool:
+    return bool(np.isfinite(_value(value)))
+
+
+def with_metrics(path: str, rows: list[tuple[int, dict]]
+                 ) -> tuple[list[tuple[int, dict]], list[str]]:
+    """(rows, notes): the rows that hold at least one finite metric besides ``step``, and one
+    line naming the others (nothing to draw: no metric, or NaN and infinite values only)."""
+    kept, empty = [], []
+    for number, row in rows:
+        (kept if any(_finite(v) for k, v in row.items() if k != "step") else empty).append(
+            (number, row))
+    if not empty:
+        return kept, []
+    named = ", ".join(f"line {number} ({_step_and_nan(row)})" for number, row in empty[:3])
+    more = f" and {len(empty) - 3} more" if len(empty) > 3 else ""
+    return kept, [f"{path}: skipped {len(empty)} rows with no metrics (nothing but the step, or "
+                  f"NaN and infinite values only): {named}{more}"]
+
+
+def _nan_keys(row: dict) -> list[str]:
+    return [k for k, v in row.items() if isinstance(v, numbers.Real)
+            and not isinstance(v, bool) and not math.isfinite(v)]
+
+
+def _step_and_nan(row: dict) -> str:
+    """``step S``, and the row's first NaN or infinite metric with how many more there are."""
+    keys = _nan_keys(row)
+    if not keys:
+        return f"step {row['step']:g}"
+    extra = f" and {len(keys) - 1} more" if len(keys) > 1 else ""
+    return f"step {row['step']:g}: {keys[0]!r} is {row[keys[0]]}{extra}"
+
+
+def non_finite(path: str, rows: list[tuple[int, dict]]) -> list[str]:
+    """One line for the rows holding NaN or infinite metrics, drawn as gaps: which step, which
+    metric (the first of each of the first three rows); none if every value is finite."""
+    found = [_step_and_nan(row) for _, row in rows if _nan_keys(row)]
+    if not found:
+        return []
+    more = f"; and {len(found) - 3} more rows" if len(found) > 3 else ""
+    return [f"{path}: {len(found)} of {len(rows)} rows hold NaN or infinite values, drawn as "
+            f"gaps ({'; '.join(found[:3])}{more})"]
 
 
 def lacking(path: str, rows: list[tuple[int, dict]], roles: tuple[str, ...]) -> list[str]:
@@ -140,12 +192,16 @@ def draw(output_dir: str, path: str | None = None, notes: list[str] | None = Non
     skipped in reading it is appended to ``notes``, one line each."""
     metrics = os.path.join(output_dir, "metrics.jsonl")
     numbered, skipped = read_rows(metrics)
+    read = len(numbered)
+    numbered, empty = with_metrics(metrics, numbered)
     run, unread = read_run(os.path.join(output_dir, "run.json"))
     rows = [row for _, row in numbered]
     if notes is not None:
-        notes += skipped + unread + lacking(metrics, numbered, run_roles(run, rows) or ROLES)
+        notes += (skipped + empty + unread + lacking(metrics, numbered, run_roles(run, rows)
+                                                     or ROLES) + non_finite(metrics, numbered))
     if not rows:
-        raise ValueError(f"{metrics} has no rows yet")
+        raise ValueError(f"{metrics} has no rows with metrics" if read else
+                         f"{metrics} has no rows yet")
     fig = figure(rows, run)
     path = path or os.path.join(output_dir, "dashboard.png")
     fig.savefig(path)
@@ -155,14 +211,23 @@ def draw(output_dir: str, path: str | None = None, notes: list[str] | None = Non
 
 def figure(rows: list[dict], run: dict) -> plt.Figure:
     """The dashboard of the metrics rows ``rows`` of the run ``run`` (run.json's contents)."""
-    with warnings.catch_warnings():
-        # A metric no row has is an empty panel, not a warning about the mean of nothing.
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return _figure(rows, run)
+    mpl_log = logging.getLogger("matplotlib")
+    level = mpl_log.level
+    # A metric no row has, or has as NaN, is an empty panel or a gap (said in the notes), not
+    # numpy's warning about the mean of nothing nor matplotlib's about a legend with no line or
+    # a log scale with no positive value.
+    mpl_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")
+            return _figure(rows, run)
+    finally:
+        mpl_log.setLevel(level)
 
 
 def _figure(rows: list[dict], run: dict) -> plt.Figure:
-    roles = run_roles(run, rows)
+    # A run.json without strategies and rows without memory keys: the four models, as gaps.
+    roles = run_roles(run, rows) or ROLES
     steps = _series(rows, "step")
     window = max(1, len(rows) // 8)
 
@@ -331,7 +396,8 @@ def _throughput(ax, rows, steps, run, window, roles) -> None:
                 label=f"{role} ({_strategy(run, role)}): {np.nanmean(y):,.0f}")
     ax.set_yscale("log")
     low, high = ax.get_ylim()
-    ax.set_ylim(low / 8, high)  # room for the legend below the curves
+    if np.isfinite([low, high]).all():
+        ax.set_ylim(low / 8, high)  # room for the legend below the curves
     ax.set_title("Throughput per model (tokens/s, all ranks)")
     ax.set_xlabel("step")
     ax.legend(loc="lower center", frameon=False, ncol=2, title="model (strategy): mean tokens/s",
@@ -360,7 +426,8 @@ def _memory(ax, rows, run, roles) -> None:
     for tick, role in zip(ax.get_yticklabels(), roles):
         tick.set_color(COLORS[role])
         tick.set_fontweight("bold")
-    ax.set_xlim(0, left.max() * 1.9 if left.max() > 0 else 1)
+    widest = left.max() * 1.9
+    ax.set_xlim(0, widest if 0 < widest < np.inf else 1)
     ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: human_bytes(v)))
     ax.set_title("Model states per device (P / G / OS bytes)")
     ax.legend(loc="lower right", frameon=False, fontsize=8.5)
@@ -380,6 +447,7 @@ def _traffic(fig, cell, rows, run, roles) -> None:
         tables[link] = np.nan_to_num([[np.nanmean(_series(rows, f"{m}/comm/{p}/{link}_bytes"))
                                        for p in phases] for m in roles])
     positive = np.concatenate([t[t > 0] for t in tables.values()])
+    positive = positive[np.isfinite(positive)]
     norm = LogNorm(positive.min(), positive.max()) if positive.size else None
     cmaps = {"intra": plt.get_cmap("Blues"), "inter": plt.get_cmap("Oranges")}
     for k, link in enumerate(("intra", "inter")):
@@ -408,12 +476,15 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         sys.exit("usage: python -m rlhf_paro.report <output_dir>")
-    metrics = os.path.join(argv[0], "metrics.jsonl")
-    if not os.path.exists(metrics):
-        sys.exit(f"no metrics at {metrics}; pass the trainer.output_dir of a run")
+    output_dir = argv[0]
+    if os.path.basename(output_dir) == "metrics.jsonl" and os.path.isfile(output_dir):
+        output_dir = os.path.dirname(output_dir) or "."  # the file itself: its run's directory
+    metrics = os.path.join(output_dir, "metrics.jsonl")
+    if not os.path.isfile(metrics):
+        sys.exit(f"no metrics file at {metrics}; pass the trainer.output_dir of a run")
     notes: list[str] = []
     try:
-        path = draw(argv[0], notes=notes)
+        path = draw(output_dir, notes=notes)
     except ValueError as err:
         path = None
         notes.append(str(err))

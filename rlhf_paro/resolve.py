@@ -8,13 +8,17 @@ needs before anything runs or is planned, done once by the entry points (``train
 2. every file the config names is checked: model and tokenizer directories, reward function
    files, prompt files, the checkpoint to resume from, a reward server's token variable;
 3. the algorithm's rules are checked (``ppo/algorithms.check``), and the rollout engine's name
-   against the engines registered and the run against the engine's own check
-   (``rlhf_paro/rollout``: vLLM installed, the architecture served);
+   against the engines registered;
 4. the values that come from other sections are set: reward and ref with no source take the
    actor's (a copy of its inline config), the critic of an algorithm that trains one takes the
    reward model's directory (its score head starts the value head) or else the actor's, and the
    actor's instead when the reward model has a tokenizer of its own (said in one line); a
-   DeepSpeed model's ``strategy`` is the PaRO strategy its stage stands for.
+   DeepSpeed model's ``strategy`` is the PaRO strategy its stage stands for; a null
+   ``algorithm.kl_estimator`` is the one for where the KL goes (``algorithms.kl_estimator``);
+5. the run is checked against the models: the rollout engine's own check of the actor it would
+   serve (``rlhf_paro/rollout``: vLLM installed, the architecture served), and the longest
+   sequence a step may hold against each model's positions and the engine's own limit
+   (``check_longest_sequence``).
 
 The input is left as it is; resolving a resolved config returns an equal one.
 """
@@ -29,7 +33,7 @@ from typing import Callable
 
 from rlhf_paro.config import FROZEN_ROLES, MANIFEST, RESUME_CHOICES, ROLES, Config, ConfigError, \
     data_files
-from rlhf_paro import rollout
+from rlhf_paro import models, rollout
 from rlhf_paro.ppo import algorithms, demo, rewards
 
 
@@ -38,13 +42,78 @@ def resolve(cfg: Config, say: Callable[[str], None] = print, engine_check: bool 
     """The config to run (see the module docstring); ``ConfigError`` for a user's mistake.
     ``say`` prints the one line of a decision the user did not write (the critic's source).
     ``engine_check=False`` checks the rollout engine's name only, not the engine's own check of
-    the machine it runs on (the planner's: it builds no engine, and plans a cluster from a
-    machine that may not have the engine installed)."""
+    the machine it runs on nor its own limit on a sequence (the planner's: it builds no engine,
+    and plans a cluster from a machine that may not have the engine installed)."""
+    from rlhf_paro.ppo.data import vocab_sizes
+
     cfg = demo.make_assets(cfg)
     check_files(cfg)
     algorithms.check(cfg)
-    rollout.check(cfg, engine=engine_check)
-    return derive(cfg, say)
+    rollout.check(cfg)
+    cfg = derive(cfg, say)
+    sizes = vocab_sizes(cfg)
+    if engine_check:
+        rollout.check(cfg, models.hf_config("actor", cfg.actor, sizes["actor"]))
+    check_longest_sequence(cfg, *longest_sequence(cfg), sizes, engine=engine_check)
+    return cfg
+
+
+def longest_sequence(cfg: Config) -> tuple[int, str, str]:
+    """(tokens, key, what) of the longest sequence a step of the resolved run may hold
+    (``Config.longest_sequence``): the key an error names and what the tokens are, for its line.
+    An episode's budget, ``env.max_total_tokens``, with an environment; else the prompt bound +
+    ``ppo.max_new_tokens``."""
+    what, longest = cfg.longest_sequence()
+    if cfg.env.enabled:
+        return longest, "env.max_total_tokens", "an episode's budget"
+    return longest, "ppo.max_new_tokens", what
+
+
+def context_limits(cfg: Config, vocab_sizes: dict[str, int], engine: bool = True
+                   ) -> list[tuple[int, str]]:
+    """(tokens, what) of every limit on the length of a sequence of the resolved run, shortest
+    first: the positions of each model it builds (``models.max_positions``) and, with
+    ``engine``, the rollout engine's own limit on the actor (``rollout.max_len``)."""
+    from rlhf_paro.ppo.data import reward_tokenizer
+
+    limits = []
+    for role in algorithms.roles(cfg):
+        model_cfg = cfg.model(role)
+        if not model_cfg.runs_model:
+            continue
+        # A reward model of its own tokenizer reads the text encoded again: a length in its
+        # tokens, not known before the text exists.
+        if role == "reward" and reward_tokenizer(cfg) is not None:
+            continue
+        config = models.hf_config(role, model_cfg, vocab_sizes[role])
+        positions = models.max_positions(config)
+        if positions is not None:
+            limits.append((positions, f"{role}'s max_position_embeddings"))
+        if role == "actor" and engine:
+            own = rollout.max_len(cfg.rollout.engine, config)
+            if own is not None:
+                limits.append(own)
+    return sorted(limits, key=lambda limit: limit[0])
+
+
+def check_longest_sequence(cfg: Config, longest: int, key: str, what: str,
+                           vocab_sizes: dict[str, int], engine: bool = True) -> None:
+    """``ConfigError`` naming ``key`` when a sequence of ``longest`` tokens, the longest a step of
+    the resolved run may hold (``what``: what it is made of), exceeds a limit of
+    ``context_limits``: a model would index positions it has not got (GPT-2 fails at its first
+    forward), and vLLM would cut responses short without a word. ``longest_sequence`` gives the
+    run's (a PPO step's, or an episode's budget); any other bound comes with its own key."""
+    for tokens, limit in context_limits(cfg, vocab_sizes, engine):
+        if longest <= tokens:
+            continue
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        lower = value - (longest - tokens)
+        hint = f" ({key}={lower} here)" if lower > 0 else ""
+        raise ConfigError(key, f"{longest} tokens ({what}) exceed {limit}={tokens}; allowed: "
+                               f"at most {tokens} tokens in all{hint}, or a model with more "
+                               "positions")
 
 
 def check_files(cfg: Config) -> None:
@@ -113,7 +182,8 @@ def derive(cfg: Config, say: Callable[[str], None] = print) -> Config:
                                            .strategy(role in FROZEN_ROLES,
                                                      cfg.cluster.group_size))
                  for role in ROLES if cfg.model(role).backend == "deepspeed"}
-    return dataclasses.replace(cfg, **deepspeed)
+    algorithm = dataclasses.replace(cfg.algorithm, kl_estimator=algorithms.kl_estimator(cfg))
+    return dataclasses.replace(cfg, algorithm=algorithm, **deepspeed)
 
 
 def _with_critic_source(cfg: Config, say: Callable[[str], None]) -> Config:

@@ -39,10 +39,12 @@ class Prompts:
         self.stream = None
         self.val = None
         if self.files:
-            self.stream = data.PromptStream(data.load_prompts(cfg, self.tokenizer),
+            context = shortest_context(cfg, data.vocab_sizes(cfg))
+            self.stream = data.PromptStream(data.load_prompts(cfg, self.tokenizer,
+                                                              context=context),
                                             cfg.trainer.seed, cfg.data.shuffle)
             if cfg.data.val_files is not None:
-                self.val = data.load_prompts(cfg, self.tokenizer, split="val")
+                self.val = data.load_prompts(cfg, self.tokenizer, split="val", context=context)
 
     def state(self) -> dict[str, Any]:
         """Where the prompts stand, for a run checkpoint: the task's generator, or the epoch
@@ -83,6 +85,15 @@ class Prompts:
             batches.append(PromptBatch(ids, mask))
             rows.append({"texts": part.texts, "columns": part.columns})
         return batches, rows
+
+
+def shortest_context(cfg: Config, vocab_sizes: dict[str, int]) -> tuple[int, str] | None:
+    """(tokens, what) of the shortest context of the run's models and its rollout engine
+    (``resolve.context_limits``), which no prompt may fill; None without one."""
+    from rlhf_paro.resolve import context_limits
+
+    limits = context_limits(cfg, vocab_sizes)
+    return limits[0] if limits else None
 
 
 def deal_rows(rows: list[dict[str, Any]], order: list[torch.Tensor]) -> list[dict[str, Any]]:
@@ -190,9 +201,10 @@ def check_inputs(cfg: Config) -> dict[str, int]:
                                                   "tokenizer, and an inline actor has none; "
                                                   "allowed: with actor.path or actor.tokenizer")
         tokenizer = data.actor_tokenizer(cfg)
-        data.load_prompts(cfg, tokenizer)
+        context = shortest_context(cfg, vocab_sizes)
+        data.load_prompts(cfg, tokenizer, context=context)
         if cfg.data.val_files is not None:
-            data.load_prompts(cfg, tokenizer, split="val")
+            data.load_prompts(cfg, tokenizer, split="val", context=context)
     elif cfg.reward.url is not None:
         raise ConfigError("reward.url", "a reward server reads the prompts' text; allowed: with "
                                         "data.train_files")

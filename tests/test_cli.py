@@ -211,7 +211,12 @@ def test_good_overrides_still_reach_the_run(jobs, capsys, good):
      "rollout.n",
      "allowed: 2 or more, got 1"),
     (["algorithm.adv_estimator=ppo2"], "algorithm.adv_estimator", "allowed: gae, "),
-    (["algorithm.kl_estimator=k9"], "algorithm.kl_estimator", "allowed: k1, k2, k3"),
+    (["algorithm.kl_estimator=k9"], "algorithm.kl_estimator", "allowed: null, k1, k2, k3"),
+    # k1 as a loss term: its expected gradient is 0, the KL grows unchecked.
+    (["conf=grpo_tiny", "algorithm.kl_estimator=k1"], "algorithm.kl_estimator",
+     "zero expected gradient"),
+    (["algorithm.kl_in_loss=true", "algorithm.kl_estimator=k1"], "algorithm.kl_estimator",
+     "allowed: k3 or k2 (null: k3), or k1 with kl_in_loss=false"),
     (["algorithm.loss_agg_mode=seq_sum"], "algorithm.loss_agg_mode", "token_mean"),
     (["conf=grpo_tiny", "algorithm.adaptive_kl=true"], "algorithm.adaptive_kl", "allowed: false"),
 ])
@@ -275,10 +280,45 @@ def test_an_expected_response_length_outside_1_to_max_new_tokens_is_one_line(job
     assert "ppo.expected_response_length=8)" in capsys.readouterr().out
 
 
+# GPT-2 indexes a table of 64 positions: a longer sequence fails at its first forward.
+GPT2_64 = ("{model_type: gpt2, n_embd: 64, n_layer: 2, n_head: 2, n_positions: 64, "
+           "bos_token_id: 1, eos_token_id: 2}")
+SHORT_MODEL = TINY_MODEL.replace("max_position_embeddings: 64", "max_position_embeddings: 12")
+
+
+@pytest.mark.parametrize("argv, says", [
+    ([*INLINE, f"actor.config={GPT2_64}", "ppo.max_new_tokens=60"],
+     "68 tokens (ppo.max_prompt_len=8 + ppo.max_new_tokens=60) exceed actor's "
+     "max_position_embeddings=64; allowed: at most 64 tokens in all (ppo.max_new_tokens=56 "
+     "here), or a model with more positions"),
+    # Every model the run builds: here the reward model has fewer positions than the actor.
+    ([*INLINE, f"reward.config={SHORT_MODEL}"],
+     "16 tokens (ppo.max_prompt_len=8 + ppo.max_new_tokens=8) exceed reward's "
+     "max_position_embeddings=12; allowed: at most 12 tokens in all (ppo.max_new_tokens=4 here)"),
+    # Prompts from files are bounded by data.max_prompt_length (the demo's models: 64 positions).
+    (["data.max_prompt_length=60"], "68 tokens (data.max_prompt_length=60 + "
+                                    "ppo.max_new_tokens=8) exceed actor's "
+                                    "max_position_embeddings=64; allowed: at most 64 tokens in "
+                                    "all (ppo.max_new_tokens=4 here)"),
+])
+def test_a_sequence_longer_than_a_model_takes_is_one_line_before_anything_starts(
+        jobs, capsys, tmp_path, argv, says):
+    for main in (train.main, plan.main):
+        with pytest.raises(SystemExit) as info:
+            main([f"trainer.output_dir={tmp_path / 'out'}", *argv])
+        stdout, stderr = capsys.readouterr()
+        assert info.value.code == 2 and stderr.count("\n") == 1, stderr
+        assert stderr.startswith(f"error: ppo.max_new_tokens: {says}"), stderr
+    assert jobs == [] and list(tmp_path.iterdir()) == []
+
+
 VLLM_MODEL = ("{model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
               "num_attention_heads: 2, num_key_value_heads: 2, max_position_embeddings: 64}")
 VLLM_RUN = [f"actor.config={VLLM_MODEL}", "reward.path=null", "data.train_files=null",
             "rollout.engine=vllm"]
+GEMMA2 = ("{{model_type: gemma2, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
+          "num_attention_heads: 2, num_key_value_heads: 2, head_dim: 32, "
+          "max_position_embeddings: 64, tie_word_embeddings: {tied}}}")
 
 
 @pytest.mark.parametrize("bad, named", [
@@ -321,6 +361,11 @@ def _needs_vllm():
     ([f"actor.config={TINY_MODEL}"], "rollout.engine", "head size 16"),
     (["rollout.tensor_parallel_size=3"], "rollout.tensor_parallel_size", "allowed: 1, 2"),
     (["rollout.tensor_parallel_size=2"], "rollout.tensor_parallel_size", "allowed: 1"),
+    # vLLM's Gemma2 has no output head of its own: an untied actor's would fail at the first sync.
+    ([f"actor.config={GEMMA2.format(tied='false')}"], "rollout.engine",
+     "vllm's Gemma2ForCausalLM always ties the output head to the embeddings and the actor's is "
+     "its own (tie_word_embeddings=false); allowed: hf for this model, or a model with tied "
+     "embeddings"),
 ])
 def test_a_run_vllm_cannot_serve_is_one_line_before_anything_starts(jobs, capsys, bad, named,
                                                                       says):
@@ -332,7 +377,39 @@ def test_a_run_vllm_cannot_serve_is_one_line_before_anything_starts(jobs, capsys
     assert named in stderr and says in stderr and jobs == []
 
 
-def test_a_run_vllm_serves_reaches_the_run(jobs, capsys):
+@pytest.mark.parametrize("model", [[], [f"actor.config={GEMMA2.format(tied='true')}"]])
+def test_a_run_vllm_serves_reaches_the_run(jobs, capsys, model):
     _needs_vllm()
-    train.main(VLLM_RUN)
+    train.main([*VLLM_RUN, *model])
     assert len(jobs) == 1 and jobs[0].rollout.engine == "vllm"
+
+
+def test_a_sequence_longer_than_vllm_takes_the_model_at_is_one_line(jobs, capsys, tmp_path):
+    # vLLM reads a model's length from several keys of its config and takes the shortest; here
+    # seq_length=32 under 64 positions: vLLM would refuse max_model_len=38 when it starts.
+    _needs_vllm()
+    from transformers import LlamaConfig
+
+    from rlhf_paro.rollout import vllm
+    from tests import hf_assets
+
+    tokenizer = hf_assets.word_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                         max_position_embeddings=64, seq_length=32)
+    assert vllm.engine_max_len(config) == (
+        32, "rollout.engine=vllm's max_model_len (the actor config's seq_length)")
+    config.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    argv = [*VLLM_RUN[1:], f"actor.path={tmp_path / 'model'}", f"reward.config={VLLM_MODEL}",
+            "ppo.max_new_tokens=30"]
+    with pytest.raises(SystemExit) as info:
+        train.main(argv)
+    stderr = capsys.readouterr().err
+    assert info.value.code == 2 and stderr.count("\n") == 1, stderr
+    assert stderr.startswith("error: ppo.max_new_tokens: 38 tokens (ppo.max_prompt_len=8 + "
+                             "ppo.max_new_tokens=30) exceed rollout.engine=vllm's "
+                             "max_model_len (the actor config's seq_length)=32; "), stderr
+    # The hf engine has no limit of its own: the model's 64 positions hold 38 tokens.
+    train.main([*argv, "rollout.engine=hf"])
+    assert len(jobs) == 1

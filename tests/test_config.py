@@ -133,9 +133,9 @@ def test_nodes_and_gpus_per_node_define_the_cluster():
     (["actor.optim.lr=fast"], "actor.optim.lr", "expected a number"),
     (["actor.max_tokens_per_micro_batch=0"], "actor.max_tokens_per_micro_batch",
      "must be positive"),
-    (["critic.max_tokens_per_micro_batch=71"], "critic.max_tokens_per_micro_batch",
-     "smaller than the longest sequence a step can hold, 72 tokens (data.max_prompt_length=64 "
-     "+ ppo.max_new_tokens=8); allowed: null or at least 72"),
+    (["critic.max_tokens_per_micro_batch=63"], "critic.max_tokens_per_micro_batch",
+     "smaller than the longest sequence a step can hold, 64 tokens (data.max_prompt_length=56 "
+     "+ ppo.max_new_tokens=8); allowed: null or at least 64"),
     (["ref.max_tokens_per_micro_batch=64"], "ref.max_tokens_per_micro_batch", "allowed: null"),
     (["actor.backend=deepspeed", "actor.max_tokens_per_micro_batch=64"],
      "actor.max_tokens_per_micro_batch", "allowed: null on backend=deepspeed"),
@@ -271,12 +271,13 @@ def test_composing_reads_no_file_but_the_confs_and_resolving_checks_them(tmp_pat
 def test_the_schema_rewrites_no_sibling_section():
     # Building a config sets nothing from another section: ref, reward and critic keep no source
     # and a DeepSpeed model keeps the strategy it was given, until resolve.
-    cfg = build_config({"actor": {"config": {"hidden_size": 8}},
+    inline = {"hidden_size": 8, "num_attention_heads": 2}
+    cfg = build_config({"actor": {"config": inline},
                         "critic": {"backend": "deepspeed", "strategy": "auto"}})
     assert [cfg.model(r).config for r in ("critic", "reward", "ref")] == [None, None, None]
     assert cfg.critic.strategy == "auto"
     resolved = resolve(cfg, say=lambda _: None)
-    assert resolved.ref.config == resolved.reward.config == {"hidden_size": 8}
+    assert resolved.ref.config == resolved.reward.config == inline
     assert resolved.critic.strategy == "GGG" and cfg.critic.strategy == "auto"  # input untouched
 
 
@@ -286,3 +287,15 @@ def test_the_driver_deals_rollouts_only_with_balance_batch_and_more_than_one_dev
     assert load(four).deals_rollouts
     assert not load([*four, "ppo.balance_batch=false"]).deals_rollouts
     assert not load(one).deals_rollouts
+
+
+@pytest.mark.parametrize("argv, estimator", [
+    ([], "k1"),  # the penalty in the reward
+    (["algorithm.kl_in_loss=true"], "k3"),  # the loss term
+    (["algorithm.kl_in_loss=true", "algorithm.kl_estimator=k2"], "k2"),  # the user's, kept
+    (["algorithm.kl_estimator=k3"], "k3"),
+])
+def test_the_kl_estimator_goes_by_where_the_kl_goes_unless_set(argv, estimator):
+    # The schema leaves it unset (null) until resolve: whether the user set it is knowable.
+    assert AlgorithmConfig().kl_estimator is None
+    assert resolve(load_config([*INLINE, *argv])).algorithm.kl_estimator == estimator

@@ -21,7 +21,8 @@ Every ``import`` and ``from`` statement counts, at the top of a module, inside a
                   - ``weights``: where a model's weights come from when it is read from files
                     (``models`` builds its reader); below ``actors`` with ``models``.
                   - ``rollout``: the engines that generate on an actor rank and the batches
-                    they make; the task's score reads their layout, so not above ``ppo``.
+                    they make; the task's score reads their layout, so below ``ppo`` (and
+                    ``resolve``): nothing of them is imported there (``BELOW``).
                   - ``metrics``: the per-rank report the workers fill and its fold into a row;
                     plain data that ``actors`` imports, so below it.
     4  actors     the Ray workers of the four models and their placement
@@ -123,6 +124,24 @@ def test_nothing_imports_from_a_layer_above_its_own():
             upward.append(f"{where} imports {name} (layer {LAYERS[target]}, {target}) "
                           f"from layer {LAYERS[entry]} ({entry})")
     assert not upward, "imports pointing up a layer:\n" + "\n".join(upward)
+
+
+# Inside layer 3 the rollout sits below ppo: the task and the demo read the rollout's layout
+# (``rollout.batch``), so what an engine needs of ppo or of resolve (the actor's vocabulary, its
+# Hugging Face config) comes in as an argument (``rollout.check``), never by an import.
+BELOW = {"rlhf_paro.rollout": ("rlhf_paro.ppo", "rlhf_paro.resolve")}
+
+
+def test_the_rollout_imports_nothing_of_ppo_or_resolve():
+    upward = []
+    for module, path in modules().items():
+        for lower, uppers in BELOW.items():
+            if not _within(module, lower):
+                continue
+            upward += [f"{path.relative_to(PACKAGE_DIR.parent)}:{line} imports {name}"
+                       for line, name in imported_names(module, path)
+                       if any(_within(name, upper) for upper in uppers)]
+    assert not upward, "imports pointing up inside layer 3:\n" + "\n".join(upward)
 
 
 def import_graph(found: dict[str, Path]) -> dict[str, set[str]]:

@@ -184,3 +184,50 @@ def test_hf_weights_are_what_the_plain_model_loads(cfg, lora):
     for name, value in want.items():
         # One fp32 product B A of a rank-8 adapter, added once: a few ulps apart at most.
         torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-7, msg=name)
+
+
+# GPT-2 keeps its dropout of 0.1 (resid, embd, attn, summary_first) unless told otherwise.
+GPT2 = {"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 2, "n_positions": 32,
+        "bos_token_id": 1, "eos_token_id": 2}
+GPT2_DROPOUT = {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1,
+                "summary_first_dropout": 0.1}
+
+
+def _dropouts(model: torch.nn.Module) -> set[float]:
+    return {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)}
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_dropout_is_off_unless_kept_and_an_export_writes_the_config_as_given(role, tmp_path):
+    import json
+
+    from rlhf_paro.models import export_hf
+
+    model = build_model(role, ModelConfig(config=GPT2), VOCAB)
+    inner = model.lm if role == "actor" else model.backbone
+    assert _dropouts(model) == {0.0}
+    assert {k: getattr(inner.config, k) for k in GPT2_DROPOUT} == dict.fromkeys(GPT2_DROPOUT, 0.0)
+    # In train mode the forward is the eval forward, bit for bit.
+    ids = batch(length=6)
+    args = (ids, torch.ones_like(ids)) + ((3,) if role == "actor" else ())
+    expected = model.eval()(*args)
+    assert torch.equal(model.train()(*args), expected)
+    # The export writes the config as the user gave it; the model trains on without dropout.
+    export_hf(model, model.state_dict(), tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert {k: saved[k] for k in GPT2_DROPOUT} == GPT2_DROPOUT
+    assert inner.config.resid_pdrop == 0.0
+
+    kept = build_model(role, ModelConfig(config=GPT2, disable_dropout=False), VOCAB)
+    assert _dropouts(kept) == {0.1}
+    assert not torch.equal(kept.train()(*args), expected)
+
+
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out")  # PEFT on GPT-2's Conv1D: said and done
+def test_lora_keeps_its_own_dropout():
+    lora = dataclasses.replace(ModelConfig().lora, enabled=True, dropout=0.25,
+                               target_modules=["c_attn"])
+    model = build_model("actor", ModelConfig(config=GPT2, lora=lora), VOCAB)
+    adapters = {m.p for name, m in model.named_modules()
+                if "lora_dropout" in name and isinstance(m, torch.nn.Dropout)}
+    assert adapters == {0.25} and _dropouts(model) == {0.0, 0.25}

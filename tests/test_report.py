@@ -150,3 +150,69 @@ def test_no_rows_at_all_is_one_line_naming_the_file(tmp_path):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.splitlines() == [f"skipped {metrics} line 1: cut short",
                                         f"{metrics} has no rows yet"]
+
+
+def test_rows_with_no_metrics_and_nan_values_are_skipped_or_gaps_and_named(tmp_path):
+    # Before: "2 of 2 rows lack metrics" and then numpy's "zero-size array to reduction
+    # operation maximum which has no identity", no dashboard.
+    run = tmp_path / "run"
+    _write_run(run)
+    metrics = run / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rows[1] = {"step": 1}  # line 2: nothing but its step
+    rows[2] = {k: (float("nan") if k != "step" else 2) for k in rows[2]}  # line 3: NaN only
+    rows[3]["ppo/task_score"], rows[3]["ppo/kl"] = float("nan"), float("inf")  # line 4
+    rows[5]["ppo/kl"] = float("-inf")  # line 6
+    metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    proc = _report(run)
+    assert proc.returncode == 0, proc.stderr
+    nans = len(rows[2]) - 1
+    assert proc.stderr.splitlines() == [
+        f"{metrics}: skipped 2 rows with no metrics (nothing but the step, or NaN and infinite "
+        f"values only): line 2 (step 1), line 3 (step 2: 'actor/tokens_per_s' is nan and "
+        f"{nans - 1} more)",
+        f"{metrics}: 2 of 4 rows hold NaN or infinite values, drawn as gaps (step 3: "
+        "'ppo/task_score' is nan and 1 more; step 5: 'ppo/kl' is -inf)"]
+    # The metrics file itself, given instead of its run's directory, is read the same.
+    again = _report(metrics)
+    assert (again.returncode, again.stderr) == (0, proc.stderr)
+    numbered, _ = read_rows(str(metrics))
+    fig = figure([row for _, row in numbered if row["step"] not in (1, 2)], {})
+    text = " ".join(t.get_text() for t in fig.findobj(Text))
+    plt.close(fig)
+    assert "PPO, 4 steps" in text
+
+
+def test_the_report_says_nothing_but_its_own_lines_whatever_the_file_holds(tmp_path):
+    # Rows no run writes, each in its own run directory: only this module's notes (a file, a
+    # line, a count) reach stderr, never numpy's or matplotlib's own warnings.
+    nan, inf = float("nan"), float("inf")
+    keys = required_keys(ROLES)
+    cases = {
+        "only_steps": [{"step": s} for s in range(3)],
+        "all_nan": [{"step": s, **dict.fromkeys(keys, nan)} for s in range(3)],
+        "one_metric": [{"step": s, "ppo/task_score": 0.5} for s in range(3)],
+        "zeros": [{"step": s, **dict.fromkeys(keys, 0.0)} for s in range(3)],
+        "negative": [{"step": s, **dict.fromkeys(keys, -1.0)} for s in range(3)],
+        "huge": [{"step": s, **dict.fromkeys(keys, 1e30), "ppo/kl": inf} for s in range(3)],
+        "mixed_types": [{"step": 0, "ppo/task_score": "x", "ppo/kl": [1], "ppo/kl_coef": None,
+                         "actor/tokens_per_s": True, "perf/padding_fraction": 0.5}],
+    }
+    dirs = []
+    for name, rows in cases.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in rows) + "garbage\n\x00\xff{[\n")
+        dirs.append(str(tmp_path / name))
+    code = ("import sys\nfrom rlhf_paro import report\nfor d in sys.argv[1:]:\n"
+            "    try:\n        report.main([d])\n    except SystemExit:\n        pass\n")
+    proc = subprocess.run([sys.executable, "-c", code, *dirs], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    ours = re.compile(r"^(skipped \S+ line \d+: |\S+/metrics\.jsonl(: | has no rows))")
+    foreign = [line for line in proc.stderr.splitlines() if not ours.match(line)]
+    assert foreign == [], proc.stderr
+    # Each directory either drew its dashboard or said in one line that it has no rows to draw.
+    drawn = proc.stdout.split()
+    for name, d in zip(cases, dirs):
+        assert (f"{d}/dashboard.png" in drawn) != (f"{d}/metrics.jsonl has no rows with metrics"
+                                                    in proc.stderr), name

@@ -111,8 +111,10 @@ class ActorWorker(TrainedWorker):
         with self.timed(GENERATE):
             batch, stats = self.generation(prompts, rows, greedy, step, self.rank)
         self.rollout_engine.sleep()
-        # Generation runs padded (a key/value cache per row): every position of the rows.
-        self.count_tokens(batch.attention_mask, packed=False)
+        # The positions the engine computed on: every position of the rows for a static batch,
+        # the real tokens for one that computes no padding (``Rollout.computes_padding``).
+        self.count_tokens(batch.attention_mask,
+                          packed=not self.rollout_engine.computes_padding)
         if not greedy:
             self._rollout = batch
         return batch, stats

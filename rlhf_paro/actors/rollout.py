@@ -187,7 +187,7 @@ class RolloutWorker(Worker):
             batch, stats = self.generation(prompts, rows, greedy, step, self.rank)
         # vLLM's continuous batch computes on real tokens only; hf's static batch on every row.
         self.count_tokens(batch.attention_mask,
-                          packed=not getattr(self.generation.engine, "computes_padding", True))
+                          packed=not self.generation.engine.computes_padding)
         return batch, stats
 
     def report(self) -> RankReport:

@@ -83,15 +83,29 @@ def loss_agg_mode(cfg: Config) -> str:
     return cfg.algorithm.loss_agg_mode or spec(cfg).loss_agg_mode
 
 
+def kl_estimator(cfg: Config) -> str:
+    """The run's KL estimator: ``algorithm.kl_estimator``, or by where the KL goes (null): k1 as
+    the penalty in the reward, k3 as the loss term (veRL's low_var_kl, GRPO's)."""
+    alg = cfg.algorithm
+    return alg.kl_estimator or ("k3" if alg.kl_in_loss else "k1")
+
+
 def check(cfg: Config) -> None:
     """``ConfigError`` in one line for a combination the algorithm cannot run: names the math
-    does not know, a critic given to a critic-free algorithm, a group baseline with one sample
-    per prompt, micro-batches of a trained model that do not tile a mini-batch. Reads the
-    config as the user wrote it, before ``rlhf_paro.resolve`` gives the critic its source."""
+    does not know, k1 as a loss term, a critic given to a critic-free algorithm, a group
+    baseline with one sample per prompt, micro-batches of a trained model that do not tile a
+    mini-batch. Reads the config as the user wrote it, before ``rlhf_paro.resolve`` gives the
+    critic its source and a null KL estimator its value."""
     algo, alg = spec(cfg), cfg.algorithm
-    if alg.kl_estimator not in core.KL_ESTIMATORS:
-        raise ConfigError("algorithm.kl_estimator", f"got {alg.kl_estimator!r}; allowed: "
+    if alg.kl_estimator is not None and alg.kl_estimator not in core.KL_ESTIMATORS:
+        raise ConfigError("algorithm.kl_estimator", f"got {alg.kl_estimator!r}; allowed: null, "
                                                     f"{', '.join(core.KL_ESTIMATORS)}")
+    if alg.kl_in_loss and alg.kl_estimator == "k1":
+        # d/dtheta E_pi[log pi - log ref] = E_pi[grad log pi] = 0: only noise in the gradient.
+        raise ConfigError("algorithm.kl_estimator", "k1 as a loss term (kl_in_loss=true) has "
+                                                    "zero expected gradient: it never pulls the "
+                                                    "policy towards ref; allowed: k3 or k2 (null: "
+                                                    "k3), or k1 with kl_in_loss=false")
     if alg.loss_agg_mode is not None and alg.loss_agg_mode not in core.LOSS_AGG_MODES:
         raise ConfigError("algorithm.loss_agg_mode", f"got {alg.loss_agg_mode!r}; allowed: "
                                                      f"null, {', '.join(core.LOSS_AGG_MODES)}")

@@ -11,8 +11,10 @@ nor chat messages (null, a number), or messages the chat template refuses (an un
 the run before it starts, in one line naming the file and the row, counted from 1 (a .jsonl
 file's line).
 
-Policy for long prompts: a prompt of more than ``data.max_prompt_length`` tokens is skipped and
-the number skipped is printed once when the file is read; a file with no prompt left is an error.
+Policy for long prompts: a prompt of more than ``data.max_prompt_length`` tokens is skipped, and
+so is one that fills the shortest context of the run's models (no room for a response token);
+the number skipped is printed once when the file is read, with the first rows named; a file with
+no prompt left is an error.
 
 Prompts of different lengths are left-padded for generation: the response then starts at the
 same column in every row, and the models' position ids count valid tokens only
@@ -116,7 +118,7 @@ class PromptSet:
     ids: list[list[int]]  # token ids of each prompt, unpadded
     texts: list[str]  # each prompt as the model sees it (chat template applied)
     columns: dict[str, list[Any]] = field(default_factory=dict)  # the rows' other columns
-    num_skipped: int = 0  # prompts longer than data.max_prompt_length
+    num_skipped: int = 0  # prompts longer than data.max_prompt_length or the models' context
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -226,11 +228,16 @@ def first_row(cfg: Config) -> dict[str, Any]:
     return dict(tables[0][1][0])
 
 
-def load_prompts(cfg: Config, tokenizer: Any, split: str = "train") -> PromptSet:
+def load_prompts(cfg: Config, tokenizer: Any, split: str = "train",
+                 context: tuple[int, str] | None = None) -> PromptSet:
     """The prompts of ``data.train_files`` (or ``val_files``), tokenized; ``ConfigError`` for a
     missing column, messages without a chat template, an empty file or nothing short enough,
     and, naming the file and the row, text that is not UTF-8, a prompt that is neither a string
-    nor chat messages (null, a number), or messages the chat template refuses."""
+    nor chat messages (null, a number), or messages the chat template refuses.
+
+    ``context``: (tokens, what) of the shortest context of the run's models
+    (``resolve.context_limits``); a prompt of that many tokens or more leaves no room for a
+    response and is skipped like one over ``data.max_prompt_length``."""
     data = cfg.data
     key = f"data.{split}_files"
     files = data_files(data.train_files if split == "train" else data.val_files)
@@ -254,10 +261,14 @@ def load_prompts(cfg: Config, tokenizer: Any, split: str = "train") -> PromptSet
         from rlhf_paro.envs import tool_schemas
 
         tools = tool_schemas(cfg)
+    longer = f"longer than data.max_prompt_length={data.max_prompt_length} tokens"
+    filling = (f"of {context[0]} tokens or more ({context[1]}: no room for a response)"
+               if context is not None else "")
+    skipped: dict[str, list[str]] = {longer: [], filling: []}  # why -> where, in file order
     for where, row in _rows(tables, key):
         text, ids = _tokenized(row[data.prompt_key], where, data, tokenizer, tools)
-        if len(ids) > data.max_prompt_length:
-            out.num_skipped += 1
+        if len(ids) > data.max_prompt_length or context is not None and len(ids) >= context[0]:
+            skipped[longer if len(ids) > data.max_prompt_length else filling].append(where)
             continue
         if not ids:
             raise ConfigError(key, f"{where}: an empty prompt")
@@ -265,14 +276,22 @@ def load_prompts(cfg: Config, tokenizer: Any, split: str = "train") -> PromptSet
         out.texts.append(text)
         for c in others:
             out.columns[c].append(row[c])
+    out.num_skipped = sum(map(len, skipped.values()))
+    reasons = [f"{len(rows)} {why} ({_first(rows)})" for why, rows in skipped.items() if rows]
     if out.num_skipped:
         num_rows = sum(len(table) for _, table in tables)
-        print(f"[data] {key}: skipped {out.num_skipped} of {num_rows} prompts longer than "
-              f"data.max_prompt_length={data.max_prompt_length} tokens", flush=True)
+        print(f"[data] {key}: skipped {out.num_skipped} of {num_rows} prompts: "
+              f"{'; '.join(reasons)}", flush=True)
     if not out.ids:
         raise ConfigError("data.max_prompt_length", f"every prompt of {', '.join(files)} is "
-                          f"longer than {data.max_prompt_length} tokens")
+                                                    f"skipped: {'; '.join(reasons)}")
     return out
+
+
+def _first(rows: list[str], shown: int = 3) -> str:
+    """The first ``shown`` of ``rows`` (where each is), and how many more there are."""
+    more = f" and {len(rows) - shown} more" if len(rows) > shown else ""
+    return ", ".join(rows[:shown]) + more
 
 
 class PromptStream:

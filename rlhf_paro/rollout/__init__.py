@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from rlhf_paro.rollout import hf, vllm
 from rlhf_paro.rollout.base import ENGINES, EngineContext, Rollout, Sampling, build, check, \
-    generation_seed, needs_sync, register_engine, seeded
+    generation_seed, max_len, needs_sync, register_engine, seeded
 from rlhf_paro.rollout.batch import PromptBatch, RolloutBatch, join, response_mask
 
 __all__ = ["ENGINES", "EngineContext", "PromptBatch", "Rollout", "RolloutBatch", "Sampling",
-           "build", "check", "generation_seed", "hf", "join", "needs_sync", "register_engine",
-           "response_mask", "seeded", "vllm"]
+           "build", "check", "generation_seed", "hf", "join", "max_len", "needs_sync",
+           "register_engine", "response_mask", "seeded", "vllm"]

@@ -34,6 +34,10 @@ class Rollout(Protocol):
     # Whether the engine holds its own copy of the weights, which the actor then syncs before
     # the next generation after each update; False: it reads the actor's own parameters.
     needs_sync: bool
+    # Whether generation computes on the rows' padding too (a static batch runs every row as
+    # wide as the longest); False: on the real tokens only (a continuous batch). What the actor
+    # counts in ``perf/padding_fraction``.
+    computes_padding: bool
 
     def generate(self, prompts: PromptBatch, sampling: Sampling) -> RolloutBatch:
         """One response per prompt; responses as wide as the longest, never padded out to
@@ -86,22 +90,31 @@ class EngineContext:
 
 EngineFactory = Callable[[EngineContext], Rollout]
 ENGINES: dict[str, EngineFactory] = {}
-# rollout.engine=name -> check(cfg): ConfigError for a run the engine cannot serve, before
-# anything starts (``rlhf_paro.resolve``).
-CHECKS: dict[str, Callable[[Any], None]] = {}
+# rollout.engine=name -> check(cfg, actor_config): ConfigError for a run the engine cannot serve,
+# before anything starts (``rlhf_paro.resolve``); ``actor_config`` is the actor's Hugging Face
+# config, the model the engine would serve.
+CHECKS: dict[str, Callable[[Any, Any], None]] = {}
+# rollout.engine=name -> max_len(actor_config): (tokens, what) of the longest sequence the engine
+# takes for that model where it has a limit of its own besides the model's positions, else None.
+MAX_LENS: dict[str, Callable[[Any], tuple[int, str] | None]] = {}
 # The engines whose ``needs_sync`` is true, for the planner, which builds no engine.
 SYNCED: set[str] = set()
 
 
-def register_engine(name: str, check: Callable[[Any], None] | None = None,
-                    needs_sync: bool = False) -> Callable[[EngineFactory], EngineFactory]:
+def register_engine(name: str, check: Callable[[Any, Any], None] | None = None,
+                    needs_sync: bool = False,
+                    max_len: Callable[[Any], tuple[int, str] | None] | None = None
+                    ) -> Callable[[EngineFactory], EngineFactory]:
     """Register ``factory(context) -> Rollout`` as the engine ``rollout.engine=name``, with the
-    ``check`` of a run's config it needs; ``needs_sync``: its class's ``needs_sync``."""
+    ``check`` of a run's config it needs and its own ``max_len``; ``needs_sync``: its class's
+    ``needs_sync``."""
 
     def add(factory: EngineFactory) -> EngineFactory:
         ENGINES[name] = factory
         if check is not None:
             CHECKS[name] = check
+        if max_len is not None:
+            MAX_LENS[name] = max_len
         if needs_sync:
             SYNCED.add(name)
         return factory
@@ -115,17 +128,24 @@ def needs_sync(name: str) -> bool:
     return name in SYNCED
 
 
-def check(cfg: Any, engine: bool = True) -> None:
-    """``ConfigError`` for an engine name not registered or, with ``engine``, a run the engine
-    cannot serve (its own check: what it needs installed on the machine that runs it)."""
+def check(cfg: Any, actor_config: Any = None) -> None:
+    """``ConfigError`` for an engine name not registered or, given ``actor_config`` (the actor's
+    Hugging Face config), a run the engine cannot serve (its own check: what it needs installed
+    on the machine that runs it, the models it serves)."""
     from rlhf_paro.config import ConfigError
 
     name = cfg.rollout.engine
     if name not in ENGINES:
         raise ConfigError("rollout.engine", f"got {name!r}; allowed: "
                                             f"{', '.join(sorted(ENGINES))}")
-    if engine and name in CHECKS:
-        CHECKS[name](cfg)
+    if actor_config is not None and name in CHECKS:
+        CHECKS[name](cfg, actor_config)
+
+
+def max_len(name: str, actor_config: Any) -> tuple[int, str] | None:
+    """(tokens, what) of the engine ``name``'s own limit on a sequence of the actor's model
+    (``register_engine``'s ``max_len``), or None."""
+    return MAX_LENS[name](actor_config) if name in MAX_LENS else None
 
 
 def build(name: str, context: EngineContext) -> Rollout:

@@ -59,6 +59,9 @@ class HFRollout:
     # Generation reads the engine's own parameters, gathered at each call: there is no second copy
     # of the weights to update, and nothing held between calls to release.
     needs_sync = False
+    # One static batch per chunk: every row computed on as wide as the chunk's longest, its
+    # prompt's left padding and the positions after its end included.
+    computes_padding = True
 
     def sync(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         pass

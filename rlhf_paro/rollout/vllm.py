@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 import os
 import shutil
 import tempfile
@@ -43,13 +44,19 @@ def installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def check(cfg: Config) -> None:
-    """``ConfigError`` for a run this engine cannot serve: vLLM not installed, an architecture
-    it does not implement (or, on a CPU device, a head size its CPU attention does not take), a
-    tensor-parallel size other than one."""
-    from rlhf_paro import models
-    from rlhf_paro.ppo.data import vocab_sizes
+# Architectures whose vLLM model always ties the output head to the input embeddings: it builds
+# no head of its own and computes the logits with the embedding matrix whatever the config's
+# tie_word_embeddings says, so an untied actor's head has nowhere to go ("no module or parameter
+# named 'lm_head'" at the first sync). vLLM declares this nowhere but in each model's code, hence
+# the table (vllm/model_executor/models/gemma2.py in vLLM 0.32).
+ALWAYS_TIED = ("Gemma2ForCausalLM",)
 
+
+def check(cfg: Config, hf_config: Any) -> None:
+    """``ConfigError`` for a run this engine cannot serve the actor of (``hf_config``): vLLM not
+    installed, an architecture it does not implement (or, on a CPU device, a head size its CPU
+    attention does not take), an untied head where vLLM always ties it, a tensor-parallel size
+    other than one."""
     if not installed():
         raise ConfigError("rollout.engine", f"vllm is not installed; {INSTALL}, or allowed: hf")
     tp, group = cfg.rollout.tensor_parallel_size, cfg.cluster.group_size
@@ -62,13 +69,17 @@ def check(cfg: Config) -> None:
         # slice of every weight: a sync by slices that is not built yet.
         raise ConfigError("rollout.tensor_parallel_size", f"{tp}: one engine per device is "
                                                           "what is built; allowed: 1")
-    hf_config = models.hf_config("actor", cfg.actor, vocab_sizes(cfg)["actor"])
     arch = architecture(hf_config)
     from vllm import ModelRegistry
 
     if arch not in ModelRegistry.get_supported_archs():
         raise ConfigError("rollout.engine", f"vllm does not implement the actor's architecture "
                                             f"{arch}; allowed: hf for this model")
+    if arch in ALWAYS_TIED and not hf_config.get_text_config().tie_word_embeddings:
+        raise ConfigError("rollout.engine", f"vllm's {arch} always ties the output head to the "
+                                            "embeddings and the actor's is its own "
+                                            "(tie_word_embeddings=false); allowed: hf for this "
+                                            "model, or a model with tied embeddings")
     if cfg.cluster.device == "cpu":
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
@@ -92,6 +103,27 @@ def architecture(hf_config: Any) -> str:
 def head_dim(hf_config: Any) -> int:
     return int(getattr(hf_config, "head_dim", None)
                or hf_config.hidden_size // hf_config.num_attention_heads)
+
+
+def engine_max_len(hf_config: Any) -> tuple[int, str] | None:
+    """(tokens, what) of the longest ``max_model_len`` vLLM starts an engine of the model with:
+    the shortest length among the keys of its config vLLM reads (it refuses a longer one when
+    the engine is built); None where vLLM finds none, or where this vLLM release reads them
+    elsewhere (its own error at the start then stands)."""
+    try:
+        import vllm.config  # noqa: F401 - first: the convertors' module alone is an import cycle
+        from vllm.transformers_utils.model_arch_config_convertor import (
+            MODEL_ARCH_CONFIG_CONVERTORS, ModelArchConfigConvertorBase)
+
+        convertor = MODEL_ARCH_CONFIG_CONVERTORS.get(hf_config.model_type,
+                                                     ModelArchConfigConvertorBase)
+        tokens, key = convertor(hf_config, hf_config.get_text_config()
+                                ).derive_max_model_len_and_key()
+    except (ImportError, AttributeError, TypeError):
+        return None
+    if key is None or not math.isfinite(tokens):
+        return None
+    return int(tokens), f"rollout.engine=vllm's max_model_len (the actor config's {key})"
 
 
 def max_model_len(cfg: Config, hf_config: Any) -> int:
@@ -126,6 +158,9 @@ class VLLMRollout:
     """A vLLM engine serving the actor's architecture, its weights synced from the actor."""
 
     needs_sync = True  # holds its own copy of the weights
+    # Continuous batching over each sequence's own tokens: no padding is computed on (the rows
+    # are padded only when the responses are laid out for the trainer).
+    computes_padding = False
 
     def __init__(self, cfg: Config, hf_config: Any, eos_token_id: int, pad_token_id: int,
                  device: torch.device, seed: int) -> None:
@@ -231,7 +266,7 @@ def logprobs_mode(ppo: Any) -> str:
     return "raw_logprobs" if ppo.top_k and ppo.temperature == 1.0 else "processed_logprobs"
 
 
-@register_engine(NAME, check=check, needs_sync=VLLMRollout.needs_sync)
+@register_engine(NAME, check=check, needs_sync=VLLMRollout.needs_sync, max_len=engine_max_len)
 def _vllm(context: EngineContext) -> VLLMRollout:
     cfg = context.cfg
     rank = int(torch.distributed.get_rank()) if torch.distributed.is_initialized() else 0

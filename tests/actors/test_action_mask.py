@@ -32,7 +32,7 @@ import itertools
 import pytest
 import torch
 
-from rlhf_paro.ppo import core
+from rlhf_paro.ppo import algorithms, core
 from tests.confs import load
 from tests.dist_utils import run_distributed
 
@@ -90,9 +90,13 @@ def _config(base, case: Case):
     """``case``'s config from ``base``, the gae run's of the same layout: composing a config
     takes about a second, longer than a case runs, and the cases differ in the algorithm
     section alone (``test_a_case_s_config_is_the_one_its_keys_load``)."""
-    return dataclasses.replace(base, algorithm=dataclasses.replace(
-        base.algorithm, adv_estimator=case.estimator, loss_agg_mode=case.agg,
-        kl_in_loss=case.kl_in_loss))
+    algorithm = dataclasses.replace(base.algorithm, adv_estimator=case.estimator,
+                                    loss_agg_mode=case.agg, kl_in_loss=case.kl_in_loss,
+                                    kl_estimator=None)
+    cfg = dataclasses.replace(base, algorithm=algorithm)
+    # The estimator resolve gives a null one: k1 in the reward, k3 in the loss.
+    return dataclasses.replace(cfg, algorithm=dataclasses.replace(
+        algorithm, kl_estimator=algorithms.kl_estimator(cfg)))
 
 
 def _layout(rank: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,3 +78,42 @@ def test_a_forward_counts_the_positions_it_computes_on_and_the_real_tokens(packe
     assert (worker._tokens, worker._real_tokens) == (computed, 5)
     worker.count_tokens(mask, packed=False)  # generation runs padded on any model
     assert (worker._tokens, worker._real_tokens) == (computed + 8, 10)
+
+
+@pytest.mark.parametrize("engine, computed", [("hf", 8), ("vllm", 5)])
+def test_generation_counts_the_positions_its_engine_computes_on(engine, computed):
+    # hf's static batch computes on every position of the rows; vLLM's continuous batch on the
+    # real tokens only: perf/padding_fraction counts no padding it never computed.
+    from collections import defaultdict
+
+    import torch
+
+    from rlhf_paro.actors.actor import ActorWorker
+    from rlhf_paro.rollout import PromptBatch, RolloutBatch
+    from rlhf_paro.rollout.hf import HFRollout
+    from rlhf_paro.rollout.vllm import VLLMRollout
+    from tests.confs import INLINE, load
+
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]])  # 5 real tokens in 8 positions
+    batch = RolloutBatch(mask.clone(), mask, torch.ones(2, 2))
+
+    class Engine:  # the registered engine's answers, without its model
+        computes_padding = {"hf": HFRollout, "vllm": VLLMRollout}[engine].computes_padding
+        needs_sync = False
+
+        def generate(self, prompts, sampling):
+            return batch
+
+        def wake(self):
+            pass
+
+        def sleep(self):
+            pass
+
+    worker = object.__new__(ActorWorker)  # the counters only: no process group, no model
+    worker.cfg, worker.rollout_engine, worker._engine_stale = load(INLINE), Engine(), False
+    worker.env_runner = None  # single-turn: one generate
+    worker.packed, worker._tokens, worker._real_tokens = True, 0, 0
+    worker._time_s = defaultdict(float)
+    worker.generate(PromptBatch(mask, mask))
+    assert (worker._tokens, worker._real_tokens) == (computed, 5)

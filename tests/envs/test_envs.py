@@ -116,6 +116,10 @@ def tokenizer_dir(files):
     (["env.function=ENVS:Echo", "env.timeout_s=-1"], "env.timeout_s", "positive number"),
     (["env.function=ENVS:Echo", "env.max_total_tokens=16"], "env.max_total_tokens",
      "leaves no room for an action"),
+    # An episode's budget past the models' 64 positions (resolve.check_longest_sequence).
+    (["env.function=ENVS:Echo", "env.max_total_tokens=100"], "env.max_total_tokens",
+     "100 tokens (an episode's budget) exceed actor's max_position_embeddings=64; allowed: at "
+     "most 64 tokens in all (env.max_total_tokens=64 here)"),
     (["env.function=ENVS:Echo", "reward.function=ENVS:Echo"], "env.reward",
      "both the environment and reward.function can score an episode"),
     (["env.function=ENVS:Echo", "env.reward=maybe"], "env.reward", "allowed: env, reward"),

@@ -106,9 +106,29 @@ def test_files_of_string_prompts_and_chat_prompts_go_together(assets, tmp_path):
 
 def test_long_prompts_are_skipped_and_counted(assets, capsys):
     cfg = config(assets, "data.max_prompt_length=5")
-    prompts = data.load_prompts(cfg, data.actor_tokenizer(cfg))
+    tokenizer = data.actor_tokenizer(cfg)
+    prompts = data.load_prompts(cfg, tokenizer)
     assert 0 < prompts.num_skipped < 24 and all(len(i) <= 5 for i in prompts.ids)
     assert f"skipped {prompts.num_skipped} of 24" in capsys.readouterr().out
+    # A prompt that fills the shortest context of the run's models leaves no room for a
+    # response: skipped and counted too, each kind with its first rows named (from 1).
+    every = data.load_prompts(config(assets), tokenizer)
+    capsys.readouterr()
+    lengths = [len(ids) for ids in every.ids]
+    over = [n for n, length in enumerate(lengths, 1) if length > 5]
+    filling = [n for n, length in enumerate(lengths, 1) if length == 5]
+    assert len(over) > 3 and filling
+    prompts = data.load_prompts(cfg, tokenizer, context=(5, "actor's max_position_embeddings"))
+    assert all(len(i) < 5 for i in prompts.ids)
+    assert prompts.num_skipped == len(over) + len(filling)
+    where = f"{str(assets['train'])!r} row"
+    named = ", ".join(f"{where} {n}" for n in over[:3])
+    assert capsys.readouterr().out == (
+        f"[data] data.train_files: skipped {prompts.num_skipped} of 24 prompts: {len(over)} longer "
+        f"than data.max_prompt_length=5 tokens ({named} and {len(over) - 3} more); "
+        f"{len(filling)} of 5 tokens or more (actor's max_position_embeddings: no room for a "
+        f"response) ({', '.join(f'{where} {n}' for n in filling[:3])}"
+        f"{f' and {len(filling) - 3} more' if len(filling) > 3 else ''})\n")
 
 
 @pytest.mark.parametrize("mistake, key", [
