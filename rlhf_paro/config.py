@@ -757,6 +757,11 @@ class Config:
                               f"the samples of a step, ppo.rollout_batch_size x rollout.n = "
                               f"{samples}")
         self.check_micro_batches("actor")  # the critic's, where there is one: algorithms.check
+        replicas = self.rollout.num_devices
+        if replicas and self.ppo.rollout_batch_size % replicas:
+            raise ConfigError("rollout.num_devices", f"{replicas} replicas do not share "
+                              f"ppo.rollout_batch_size={self.ppo.rollout_batch_size} prompts "
+                              "evenly; allowed: a divisor of it")
         self._check_env()
         expected, (bound_key, bound) = self.ppo.expected_response_length, self.response_bound()
         if expected is not None and not 1 <= expected <= bound:

@@ -95,7 +95,6 @@ class RankReport:
     # gradient norm) that this step saw, counting a run that began in earlier steps.
     skip_run: int = 0
     real_tokens: int = 0  # of ``tokens``, the real ones: the rest is padding
-    counters: dict[str, float] = field(default_factory=dict)  # a rollout replica's (bytes taken)
 
 
 def model_metrics(role: str, reports: list[RankReport]) -> dict[str, float]:

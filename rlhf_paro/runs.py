@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import math
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -21,7 +22,7 @@ import torch
 from rlhf_paro.actors import checkpoint
 from rlhf_paro.config import Config, ConfigError
 from rlhf_paro.ppo import data
-from rlhf_paro.rollout import PromptBatch
+from rlhf_paro.rollout import PromptBatch, RolloutBatch
 
 # The trainer's wait: each model's refs in, their results out, a failed worker raised at once.
 Wait = Callable[..., dict[str, list[Any]]]
@@ -60,21 +61,25 @@ class Prompts:
         else:
             self.stream.seek(state["epoch"], state["left"])
 
-    def next(self, num: int, n: int = 1) -> tuple[list[PromptBatch], list[Any] | None]:
-        """(per-rank prompts, per-rank rows or None) for ``num`` prompts, each ``n`` times in a
-        row (``rollout.n``: its group of samples). A prompt's copies go to one rank, so a group
-        baseline needs no exchange between ranks; each rank gets ``num / N`` whole groups."""
-        num_ranks = self.cfg.cluster.num_devices
+    def next(self, num: int, n: int = 1, shards: int | None = None
+             ) -> tuple[list[PromptBatch], list[Any] | None]:
+        """(per-slice prompts, per-slice rows or None) for ``num`` prompts, each ``n`` times in a
+        row (``rollout.n``: its group of samples), in ``shards`` slices (default: one per
+        rank; a rollout replica's, with replicas of their own). A prompt's copies go to one
+        slice, so a group baseline needs no exchange between ranks; each slice gets
+        ``num / shards`` whole groups."""
+        num_ranks = shards or self.cfg.cluster.num_devices
         if not self.files:
             prompts = self.task.sample_prompts(num, self.rng).repeat_interleave(n, dim=0)
             return [PromptBatch(p, torch.ones_like(p)) for p in prompts.chunk(num_ranks)], None
-        return self.split(self.stream.next(num), n)
+        return self.split(self.stream.next(num), n, shards)
 
-    def split(self, prompts: data.PromptSet, n: int = 1) -> tuple[list[PromptBatch], list[Any]]:
-        """Cut the batch in contiguous per-rank slices, each prompt ``n`` times in a row, each
-        slice left-padded to its own longest prompt: no rank generates or computes on columns
-        that only another rank's prompts need."""
-        num_ranks = self.cfg.cluster.num_devices
+    def split(self, prompts: data.PromptSet, n: int = 1, shards: int | None = None
+              ) -> tuple[list[PromptBatch], list[Any]]:
+        """Cut the batch in contiguous slices (default: one per rank), each prompt ``n`` times in
+        a row, each slice left-padded to its own longest prompt: no rank generates or computes on
+        columns that only another rank's prompts need."""
+        num_ranks = shards or self.cfg.cluster.num_devices
         size = -(-len(prompts) // num_ranks)
         batches, rows = [], []
         for r in range(num_ranks):
@@ -108,23 +113,34 @@ def deal_rows(rows: list[dict[str, Any]], order: list[torch.Tensor]) -> list[dic
             for index in order]
 
 
-def evaluate(models: dict[str, Any], prompts: Prompts, step: int, wait: Wait
-             ) -> dict[str, float]:
+def evaluate(models: dict[str, Any], prompts: Prompts, step: int, wait: Wait,
+             replicas: Any = None) -> dict[str, float]:
     """Greedy responses to every validation prompt, scored: ``eval/reward_mean`` and
-    ``eval/score_mean``. The validation set goes in rollout-batch pieces, all ranks busy."""
-    actor, reward = models["actor"], models["reward"]
+    ``eval/score_mean``. The validation set goes in rollout-batch pieces, all ranks busy; the
+    rollout ``replicas`` generate when they are the run's (their weights sent already)."""
+    reward = models["reward"]
+    generator = replicas or models["actor"]
     total = {"count": 0.0, "reward": 0.0, "task_score": 0.0}
     batch = prompts.cfg.ppo.rollout_batch_size
     num_ranks = prompts.cfg.cluster.num_devices
+    shards = generator.num_ranks
+    every = math.lcm(num_ranks, shards)
     for start in range(0, len(prompts.val), batch):
         index = list(range(start, min(len(prompts.val), start + batch)))
-        while len(index) % num_ranks:  # every rank needs rows: repeat the last prompt
+        while len(index) % every:  # every rank needs rows: repeat the last prompt
             index.append(index[-1])
-        per_rank, rows = prompts.split(prompts.val.rows(index))
+        per_slice, rows = prompts.split(prompts.val.rows(index), shards=shards)
         episode_rows = (rows,) if prompts.cfg.env.enabled else ()
-        rollouts, _ = zip(*actor.call("generate", per_rank, *episode_rows, num_returns=2,
-                                      greedy=True, step=step))
-        scores = wait(reward=reward.call("score", list(rollouts), rows, step=step))["reward"]
+        rollouts, _ = zip(*generator.call("generate", per_slice, *episode_rows, num_returns=2,
+                                          greedy=True, step=step))
+        rollouts = list(rollouts)
+        if shards != num_ranks:  # the replicas' slices cut again into the reward's ranks
+            whole = RolloutBatch.concat(wait(rollout=rollouts)["rollout"],
+                                        prompts.tokenizer.pad_token_id)
+            order = list(torch.arange(len(whole)).chunk(num_ranks))
+            rollouts = [whole.select(i) for i in order]
+            rows = deal_rows(rows, order)
+        scores = wait(reward=reward.call("score", rollouts, rows, step=step))["reward"]
         sums = wait(reward=reward.call("score_sums"))["reward"]
         total["count"] += sum(len(s) for s in scores)
         total["reward"] += float(sum(s.sum() for s in scores))

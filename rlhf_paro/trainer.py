@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import ray
+import torch
 from omegaconf import OmegaConf
 
 from rlhf_paro import batching, report, runs
@@ -46,10 +47,11 @@ from rlhf_paro.actors.group import (
 )
 from rlhf_paro.actors.ref import RefWorker
 from rlhf_paro.actors.reward import RewardWorker
+from rlhf_paro.actors.rollout import RolloutWorker
 from rlhf_paro.config import RAY_ADDRESS_ALLOWED, Config, ConfigError
 from rlhf_paro.envs import EnvError
 from rlhf_paro.metrics import MetricsLogger, logprob_diff, model_metrics, padding_fraction
-from rlhf_paro.ppo import algorithms, core
+from rlhf_paro.ppo import algorithms, core, pipeline
 from rlhf_paro.ppo.data import rollout_tokenizer
 from rlhf_paro.ppo.rewards import RewardFunctionError
 from rlhf_paro.ppo.task import task_from_config
@@ -70,6 +72,36 @@ def _running(cfg: Config, err: WorkerError) -> str:
         return f" running reward function {reward.function}"
     return (f" running reward function {reward.function} or score function "
             f"{reward.score_function}")
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A step's rollout on its way (``pipeline.LAUNCH`` to ``COLLECT``)."""
+
+    step: int
+    version: int  # updates of the policy that generates it
+    rollouts: list[Any] = dataclasses.field(default_factory=list)  # refs, or the rollouts
+    stats: list[Any] = dataclasses.field(default_factory=list)  # sums per generator (refs)
+    rows: list[Any] | None = None  # the prompts' texts and columns, per slice
+    dealt: bool = False  # ``rollouts`` and ``rows`` are the training ranks' already
+    scores: tuple[list[Any], list[Any]] | None = None  # (scores, their sums) started with it
+    calls: list[Call] = dataclasses.field(default_factory=list)  # its calls, for a hang
+
+
+@dataclasses.dataclass
+class _StepContext:
+    """What one step's stages hand one another."""
+
+    step: int
+    start: float
+    times: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per stage
+    launched: _Launched | None = None
+    gen: dict[str, float] = dataclasses.field(default_factory=dict)
+    exp: dict[str, float] = dataclasses.field(default_factory=dict)
+    mismatch: dict[str, float] = dataclasses.field(default_factory=dict)
+    targets: list[Any] = dataclasses.field(default_factory=list)
+    kl_coef: float = 0.0
+    staleness: int = 0
 
 
 class RunError(RuntimeError):
@@ -100,25 +132,44 @@ class PPOTrainer:
         self.stop = stop or StopFlag()
         self._in_steps = False  # fit's steps are running: a stop waits for the step's end
         num_devices, use_gpu = cfg.cluster.num_devices, cfg.cluster.device == "cuda"
+        # The training devices, then the rollout's own (rollout.num_devices).
+        total = num_devices + cfg.rollout.num_devices
         try:
-            init_ray(cfg.ray.address, cfg.ray.num_cpus, num_devices)
+            init_ray(cfg.ray.address, cfg.ray.num_cpus, total)
         except ConnectionError as err:
             raise ConfigError("ray.address", f"{err}; {RAY_ADDRESS_ALLOWED}") from None
-        problem = missing_devices(num_devices, use_gpu)
+        problem = missing_devices(total, use_gpu)
         if problem:
-            raise ConfigError("cluster.num_devices", problem)
+            key = "rollout.num_devices" if cfg.rollout.num_devices else "cluster.num_devices"
+            raise ConfigError(key, problem)
         self.cfg = cfg
-        self.placement, bundles = make_placement_group(num_devices, use_gpu)
+        self.placement, bundles = make_placement_group(total, use_gpu)
         # Every model's calls since the last step's were done, in the order issued: what a
         # worker that does not answer is traced back to (actors/group.py, get).
         self.issued: list[Call] = []
         self.pids: dict[str, list[int]] = {}  # each model's process id per rank
-        self.models = {role: ModelGroup(WORKERS[role], role, cfg, self.placement, bundles,
+        train_bundles, replica_bundles = bundles[:num_devices], bundles[num_devices:]
+        self.models = {role: ModelGroup(WORKERS[role], role, cfg, self.placement, train_bundles,
                                         use_gpu, self.issued)
                        for role in algorithms.roles(cfg)}
+        # Rollout replicas on devices of their own (rollout.num_devices), each alone on its own.
+        self.replicas = (ModelGroup(RolloutWorker, "rollout", cfg, self.placement,
+                                    replica_bundles, use_gpu, self.issued, share=1.0)
+                         if replica_bundles else None)
         # The models join their process groups and build their engines at once.
         self.pids = self.wait(**{role: group.rendezvous() for role, group in self.models.items()})
+        if self.replicas is not None:
+            self._start_replicas()
         self.issued.clear()
+        # The order of a step's stages (ppo/pipeline.py) and the rollouts launched ahead.
+        self.order = pipeline.order(cfg.rollout.max_staleness)
+        self._launched: dict[int, _Launched] = {}
+        self.updates = 0  # the policy's version: its updates so far
+        self._weights_sent = -1  # the version the replicas hold
+        # A reward that reads nothing trained scores a rollout launched ahead as soon as it is
+        # generated, while training goes on (a function, a server, the environment's score).
+        self.scores_ahead = (self.replicas is not None and cfg.rollout.max_staleness > 0
+                             and not cfg.reward.runs_model)
         # From data.train_files, or made by the task.
         self.prompts = runs.Prompts(cfg, task_from_config(cfg))
         self.pad_token_id = rollout_tokenizer(cfg).pad_token_id  # of the rollouts it deals
@@ -131,6 +182,7 @@ class PPOTrainer:
         self.start_step = 0  # steps done before this run: a resumed checkpoint's
         self.wandb_id: str | None = None  # the wandb run this run logs to, kept in checkpoints
         self.resumed_from = self._resume()  # the checkpoint this run started from, if any
+        self.updates = self.start_step
 
     def wait(self, **calls: list[ray.ObjectRef]) -> dict[str, list[Any]]:
         """The results of each model's calls (``model=refs``); a worker that dies or raises
@@ -138,7 +190,7 @@ class PPOTrainer:
         ``trainer.step_timeout_s`` a ``NoAnswerError`` (``actors/group.py``, ``get``). A stop
         asked for before the steps is a ``StopRequested`` at once; during them it waits for the
         step's end."""
-        return get(calls, {role: group.workers for role, group in self.models.items()},
+        return get(calls, {role: group.workers for role, group in self.groups().items()},
                    self.cfg.trainer.step_timeout_s, self.issued, self.pids,
                    None if self._in_steps else (lambda: self.stop.requested))
 
@@ -171,7 +223,10 @@ class PPOTrainer:
                             if n > trainer.max_skipped_steps}
                     if trainer.eval_every and (done % trainer.eval_every == 0
                                                or done == trainer.steps):
-                        row.update(runs.evaluate(self.models, self.prompts, done, self.wait))
+                        if self.replicas is not None and self._weights_sent != self.updates:
+                            self._send_weights()
+                        row.update(runs.evaluate(self.models, self.prompts, done, self.wait,
+                                                 self.replicas))
                     if trainer.export_every and done % trainer.export_every == 0:
                         runs.export(self.models, trainer.output_dir, self.wait, done)
                     # A run that stops here keeps its last checkpoint from before the skips.
@@ -240,6 +295,7 @@ class PPOTrainer:
         scratch = checkpoint.scratch(output_dir, step)
         self.wait(**{role: group.call("save_checkpoint", directory=str(scratch))
                      for role, group in self.models.items()})
+        self._save_launched(scratch)
         checkpoint.write_json(scratch / checkpoint.TRAINER_FILE, {
             "step": step, "kl_coef": self.kl_ctl.value, "wandb_id": self.wandb_id,
             "prompts": self.prompts.state(),
@@ -250,6 +306,28 @@ class PPOTrainer:
         checkpoint.prune(output_dir, self.cfg.trainer.keep_checkpoints)
         return {"timing_s/checkpoint": time.perf_counter() - start,
                 "checkpoint/bytes": float(sum(size for size, _ in digests.values()))}
+
+    def _save_launched(self, directory: Path) -> None:
+        """The rollouts launched ahead of the next step, waited for and written with the
+        checkpoint.
+
+        [Note: rollouts launched ahead]
+        Saved, not generated again on resume: each was generated by a policy older than the
+        checkpoint's (the one after update t - K), which only its rollout keeps. Written, the
+        resumed run collects them as the straight run did, and launches the next with the
+        checkpoint's policy, as the straight run would have: the same rows."""
+        for step, launched in sorted(self._launched.items()):
+            key = "rollout" if self.replicas is not None else "actor"
+            batches = [b for b in launched.rollouts if not isinstance(b, ray.ObjectRef)] or \
+                self.wait(**{key: launched.rollouts})[key]
+            stats = (launched.stats if isinstance(launched.stats[0], dict)
+                     else self.wait(**{key: launched.stats})[key])
+            rows = launched.rows
+            if rows is not None and isinstance(rows[0], ray.ObjectRef):
+                rows = self.wait(**{key: rows})[key]
+            checkpoint.write_rollouts(directory, step, batches, {
+                "version": launched.version, "num_ranks": len(batches), "stats": stats,
+                "rows": rows})
 
     def _digests(self, directory: Path, names: list[str]) -> dict[str, tuple[int, str]]:
         """(bytes, SHA-256) of each file, shared among all workers (each flushes its share)."""
@@ -325,6 +403,10 @@ class PPOTrainer:
             raise
         state = json.loads((directory / checkpoint.TRAINER_FILE).read_text())
         self.start_step = state["step"]
+        for step, (batches, meta) in checkpoint.read_rollouts(directory, RolloutBatch).items():
+            self._launched[step] = _Launched(step=step, version=meta["version"],
+                                             rollouts=batches, stats=meta["stats"],
+                                             rows=meta["rows"], dealt=True)
         self.kl_ctl.value = state["kl_coef"]
         self.prompts.load_state(state["prompts"])
         checkpoint.set_rng_state(state["rng"])
@@ -333,74 +415,181 @@ class PPOTrainer:
         if output_dir in directory.resolve().parents:
             self.wandb_id = state["wandb_id"]
 
-    # -- one step ------------------------------------------------------------------------------
+    # -- one step: the stages of ppo/pipeline.py, in the order of the run --------------------
     def step(self, step: int) -> dict[str, float]:
-        """Step ``step``: its metrics row."""
+        """Step ``step``: its metrics row. The stages run in ``pipeline.order`` (synchronous, or
+        K steps off with ``rollout.max_staleness``), each on the data of the step it names."""
+        start = time.perf_counter()
+        # The last step's calls are all done, but for rollouts launched ahead.
+        self.issued[:] = [c for launched in self._launched.values() for c in launched.calls]
+        now = _StepContext(step=step, start=start)
+        if step == self.start_step:
+            for ahead in pipeline.prologue(self.cfg.rollout.max_staleness, step):
+                self._launch(ahead, now)
+        for stage in self.order:
+            getattr(self, f"_{stage.name}")(step + stage.ahead, now)
+        return self._row(now)
+
+    def _launch(self, step: int, now: _StepContext) -> None:
+        """Start step ``step``'s rollout (``pipeline.LAUNCH``): its prompts drawn, in the actor's
+        ranks, or, with replicas of their own, the actor's weights sent to them first (when they
+        changed) and the rollout dealt to the training ranks by a task of its own as soon as it
+        is generated; a reward that reads nothing trained starts scoring it then."""
+        if step >= self.cfg.trainer.steps or step in self._launched:
+            return
+        began = time.perf_counter()
+        cfg = self.cfg
+        issued_before = len(self.issued)
+        shards = self.replicas.num_ranks if self.replicas else cfg.cluster.num_devices
+        # Sliced here, before anything is sent: each generator receives only its own prompts.
+        prompts, rows = self.prompts.next(cfg.ppo.rollout_batch_size, cfg.rollout.n, shards)
+        # An environment's episodes are built from the prompts' rows (columns).
+        episode_rows = (rows,) if cfg.env.enabled else ()
+        launched = _Launched(step=step, version=self.updates, rows=rows)
+        if self.replicas is None:
+            rollouts, stats = zip(*self.models["actor"].call(
+                "generate", prompts, *episode_rows, step=step, num_returns=2))
+            launched.rollouts, launched.stats = list(rollouts), list(stats)
+        else:
+            if self._weights_sent != self.updates:
+                self._send_weights()
+            rollouts, stats = zip(*self.replicas.call("generate", prompts, *episode_rows,
+                                                      step=step, num_returns=2))
+            launched.stats = list(stats)
+            launched.rollouts, launched.rows = self._deal_ahead(list(rollouts), rows)
+            launched.dealt = True
+            if self.scores_ahead:
+                launched.scores = self._score(launched.rollouts, launched.rows, step)
+        launched.calls = self.issued[issued_before:]
+        self._launched[step] = launched
+        now.times["launch"] = now.times.get("launch", 0.0) + time.perf_counter() - began
+
+    def _send_weights(self) -> None:
+        """The actor's weights to every replica (``comm/transfer.py``): the actor's ranks gather
+        and send while the replicas take them, once the replicas are done with what they were
+        generating."""
+        self.models["actor"].call("send_weights")
+        self.replicas.call("receive_weights")
+        self._weights_sent = self.updates
+
+    def _deal_ahead(self, rollouts: list[ray.ObjectRef], rows: list[Any] | None
+                    ) -> tuple[list[ray.ObjectRef], list[Any] | None]:
+        """The replicas' rollouts as the training ranks' (each rank's ref of its own), without
+        the driver waiting: as generated when there are as many replicas as ranks and the
+        ranks are not balanced, else dealt by a task that runs once they are there
+        (``deal``)."""
+        cfg = self.cfg
+        num_ranks = cfg.cluster.num_devices
+        if len(rollouts) == num_ranks and not cfg.deals_rollouts:
+            return rollouts, rows
+        parts = list(_deal_task.options(num_returns=2 * num_ranks).remote(
+            self.pad_token_id, cfg.rollout.n, num_ranks, cfg.ppo.mini_batch_size // num_ranks,
+            cfg.ppo.balance_batch, rows, *rollouts))
+        return parts[:num_ranks], (None if rows is None else parts[num_ranks:])
+
+    def _score(self, rollouts: list[Any], rows: list[Any] | None, step: int
+               ) -> tuple[list[ray.ObjectRef], list[ray.ObjectRef]]:
+        """The reward's scores of a rollout and their sums (``RewardWorker.score``), refs per
+        rank."""
+        reward = self.models["reward"]
+        extra = () if rows is None else (rows,)
+        scores, sums = zip(*reward.call("score", rollouts, *extra, step=step, with_sums=True,
+                                        num_returns=2))
+        return list(scores), list(sums)
+
+    def _collect(self, step: int, now: _StepContext) -> None:
+        """Wait for step ``step``'s rollout (``pipeline.COLLECT``) and, colocated, deal it to
+        the ranks by real tokens ([Note: balanced ranks]); the wait is the trainer's idle time
+        when the rollout runs ahead."""
+        began = time.perf_counter()
+        launched = self._launched.pop(step)
+        if isinstance(launched.stats[0], dict):  # restored from a checkpoint
+            stats = launched.stats
+        else:
+            key = "actor" if self.replicas is None else "rollout"
+            stats = self.wait(**{key: launched.stats})[key]
+            if launched.dealt:  # the dealt rollouts are what the experience reads: there now
+                self.wait(rollout=launched.rollouts)
+        now.gen = _sum(stats)
+        now.launched = launched
+        if self.replicas is None and self.cfg.deals_rollouts:
+            launched.rollouts, launched.rows = self.balance(launched.rollouts, launched.rows)
+            launched.dealt = True
+        now.times["wait_rollout"] = time.perf_counter() - began
+
+    def _experience(self, step: int, now: _StepContext) -> None:
+        """Old log-probs, reference log-probs, values and scores of the collected rollout, then
+        the actor's experience (``pipeline.EXPERIENCE``)."""
+        began = time.perf_counter()
         actor, reward = self.models["actor"], self.models["reward"]
         critic, ref = self.models.get("critic"), self.models.get("ref")
         absent = [None] * self.cfg.cluster.num_devices
-        start = time.perf_counter()
-
-        self.issued.clear()  # the last step's calls are all done
-        # Sliced here, before anything is sent: each rank receives only its own prompts.
-        prompts, rows = self.prompts.next(self.cfg.ppo.rollout_batch_size, self.cfg.rollout.n)
-        # An environment's episodes are built from the prompts' rows (columns).
-        episode_rows = (rows,) if self.cfg.env.enabled else ()
-        rollouts, gen_stats = zip(*actor.call("generate", prompts, *episode_rows, step=step,
-                                              num_returns=2))
-        gen = _sum(self.wait(actor=list(gen_stats))["actor"])
-        generated = time.perf_counter()
-        if self.cfg.deals_rollouts:
-            rollouts, rows = self.balance(list(rollouts), rows)
-            old = actor.call("old_logprobs", rollouts)  # each rank takes its dealt rows
-        else:
-            old = actor.call("old_logprobs")
+        launched = now.launched
+        rollouts, rows = launched.rollouts, launched.rows
+        # Each rank takes its dealt rows; else the one it generated, which it kept.
+        old = actor.call("old_logprobs", rollouts) if launched.dealt else \
+            actor.call("old_logprobs")
         ref_logp = ref.call("logprobs", rollouts) if ref else absent
         values = critic.call("values", rollouts) if critic else absent
-        scores = (reward.call("score", rollouts) if rows is None else
-                  reward.call("score", rollouts, rows, step=step))
+        scores, sums = launched.scores or self._score(rollouts, rows, step)
         kl_coef = self.kl_ctl.value
         targets, exp_stats = zip(*actor.call("make_experience", ref_logp, values, scores,
                                              kl_coef=kl_coef, num_returns=2))
-        exp = _sum(self.wait(actor=list(exp_stats))["actor"])
-        gen.update(_sum(self.wait(reward=reward.call("score_sums"))["reward"]))
-        mismatch = logprob_diff(self.wait(actor=old)["actor"])
-        experienced = time.perf_counter()
+        now.exp = _sum(self.wait(actor=list(exp_stats))["actor"])
+        now.gen.update(_sum(self.wait(reward=sums)["reward"]))
+        now.mismatch = logprob_diff(self.wait(actor=old)["actor"])
+        now.targets, now.kl_coef = list(targets), kl_coef
+        now.staleness = pipeline.staleness(self.updates, launched.version)
+        now.times["make_experience"] = time.perf_counter() - began
 
-        training = {"actor": actor.call("train", step=step, kl_coef=kl_coef)}
-        if critic:
-            training["critic"] = critic.call("train", list(targets), step=step)
+    def _train(self, step: int, now: _StepContext) -> None:
+        """The update of the actor and the critic (``pipeline.TRAIN``): the policy's version
+        goes up by one."""
+        began = time.perf_counter()
+        training = {"actor": self.models["actor"].call("train", step=step, kl_coef=now.kl_coef)}
+        if "critic" in self.models:
+            training["critic"] = self.models["critic"].call("train", now.targets, step=step)
         self.wait(**training)
-        trained = time.perf_counter()
+        self.updates += 1
+        now.times["train"] = time.perf_counter() - began
 
+    def _row(self, now: _StepContext) -> dict[str, float]:
+        """The step's metrics row, from its context and every model's report."""
         reports = self.wait(**{role: group.call("report") for role, group in self.models.items()})
         row: dict[str, float] = {}
         for role, per_rank in reports.items():
             row.update(model_metrics(role, per_rank))
         self.skip_runs = {role: max(r.skip_run for r in reports[role])
                           for role in algorithms.trained_roles(self.cfg)}
-
         done = time.perf_counter()
-        if ref:
+        gen, exp, times = now.gen, now.exp, now.times
+        if "ref" in self.models:
             kl = exp["kl"] / exp["count"]  # per sequence, summed over its tokens
             self.kl_ctl.update(kl, int(exp["count"]))
-            row.update({"ppo/kl": kl, "ppo/kl_coef": kl_coef})
+            row.update({"ppo/kl": kl, "ppo/kl_coef": now.kl_coef})
         row.update(reward_extras(gen))
         row.update(env_metrics(gen))
-        row.update(mismatch)
+        row.update(now.mismatch)
+        if self.replicas is not None:
+            row.update(replica_metrics(gen, done - now.start, self.replicas.num_ranks))
+        generated = times.get("launch", 0.0) + times["wait_rollout"]
         row.update({
             "ppo/reward_mean": exp["reward"] / exp["count"],
             "ppo/task_score": gen["task_score"] / gen["count"],
             "ppo/advantage_mean": exp["advantage"] / exp["tokens"],
             "ppo/return_mean": exp["return"] / exp["tokens"],
             "ppo/response_length": gen["response_length"] / gen["count"],
-            "timing_s/generate": generated - start,
-            "timing_s/make_experience": experienced - generated,
-            "timing_s/train": trained - experienced,
-            "timing_s/step": done - start,
-            "perf/samples_per_s": gen["count"] / (done - start),
+            # Updates between the policy that generated the rollout and the one it trains.
+            "rollout/staleness_mean": float(now.staleness),
+            "rollout/staleness_max": float(now.staleness),
+            "timing_s/generate": generated,
+            "timing_s/wait_rollout": times["wait_rollout"],
+            "timing_s/make_experience": times["make_experience"],
+            "timing_s/train": times["train"],
+            "timing_s/step": done - now.start,
+            "perf/samples_per_s": gen["count"] / (done - now.start),
             # The rollout's real tokens (prompts and responses, all ranks) over the step.
-            "perf/tokens_per_s": gen["real_tokens"] / (done - start),
+            "perf/tokens_per_s": gen["real_tokens"] / (done - now.start),
             "perf/padding_fraction": padding_fraction(reports),
         })
         return row
@@ -413,16 +602,44 @@ class PPOTrainer:
         alike. The rollouts are token ids and masks, small next to anything a model computes
         from them."""
         cfg = self.cfg
-        num_ranks = cfg.cluster.num_devices
         whole = RolloutBatch.concat(self.wait(actor=rollouts)["actor"], self.pad_token_id)
-        order = batching.rank_order(whole.num_tokens(), cfg.rollout.n, num_ranks,
-                                    cfg.ppo.mini_batch_size // num_ranks)
-        dealt = [ray.put(whole.select(index).trimmed()) for index in order]
-        return dealt, None if rows is None else runs.deal_rows(rows, order)
+        dealt, rows = deal(whole, cfg.rollout.n, cfg.cluster.num_devices,
+                           cfg.ppo.mini_batch_size // cfg.cluster.num_devices, True, rows)
+        return [ray.put(batch) for batch in dealt], rows
+
+    def groups(self) -> dict[str, ModelGroup]:
+        """Every group of workers: the models', and the rollout replicas'."""
+        return {**self.models, **({"rollout": self.replicas} if self.replicas else {})}
+
+    def _start_replicas(self) -> None:
+        """The replicas' engines, and the transfer group of each actor rank and the replicas it
+        serves (``comm/transfer.py``), on a store this driver holds."""
+        from rlhf_paro.comm import transfer
+
+        actor, replicas = self.models["actor"], self.replicas
+        num_ranks, num_replicas = actor.num_ranks, replicas.num_ranks
+        host = ray.util.get_node_ip_address()
+        self._store, port = transfer.serve_store(host)
+        manifest = self.wait(actor=actor.call("weight_manifest"))["actor"][0]
+        nodes = self.wait(actor=actor.call("node"), rollout=replicas.call("node"))
+        joins = {}
+        for rank in range(num_ranks):
+            served = transfer.served(rank, num_ranks, num_replicas)
+            if served:
+                same = [nodes["rollout"][j] == nodes["actor"][rank] for j in served]
+                joins.setdefault("actor", []).append(actor.workers[rank].join_transfer.remote(
+                    host, port, same))
+        setups = [w.setup.remote(host, port, transfer.serving(j, num_ranks),
+                                 transfer.served(transfer.serving(j, num_ranks), num_ranks,
+                                                 num_replicas).index(j) + 1,
+                                 len(transfer.served(transfer.serving(j, num_ranks), num_ranks,
+                                                     num_replicas)) + 1, manifest)
+                  for j, w in enumerate(replicas.workers)]
+        self.pids["rollout"] = self.wait(rollout=setups, **joins)["rollout"]
 
     def shutdown(self) -> None:
         """Kill every worker (even one blocked in a collective) and free their devices."""
-        for group in self.models.values():
+        for group in self.groups().values():
             group.shutdown()
         ray.util.remove_placement_group(self.placement)
 
@@ -467,6 +684,42 @@ def env_metrics(sums: dict[str, float]) -> dict[str, float]:
         "env/tool_calls": sums["env_tool_calls"] / episodes,
         "env/tool_errors": sums["env_tool_errors"] / episodes,
     }
+
+
+def deal(whole: RolloutBatch, group_size: int, num_ranks: int, mini_size: int, balance: bool,
+         rows: list[Any] | None) -> tuple[list[RolloutBatch], list[Any] | None]:
+    """A step's whole rollout cut into the training ranks' (``balance``: by real tokens, groups
+    of ``rollout.n`` whole, [Note: balanced ranks]; else in order), each trimmed to its own
+    widths, and the prompts' rows dealt alike."""
+    if balance:
+        order = batching.rank_order(whole.num_tokens(), group_size, num_ranks, mini_size)
+    else:
+        order = list(torch.arange(len(whole)).chunk(num_ranks))
+    return ([whole.select(index).trimmed() for index in order],
+            None if rows is None else runs.deal_rows(rows, order))
+
+
+@ray.remote(num_cpus=0)
+def _deal_task(pad_token_id: int, group_size: int, num_ranks: int, mini_size: int,
+               balance: bool, rows: list[Any] | None, *rollouts: RolloutBatch) -> tuple:
+    """``deal`` of the replicas' rollouts, run by Ray as soon as they are generated: one
+    result per training rank's rollout, then one per rank's rows."""
+    dealt, dealt_rows = deal(RolloutBatch.concat(rollouts, pad_token_id), group_size, num_ranks,
+                             mini_size, balance, rows)
+    return (*dealt, *(dealt_rows or [None] * num_ranks))
+
+
+def replica_metrics(sums: dict[str, float], step_s: float, num_replicas: int
+                    ) -> dict[str, float]:
+    """``rollout/*`` of the replicas on devices of their own, from the sums their generations
+    gave: seconds a replica generated and took weights for the step's rollout (means over
+    replicas), what is left of the step's wall time (idle, or generating the next), and the
+    weights' bytes they received."""
+    generate = sums.get("replica_generate_s", 0.0) / num_replicas
+    sync = sums.get("replica_sync_s", 0.0) / num_replicas
+    return {"rollout/time_s/generate": generate, "rollout/time_s/sync": sync,
+            "rollout/time_s/idle": max(0.0, step_s - generate - sync),
+            "rollout/sync/received_bytes": sums.get("replica_received_bytes", 0.0)}
 
 
 def reward_extras(sums: dict[str, float]) -> dict[str, float]:

@@ -9,6 +9,7 @@ the actor knows nothing.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -187,12 +188,19 @@ class ActorWorker(TrainedWorker):
             logp = logprobs(self, rows, train=True)
             old_logp = exp.old_logp.to(self.device)
             # The engine sampled, the trainer's old log-probs anchor the ratio: reweight to them.
-            weights = (None if tis_cap is None else
-                       core.tis_weights(old_logp, rows.logprobs.to(self.device), tis_cap))
+            weights = None
+            if tis_cap is not None:
+                behaviour = rows.logprobs.to(self.device)
+                weights = core.tis_weights(old_logp, behaviour, tis_cap)
+                # The share of action tokens whose weight the cap cut.
+                capped = ((old_logp - behaviour) >= math.log(tis_cap)).float()
+                clipped = float((capped * mask).sum() / mask.sum().clamp(min=1))
             loss, stats = core.policy_loss(
                 logp, old_logp, exp.advantages.to(self.device), mask,
                 ppo.clip_eps, divisor, agg=agg, token_sum_norm=norm, weights=weights)
             metrics = {"actor/clipfrac": stats["clipfrac"], "approx_kl": stats["approx_kl"]}
+            if weights is not None:
+                metrics["rollout/tis_clipfrac"] = clipped
             if exp.ref_logp is not None:
                 kl_loss, kl_stats = core.kl_loss(logp, exp.ref_logp.to(self.device), mask,
                                                  alg.kl_estimator, agg, divisor, norm)

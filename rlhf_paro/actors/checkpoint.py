@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import dataclasses
 import json
 import os
 import random
@@ -101,6 +102,39 @@ def file_digest(path: str | Path) -> tuple[int, str]:
         while chunk := f.read(_CHUNK):
             sha.update(chunk)
     return os.path.getsize(path), sha.hexdigest()
+
+
+ROLLOUTS_DIR = "rollouts"  # rollouts launched ahead of the step a checkpoint resumes at
+
+
+def write_rollouts(directory: Path, step: int, batches: list[Any], meta: dict[str, Any]
+                   ) -> None:
+    """Step ``step``'s rollout, launched ahead and generated already (one batch per training
+    rank), and what else its collection needs (``meta``: JSON), under ``directory``: tensors in
+    safetensors files, nothing pickled. [Note: rollouts launched ahead]"""
+    from safetensors.torch import save_file
+
+    where = Path(directory) / ROLLOUTS_DIR / f"step_{step}"
+    where.mkdir(parents=True, exist_ok=True)
+    for rank, batch in enumerate(batches):
+        tensors = {f.name: getattr(batch, f.name).contiguous()
+                   for f in dataclasses.fields(batch) if getattr(batch, f.name) is not None}
+        save_file(tensors, str(where / f"rank_{rank}.safetensors"))
+    write_json(where / "meta.json", meta)
+
+
+def read_rollouts(directory: Path, batch_type: type) -> dict[int, tuple[list[Any], dict]]:
+    """The rollouts ``write_rollouts`` put under ``directory``: step -> (batches, meta)."""
+    from safetensors.torch import load_file
+
+    out = {}
+    root = Path(directory) / ROLLOUTS_DIR
+    for where in sorted(root.glob("step_*")) if root.is_dir() else []:
+        meta = json.loads((where / "meta.json").read_text())
+        batches = [batch_type(**load_file(str(where / f"rank_{rank}.safetensors")))
+                   for rank in range(meta["num_ranks"])]
+        out[int(where.name.removeprefix("step_"))] = (batches, meta)
+    return out
 
 
 def write_json(path: str | Path, data: Any) -> None:

@@ -147,13 +147,15 @@ class ModelGroup:
     """
 
     def __init__(self, worker_cls: type, role: str, cfg: Any, pg: PlacementGroup,
-                 bundles: Sequence[int], use_gpu: bool, issued: list[Call] | None = None
-                 ) -> None:
+                 bundles: Sequence[int], use_gpu: bool, issued: list[Call] | None = None,
+                 share: float | None = None) -> None:
         self.role = role
         self.num_ranks = len(bundles)
         self.issued = [] if issued is None else issued
         remote_cls = ray.remote(worker_cls)
-        share = bundle_share(cfg)
+        # The fraction of its bundle each rank takes (``bundle_share``; a rollout replica has
+        # its device to itself).
+        share = bundle_share(cfg) if share is None else share
         self.workers = [
             remote_cls.options(
                 num_cpus=share,

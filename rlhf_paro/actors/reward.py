@@ -61,11 +61,12 @@ class RewardWorker(Worker):
         return os.getpid()
 
     @torch.no_grad()
-    def score(self, rollout: RolloutBatch, rows: dict[str, Any] | None = None, step: int = 0
-              ) -> torch.Tensor:
+    def score(self, rollout: RolloutBatch, rows: dict[str, Any] | None = None, step: int = 0,
+              with_sums: bool = False) -> torch.Tensor | tuple[torch.Tensor, dict[str, float]]:
         """(B,) reward of each sequence of this rank's rollout. ``rows``: the prompts' texts and
         columns (``{"texts", "columns"}``), needed by a function or another tokenizer; None for
-        the task's own prompts."""
+        the task's own prompts. ``with_sums``: with this rollout's ``score_sums`` too, for a
+        caller whose next score may run before it asks for them (a rollout scored ahead)."""
         prompts = responses = None
         if rows is not None:
             prompts, responses = rows["texts"], self._responses(rollout)
@@ -93,7 +94,7 @@ class RewardWorker(Worker):
         elif self.task is not None:
             self._score_sums = _score_sums(self.task.score(rollout.prompts, rollout.responses,
                                                            rollout.action_mask), {})
-        return out
+        return (out, self._score_sums) if with_sums else out
 
     def _modelless(self, step: int, prompts: list[str], responses: list[str],
                    columns: dict[str, list[Any]]) -> rewards.RewardOutput:

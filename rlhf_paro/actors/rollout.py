@@ -14,15 +14,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import time
 from typing import Any
 
 import torch
 
 from rlhf_paro import envs, models, rollout
-from rlhf_paro.actors.worker import Worker, bind_gloo, peak_bytes
-from rlhf_paro.comm.meter import GENERATE, SYNC
+from rlhf_paro.actors.worker import Worker, bind_gloo
 from rlhf_paro.comm.transfer import TransferGroup
-from rlhf_paro.metrics import RankReport
 from rlhf_paro.ppo.data import rollout_tokenizer, vocab_sizes
 from rlhf_paro.rollout import PromptBatch, RolloutBatch, episodes
 
@@ -129,7 +128,8 @@ class RolloutWorker(Worker):
         self.transfer: TransferGroup | None = None  # its actor rank and it (setup)
         # (Hugging Face name, shape, dtype) of every weight, in the order the actor sends them.
         self.manifest: list[tuple[str, tuple[int, ...], str]] = []
-        self.received_bytes = 0  # this step's, for its report
+        self.received_bytes = 0  # the last sync's, for the next generation's sums
+        self.sync_s = 0.0  # the last sync's seconds, likewise
 
     def setup(self, host: str, port: int, source: int, group_rank: int, group_size: int,
               manifest: list[tuple[str, tuple[int, ...], str]]) -> int:
@@ -177,27 +177,20 @@ class RolloutWorker(Worker):
                 yield name, tensor
 
         engine.wake()
-        with self.timed(SYNC):
-            engine.sync(stream())
+        self.received_bytes = 0
+        start = time.perf_counter()
+        engine.sync(stream())
+        self.sync_s = time.perf_counter() - start
 
     def generate(self, prompts: PromptBatch, rows: dict[str, Any] | None = None,
                  greedy: bool = False, step: int = 0) -> tuple[RolloutBatch, dict[str, float]]:
-        """This replica's prompt slice of step ``step`` (``Generation``)."""
-        with self.timed(GENERATE):
-            batch, stats = self.generation(prompts, rows, greedy, step, self.rank)
-        # vLLM's continuous batch computes on real tokens only; hf's static batch on every row.
-        self.count_tokens(batch.attention_mask,
-                          packed=not self.generation.engine.computes_padding)
+        """This replica's prompt slice of step ``step`` (``Generation``), and sums for the
+        driver, with this replica's seconds generating it and taking the weights it was
+        generated with, and their bytes (``replica_*``: the replicas report nothing else, so
+        that no call waits behind a generation that runs ahead)."""
+        start = time.perf_counter()
+        batch, stats = self.generation(prompts, rows, greedy, step, self.rank)
+        stats.update(replica_generate_s=time.perf_counter() - start, replica_sync_s=self.sync_s,
+                     replica_received_bytes=float(self.received_bytes))
+        self.sync_s, self.received_bytes = 0.0, 0
         return batch, stats
-
-    def report(self) -> RankReport:
-        """This step's report: its time generating and taking weights, the tokens it generated,
-        the weights' bytes it received (``counters``); resets them."""
-        report = RankReport(tokens=self._tokens, real_tokens=self._real_tokens,
-                            time_s=dict(self._time_s), comm={}, memory={},
-                            peak_bytes=peak_bytes(self.device),
-                            counters={"received_bytes": float(self.received_bytes)})
-        self._time_s.clear()
-        self._tokens = self._real_tokens = 0
-        self.received_bytes = 0
-        return report

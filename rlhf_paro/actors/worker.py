@@ -75,6 +75,10 @@ class Worker:
         self._real_tokens = 0  # of which real tokens (the rest is padding)
 
     # -- rendezvous --------------------------------------------------------------------------
+    def node(self) -> str:
+        """The address of this worker's node (which links a transfer to it crosses)."""
+        return ray.util.get_node_ip_address()
+
     def free_address(self) -> tuple[str, int]:
         """This node's IP and a port free on it: rank 0's answer is the model's rendezvous."""
         with socket.socket() as s:

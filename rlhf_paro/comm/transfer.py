@@ -42,6 +42,13 @@ def transfer_bytes(numel: int, elem_size: int, same_node: list[bool]) -> LinkByt
     return LinkBytes(size * sum(same_node), size * (len(same_node) - sum(same_node)))
 
 
+def serve_store(host: str) -> tuple[dist.TCPStore, int]:
+    """The store the transfer groups meet on, held by the caller (the driver), on a free port
+    of ``host``; keep the store alive while the groups run."""
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+    return store, store.port
+
+
 class TransferGroup:
     """One actor rank (group rank 0) and the replicas it serves, on their own process group."""
 
