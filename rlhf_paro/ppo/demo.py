@@ -19,6 +19,17 @@ which the entry points register) is the asset's path when the cache holds it and
 - ``score`` (``reward.score_function``): the counting score as a reward function,
   ``ppo/task.py:counting_score``, logged but never trained on.
 
+The multi-turn demo (``conf/grpo_agent_tiny.yaml``) plays the guessing game of ``envs/guess.py``
+and has assets of its own, in a cache entry of their own (``agent_cache_key``):
+
+- ``guess`` (``env.function``): the game, ``envs/guess.py:GuessEnv``.
+- ``agent_actor``: the same architecture with the game's words (``guess``, ``higher``,
+  ``lower``) in its vocabulary, fine-tuned (``task.sft_*``) on games of mixed skill
+  (``guess.demonstration``) in the exact tokens a run's episodes have (prompt, actions,
+  observations), the loss on the actions only: it wins some of the time.
+- ``agent_train`` and ``agent_val``: prompt files whose rows carry the hidden symbol
+  (``secret``), from which each sample's game is built.
+
 The cache key is everything that determines the assets; a directory appears whole or not at all
 (built under a scratch name, then renamed), so a crash or two runs at once leave nothing half
 written.
@@ -30,6 +41,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import random
 import re
 import shutil
 import sys
@@ -41,8 +53,9 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_paro.config import (
-    Config, ConfigError, ModelConfig, PPOConfig, TaskConfig, build, build_config,
+    Config, ConfigError, EnvConfig, ModelConfig, PPOConfig, TaskConfig, build, build_config,
 )
+from rlhf_paro.envs import guess
 from rlhf_paro.models import build_causal_lm, build_value_model, count_parameters
 from rlhf_paro.ppo import task as task_module
 from rlhf_paro.ppo.task import CountingTask, PreferencePairs, SymbolTokenizer
@@ -51,10 +64,19 @@ from rlhf_paro.rollout.batch import PromptBatch, RolloutBatch, join
 # Bumped when the task, the data or a training recipe change, so stale caches are not reused.
 _RECIPE_VERSION = 2
 
-ASSETS = ("actor", "reward", "train", "val", "score")  # the names ${demo:NAME} takes
+# Bumped when the guessing game, its demonstrations or the agent's SFT change.
+_AGENT_RECIPE_VERSION = 1
+
+# The names ${demo:NAME} takes: the single-turn demo's, then the multi-turn demo's.
+ASSETS = ("actor", "reward", "train", "val", "score",
+          "agent_actor", "agent_train", "agent_val", "guess")
 
 # The counting score as ``reward.score_function`` names it.
 SCORE_FUNCTION = f"{Path(task_module.__file__).resolve()}:counting_score"
+# The guessing game as ``env.function`` names it.
+GUESS_ENV = f"{Path(guess.__file__).resolve()}:GuessEnv"
+# Assets that are code in the package: nothing to make.
+_CODE = {"score": SCORE_FUNCTION, "guess": GUESS_ENV}
 
 # Training in-process is meant for small models; a big demo model would take hours on a CPU.
 MAX_DEMO_PARAMS = 50_000_000
@@ -62,7 +84,8 @@ MAX_DEMO_PARAMS = 50_000_000
 
 # Where each asset lies in a cache entry (which also holds meta.json: what was measured when
 # it was made).
-_FILES = {"actor": "actor", "reward": "reward", "train": "train.jsonl", "val": "val.jsonl"}
+_FILES = {"actor": "actor", "reward": "reward", "train": "train.jsonl", "val": "val.jsonl",
+          "agent_actor": "actor", "agent_train": "train.jsonl", "agent_val": "val.jsonl"}
 
 
 def cache_root(task: TaskConfig) -> Path:
@@ -85,6 +108,23 @@ def _entry(task: TaskConfig, response_len: int) -> Path:
     return cache_root(task) / f"demo-{cache_key(task, response_len)}"
 
 
+# What of the task section the agent's assets depend on (not the reward model's training).
+_AGENT_TASK_KEYS = ("num_symbols", "model", "sft_steps", "sft_batch_size", "sft_lr",
+                    "train_prompts", "val_prompts")
+
+
+def agent_cache_key(task: TaskConfig, max_turns: int) -> str:
+    """Hash of everything that determines the multi-turn demo's assets: the game's alphabet,
+    the model, the SFT and the turns of its demonstrations (``env.max_turns``)."""
+    spec = {key: getattr(task, key) for key in _AGENT_TASK_KEYS}
+    spec.update(version=_AGENT_RECIPE_VERSION, game="guess", max_turns=max_turns)
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _agent_entry(task: TaskConfig, max_turns: int) -> Path:
+    return cache_root(task) / f"agent-{agent_cache_key(task, max_turns)}"
+
+
 def _check_name(name: str) -> None:
     if name not in ASSETS:
         raise ConfigError("demo", f"no asset {name!r}; allowed: {', '.join(ASSETS)}")
@@ -93,16 +133,23 @@ def _check_name(name: str) -> None:
 def resolver(name: str, *, _root_: Any) -> str:
     """``${demo:NAME}`` while a conf is composed: the asset's path when it is made (or needs no
     making: the score), else ``${demo:NAME}`` itself, for ``make_assets``. Reads the cache,
-    writes nothing. The cache key is the conf's ``task`` section and ``ppo.max_new_tokens``."""
+    writes nothing. The cache key is the conf's ``task`` section and ``ppo.max_new_tokens``
+    (``env.max_turns`` for the agent's assets)."""
     from omegaconf import OmegaConf
 
     _check_name(name)
-    if name == "score":
-        return SCORE_FUNCTION
-    sections = {key: OmegaConf.to_container(_root_.get(key) or {}, resolve=True)
-                for key in ("task", "ppo")}
-    task = build(TaskConfig, sections["task"], "task")
-    entry = _entry(task, build(PPOConfig, sections["ppo"], "ppo").max_new_tokens)
+    if name in _CODE:
+        return _CODE[name]
+
+    def section(key: str) -> dict[str, Any]:
+        node = _root_.get(key)
+        return {} if node is None else OmegaConf.to_container(node, resolve=True)
+
+    task = build(TaskConfig, section("task"), "task")
+    if name.startswith("agent_"):
+        entry = _agent_entry(task, build(EnvConfig, section("env"), "env").max_turns)
+    else:
+        entry = _entry(task, build(PPOConfig, section("ppo"), "ppo").max_new_tokens)
     return str(entry / _FILES[name]) if (entry / "meta.json").is_file() else f"${{demo:{name}}}"
 
 
@@ -120,19 +167,23 @@ def make_assets(cfg: Config) -> Config:
             return type(value)(replace(v) for v in value)
         if isinstance(value, str) and REFERENCE.search(value):
             found = True
-            return REFERENCE.sub(
-                lambda m: asset(m.group(1), cfg.task, cfg.ppo.max_new_tokens), value)
+            return REFERENCE.sub(lambda m: asset(m.group(1), cfg.task, cfg.ppo.max_new_tokens,
+                                                 cfg.env.max_turns), value)
         return value
 
     data = replace(data)
     return build_config(data) if found else cfg
 
 
-def asset(name: str, task: TaskConfig, response_len: int) -> str:
-    """The path of one asset (``ASSETS``), made first if the cache has none."""
+def asset(name: str, task: TaskConfig, response_len: int,
+          max_turns: int = EnvConfig.max_turns) -> str:
+    """The path of one asset (``ASSETS``), made first if the cache has none; ``max_turns``
+    (``env.max_turns``) keys the agent's."""
     _check_name(name)
-    if name == "score":
-        return SCORE_FUNCTION
+    if name in _CODE:
+        return _CODE[name]
+    if name.startswith("agent_"):
+        return str(make_agent(task, max_turns) / _FILES[name])
     return str(make(task, response_len) / _FILES[name])
 
 
@@ -143,8 +194,25 @@ def make(task: TaskConfig, response_len: int) -> Path:
     if meta_file.is_file():
         return target
     counting = CountingTask(task.num_symbols, task.prompt_len, response_len)
-    model_cfg = ModelConfig(config=dict(task.model))
     vocab_size = len(_tokenizer_vocab(counting))
+    model_cfg = _demo_model(task, vocab_size)
+
+    def build(scratch: Path) -> dict[str, Any]:
+        tokenizer = make_tokenizer(counting)
+        meta: dict[str, Any] = {"key": target.name}
+        meta.update(_sft_actor(task, counting, model_cfg, vocab_size, tokenizer, scratch / "actor"))
+        meta.update(_reward_model(task, counting, model_cfg, vocab_size, tokenizer,
+                                  scratch / "reward"))
+        _write_prompts(scratch / "train.jsonl", counting, task.train_prompts, seed=11)
+        _write_prompts(scratch / "val.jsonl", counting, task.val_prompts, seed=12)
+        return meta
+
+    return _made(target, build)
+
+
+def _demo_model(task: TaskConfig, vocab_size: int) -> ModelConfig:
+    """``task.model`` as a model section, refused when it is too big to train in-process."""
+    model_cfg = ModelConfig(config=dict(task.model))
     try:
         num_params, _ = count_parameters("actor", model_cfg, vocab_size)
     except ConfigError as err:  # transformers' verdict on task.model, keyed by where it is set
@@ -153,6 +221,13 @@ def make(task: TaskConfig, response_len: int) -> Path:
         raise ConfigError("task.model", f"the demo's models are trained in-process only up to "
                           f"{MAX_DEMO_PARAMS:,} parameters (this one has {num_params:,}); "
                           "allowed: a smaller task.model, or your own actor.path and reward.path")
+    return model_cfg
+
+
+def _made(target: Path, build: Callable[[Path], dict[str, Any]]) -> Path:
+    """``target``, a cache entry that ``build(scratch)`` fills (returning its meta.json), put in
+    place whole: built under a scratch name, then renamed."""
+    meta_file = target / "meta.json"
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     threads = torch.get_num_threads()
@@ -160,14 +235,8 @@ def make(task: TaskConfig, response_len: int) -> Path:
     torch.set_num_threads(1)
     try:
         _transformers_quiet()
-        tokenizer = make_tokenizer(counting)
         _say(f"making the demo's assets in {target} (once; cached after)")
-        meta = {"key": target.name}
-        meta.update(_sft_actor(task, counting, model_cfg, vocab_size, tokenizer, scratch / "actor"))
-        meta.update(_reward_model(task, counting, model_cfg, vocab_size, tokenizer,
-                                  scratch / "reward"))
-        _write_prompts(scratch / "train.jsonl", counting, task.train_prompts, seed=11)
-        _write_prompts(scratch / "val.jsonl", counting, task.val_prompts, seed=12)
+        meta = build(scratch)
         (scratch / "meta.json").write_text(json.dumps(meta, indent=1))
         os.replace(scratch, target)
     except OSError:
@@ -196,20 +265,21 @@ def _say(text: str) -> None:
 
 # -- tokenizer ---------------------------------------------------------------------------------
 
-def _tokenizer_vocab(counting: CountingTask) -> dict[str, int]:
+def _tokenizer_vocab(counting: CountingTask, words: tuple[str, ...] = ()) -> dict[str, int]:
     # The task's own ids (<pad> 0, <bos> 1, <eos> 2, then the symbols), so the task's score on
-    # ids and the tokenizer agree; <unk> last, which the task never produces.
+    # ids and the tokenizer agree; then ``words`` (the agent's game); <unk> last, which the task
+    # never produces.
     vocab = list(counting.tokenizer.vocab)
-    return {token: i for i, token in enumerate([*vocab, "<unk>"])}
+    return {token: i for i, token in enumerate([*vocab, *words, "<unk>"])}
 
 
-def make_tokenizer(counting: CountingTask) -> Any:
-    """A ``tokenizers`` word-level tokenizer over the task's symbols: ``"f g h"`` encodes to
-    ``<bos> f g h``; pad, bos and eos as the task's."""
+def make_tokenizer(counting: CountingTask, words: tuple[str, ...] = ()) -> Any:
+    """A ``tokenizers`` word-level tokenizer over the task's symbols (and ``words``): ``"f g h"``
+    encodes to ``<bos> f g h``; pad, bos and eos as the task's."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel(vocab=_tokenizer_vocab(counting), unk_token="<unk>"))
+    tok = Tokenizer(models.WordLevel(vocab=_tokenizer_vocab(counting, words), unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     bos = SymbolTokenizer.bos_token
     tok.post_processor = processors.TemplateProcessing(
@@ -340,3 +410,145 @@ def _write_prompts(file: Path, counting: CountingTask, num: int, seed: int) -> N
             f.write(json.dumps({"prompt": tokenizer.decode(row[1:]),
                                 "num_symbols": counting.num_symbols,
                                 "response_len": counting.response_len}) + "\n")
+
+
+# -- the multi-turn demo: the guessing game's actor and prompts ---------------------------------
+
+# The game's words in the agent's vocabulary: the prompt and the two observations.
+_AGENT_WORDS = (guess.PROMPT, guess.HIGHER, guess.LOWER)
+# Demonstrations by skill (``guess.demonstration``): mostly guessers that ignore the feedback or
+# use it loosely, so the SFT'd policy wins some games and GRPO has the feedback's worth to find.
+_AGENT_SKILL_MIX = {"random": 0.5, "consistent": 0.3, "bisect": 0.2}
+# Games the SFT'd policy plays to measure its win rate (meta.json's ``sft_win_rate``).
+_AGENT_EVAL_GAMES = 256
+
+
+def make_agent(task: TaskConfig, max_turns: int) -> Path:
+    """The multi-turn demo's cache entry (``agent_actor``, ``agent_train``, ``agent_val``), made
+    now if missing (seconds with the defaults)."""
+    target = _agent_entry(task, max_turns)
+    if (target / "meta.json").is_file():
+        return target
+    counting = CountingTask(task.num_symbols, task.prompt_len, 1)
+    vocab_size = len(_tokenizer_vocab(counting, _AGENT_WORDS))
+    model_cfg = _demo_model(task, vocab_size)
+
+    def build(scratch: Path) -> dict[str, Any]:
+        tokenizer = make_tokenizer(counting, _AGENT_WORDS)
+        meta: dict[str, Any] = {"key": target.name}
+        meta.update(_sft_agent(task, max_turns, model_cfg, vocab_size, tokenizer,
+                               scratch / "actor"))
+        _write_games(scratch / "train.jsonl", task.num_symbols, task.train_prompts, seed=11)
+        _write_games(scratch / "val.jsonl", task.num_symbols, task.val_prompts, seed=12)
+        return meta
+
+    return _made(target, build)
+
+
+class _GameTokens:
+    """A game's text in the agent tokenizer's ids, as a run's episodes hold it: the prompt as
+    the data loader encodes it (``<bos>`` added), an action as its symbol then <eos>, an
+    observation as ``envs.Observations`` encodes text (no special tokens)."""
+
+    def __init__(self, tokenizer: Any, num_symbols: int) -> None:
+        self.prompt = tokenizer(guess.PROMPT)["input_ids"]
+        words = [*guess.alphabet(num_symbols), guess.HIGHER, guess.LOWER]
+        self.word = {w: tokenizer(w, add_special_tokens=False)["input_ids"] for w in words}
+        self.eos = tokenizer.eos_token_id
+
+    def episode(self, turns: list[tuple[str, str | None]]) -> tuple[list[int], list[float]]:
+        """(ids, 1 on action tokens) of a game's prompt and turns."""
+        ids, actions = list(self.prompt), [0.0] * len(self.prompt)
+        for action, observation in turns:
+            act = [*self.word[action], self.eos]
+            ids += act
+            actions += [1.0] * len(act)
+            if observation is not None:
+                ids += self.word[observation]
+                actions += [0.0] * len(self.word[observation])
+        return ids, actions
+
+
+def _sft_agent(task: TaskConfig, max_turns: int, model_cfg: ModelConfig, vocab_size: int,
+               tokenizer: Any, directory: Path) -> dict[str, float]:
+    """Next-token cross-entropy on the action tokens of games played by scripted guessers of
+    mixed skill; the prompt and the observations are context only, as in a run."""
+    model = build_causal_lm(model_cfg, vocab_size, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=task.sft_lr, weight_decay=0.0)
+    rng = random.Random(21)
+    game = _GameTokens(tokenizer, task.num_symbols)
+    symbols = guess.alphabet(task.num_symbols)
+    skills, weights = list(_AGENT_SKILL_MIX), list(_AGENT_SKILL_MIX.values())
+
+    def loss() -> torch.Tensor:
+        episodes = [game.episode(guess.demonstration(
+            rng.choice(symbols), task.num_symbols, max_turns,
+            rng.choices(skills, weights)[0], rng)[0]) for _ in range(task.sft_batch_size)]
+        width = max(len(ids) for ids, _ in episodes)
+        ids = torch.zeros(len(episodes), width, dtype=torch.long)  # right-padded with <pad>
+        real, actions = torch.zeros_like(ids), torch.zeros(len(episodes), width)
+        for row, (seq, act) in enumerate(episodes):
+            ids[row, :len(seq)] = torch.tensor(seq)
+            real[row, :len(seq)] = 1
+            actions[row, :len(seq)] = torch.tensor(act)
+        logp = model(ids, real, response_len=width - 1)  # of tokens 1.., each from its past
+        mask = actions[:, 1:]
+        return -(logp * mask).sum() / mask.sum()
+
+    _train(model, optimizer, task.sft_steps, loss, "SFT of the agent")
+    win_rate = play(model, tokenizer, task.num_symbols, max_turns, _AGENT_EVAL_GAMES, seed=22)
+    model.lm.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.lm.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    return {"sft_steps": task.sft_steps, "sft_win_rate": win_rate}
+
+
+@torch.no_grad()
+def play(model: torch.nn.Module, tokenizer: Any, num_symbols: int, max_turns: int,
+         games: int, seed: int) -> float:
+    """The win rate of ``model`` over ``games`` games of random hidden symbols, each action
+    sampled (temperature 1, all tokens) as a symbol and <eos>, at most two tokens, decoded and
+    stepped as a run does."""
+    rng = random.Random(seed)
+    symbols = guess.alphabet(num_symbols)
+    envs = [guess.GuessEnv(guess.PROMPT, rng.choice(symbols), num_symbols) for _ in range(games)]
+    game = _GameTokens(tokenizer, num_symbols)
+    contexts = [list(game.prompt) for _ in envs]
+    active, wins = list(range(games)), 0.0
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(max_turns):
+        if not active:
+            break
+        # Every game still on has taken actions of a symbol and <eos> and seen one word after
+        # each: their contexts are equally long, no padding needed.
+        ids = torch.tensor([contexts[i] for i in active])
+        action = torch.empty(len(active), 0, dtype=torch.long)
+        for _ in range(2):
+            seq = torch.cat([ids, action], dim=1)
+            logits = model(seq, torch.ones_like(seq))[:, -1].float()
+            token = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+            action = torch.cat([action, token], dim=1)
+        still = []
+        for row, i in enumerate(active):
+            taken = action[row].tolist()
+            if taken[0] == tokenizer.eos_token_id:
+                taken = taken[:1]  # an action ends at its first <eos>
+            observation, reward, done = envs[i].step(
+                tokenizer.decode(taken, skip_special_tokens=True))
+            wins += reward
+            if not done:
+                contexts[i] += taken + game.word[observation]
+                still.append(i)
+        active = still
+    return wins / games
+
+
+def _write_games(file: Path, num_symbols: int, num: int, seed: int) -> None:
+    """``num`` rows of the game: the prompt, the hidden symbol drawn at random, the alphabet's
+    size (``GuessEnv(**row)``)."""
+    rng = random.Random(seed)
+    symbols = guess.alphabet(num_symbols)
+    with open(file, "w") as f:
+        for _ in range(num):
+            f.write(json.dumps({"prompt": guess.PROMPT, "secret": rng.choice(symbols),
+                                "num_symbols": num_symbols}) + "\n")
