@@ -233,11 +233,16 @@ def _figure(rows: list[dict], run: dict) -> plt.Figure:
 
     plt.rcParams.update({"font.size": 9, "axes.titlesize": 10.5, "axes.titleweight": "bold",
                          "axes.spines.top": False, "axes.spines.right": False})
-    # A run with an environment gets a third row: its episodes.
-    episodes = bool(np.isfinite(_series(rows, "env/turns_mean")).any())
-    height = 15.5 if episodes else 10.5
+    # A run with an environment or rollout replicas of their own gets a third row: its
+    # episodes, its rollout's pipeline.
+    third = []
+    if np.isfinite(_series(rows, "env/turns_mean")).any():
+        third += [_episodes, _episode_tokens]
+    if np.isfinite(_series(rows, "rollout/time_s/generate")).any():
+        third.append(_replicas)
+    height = 15.5 if third else 10.5
     fig = plt.figure(figsize=(18, height), dpi=110)
-    grid = fig.add_gridspec(3 if episodes else 2, 3, hspace=0.45, wspace=0.32, left=0.05,
+    grid = fig.add_gridspec(3 if third else 2, 3, hspace=0.45, wspace=0.32, left=0.05,
                             right=0.98, top=1 - 1.37 / height, bottom=0.95 / height,
                             width_ratios=[1, 1, 1.25])
     fig.suptitle(_title(run, rows), fontsize=13, fontweight="bold", x=0.05, ha="left")
@@ -250,10 +255,32 @@ def _figure(rows: list[dict], run: dict) -> plt.Figure:
     _throughput(fig.add_subplot(grid[1, 0]), rows, steps, run, window, roles)
     _memory(fig.add_subplot(grid[1, 1]), rows, run, roles)
     _traffic(fig, grid[1, 2], rows, run, roles)
-    if episodes:
-        _episodes(fig.add_subplot(grid[2, 0]), rows, steps)
-        _episode_tokens(fig.add_subplot(grid[2, 1]), rows, steps)
+    for column, panel in enumerate(third):
+        panel(fig.add_subplot(grid[2, column]), rows, steps)
     return fig
+
+
+def _replicas(ax, rows, steps) -> None:
+    """Rollout replicas on devices of their own: what a replica did in each step's wall time,
+    how long training waited for a rollout, and how stale the rollouts were."""
+    parts = {"generating": "rollout/time_s/generate", "taking weights": "rollout/time_s/sync",
+             "idle": "rollout/time_s/idle"}
+    ax.stackplot(steps, *(_series(rows, key) for key in parts.values()), labels=list(parts),
+                 colors=["#4c72b0", "#dd8452", "#cccccc"], alpha=0.85)
+    wait = _series(rows, "timing_s/wait_rollout")
+    ax.plot(steps, wait, color="#c44e52", lw=1.8, label="training waits for a rollout")
+    ax.set_ylabel("seconds per step (a replica)")
+    ax.set_xlabel("step")
+    twin = ax.twinx()
+    twin.plot(steps, _series(rows, "rollout/staleness_max"), color="#333", lw=1.2, ls=":",
+              label="staleness (updates)")
+    twin.set_ylabel("staleness (updates)")
+    twin.spines["right"].set_visible(True)
+    ax.set_title(f"Rollout replicas (training waited {np.nanmean(wait):.2f} s a step)")
+    lines = ax.get_legend_handles_labels()
+    extra = twin.get_legend_handles_labels()
+    ax.legend(lines[0] + extra[0], lines[1] + extra[1], loc="upper left", frameon=False)
+    ax.grid(alpha=0.25)
 
 
 def _episodes(ax, rows, steps) -> None:
@@ -310,7 +337,9 @@ def _subtitle(run: dict, rows: list[dict], roles: tuple[str, ...]) -> str:
     parts = []
     if "num_devices" in run:
         n, m = run["num_devices"], run.get("group_size", run["num_devices"])
-        parts.append(f"{n} devices = {n // m} groups x {m}")
+        replicas = run.get("config", {}).get("rollout", {}).get("num_devices", 0)
+        own = f" + {replicas} rollout device{'s' * (replicas > 1)}" if replicas else ""
+        parts.append(f"{n} devices = {n // m} groups x {m}{own}")
     if "comm" in run:
         parts.append(f"collectives: {run['comm']}")
     parts.append("strategies (P G OS): " + ", ".join(f"{r} {_strategy(run, r)}" for r in roles))

@@ -59,9 +59,11 @@ class Run(NamedTuple):
 def _train(out: Path, *args: str, cache: Path, nan_loss: str | None = None,
            kill_after_step: int | None = None, kill: signal.Signals = signal.SIGKILL,
            kill_driver: bool = False, kill_in_save: int | None = None,
-           watch: Callable[[str], list[str]] | None = None) -> Run:
+           watch: Callable[[str], list[str]] | None = None,
+           kill_role: tuple[str, int] = ("actor", 1)) -> Run:
     """``python -m rlhf_paro.train`` on the tiny job; with ``kill_after_step``, SIGKILL actor
-    rank 1 (``kill``: another signal; ``kill_driver``: the driver instead) once that step's row
+    rank 1 (``kill``: another signal; ``kill_role``: another (role, rank); ``kill_driver``: the
+    driver instead) once that step's row
     is logged (its pid from the run's workers.json); with ``kill_in_save``, send ``kill`` to
     the driver while the checkpoint of that step is being written (its scratch directory
     exists; the run's ``watched`` says whether it still did once the signal was sent);
@@ -93,8 +95,9 @@ def _train(out: Path, *args: str, cache: Path, nan_loss: str | None = None,
             raise AssertionError(f"the run ended (exit {proc.returncode}) before step "
                                  f"{kill_after_step} was logged:\n{stdout[-2000:]}\n"
                                  f"{stderr[-3000:]}")
+        role, rank = kill_role
         target = proc.pid if kill_driver else json.loads(
-            (out / "workers.json").read_text())["actor"][1]
+            (out / "workers.json").read_text())[role][rank]
         os.kill(target, kill)
         start = time.monotonic()
     if kill_in_save is not None:
