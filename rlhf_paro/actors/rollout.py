@@ -11,7 +11,6 @@ docs/design.md, "Asynchronous rollouts").
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import time
@@ -24,6 +23,7 @@ from rlhf_paro.actors.worker import Worker, bind_gloo
 from rlhf_paro.comm.transfer import TransferGroup
 from rlhf_paro.ppo.data import rollout_tokenizer, vocab_sizes
 from rlhf_paro.rollout import PromptBatch, RolloutBatch, episodes
+from rlhf_paro.rollout.hf import HFReplica, LocalWeights
 
 
 class Generation:
@@ -86,34 +86,6 @@ class Generation:
             lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), sampling,
             episodes.Budget(cfg.env.max_turns, cfg.env.max_total_tokens),
             self.tokenizer.pad_token_id, lambda i: f"at {what} {step}, sample {first + i}")
-
-
-class LocalWeights:
-    """A replica's own copy of the actor's model, as the hf engine reads an engine's weights
-    (``gathered``), loaded by name from the actor's (``load``)."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-        # Hugging Face names, a tied weight once (what the actor sends: models.hf_weights).
-        self.params = dict(module.lm.named_parameters())
-
-    def gathered(self, phase: str | None = None) -> Any:
-        return contextlib.nullcontext(self.module)
-
-    @torch.no_grad()
-    def load(self, named: Any) -> None:
-        for name, tensor in named:
-            self.params[name].copy_(tensor)
-
-
-class HFReplica(rollout.hf.HFRollout):
-    """The hf engine on a replica: generates on its own copy of the weights, which ``sync``
-    overwrites."""
-
-    needs_sync = True
-
-    def sync(self, named_tensors: Any) -> None:
-        self.engine.load(named_tensors)
 
 
 class RolloutWorker(Worker):

@@ -54,10 +54,12 @@ class TransferGroup:
 
     def __init__(self, host: str, port: int, prefix: str, rank: int, size: int,
                  device: torch.device, meter: CommMeter | None = None,
-                 same_node: list[bool] | None = None) -> None:
+                 same_node: list[bool] | None = None, backend: str | None = None) -> None:
         store = dist.PrefixStore(prefix, dist.TCPStore(host, port, is_master=False,
                                                        timeout=TIMEOUT))
-        if device.type == "cuda":
+        # NCCL for CUDA devices (one device a process: ranks on one GPU take gloo, which moves
+        # CUDA tensors through host memory).
+        if (backend or ("nccl" if device.type == "cuda" else "gloo")) == "nccl":
             self.group = dist.ProcessGroupNCCL(store, rank, size)
         else:
             self.group = dist.ProcessGroupGloo(store, rank, size, TIMEOUT)

@@ -3,6 +3,7 @@ once for the whole rollout (phase ``generate`` of the actor's meter)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import ContextManager, Iterable
 
 import torch
@@ -89,3 +90,31 @@ def sampled_logprobs(logits: tuple[Tensor, ...], responses: Tensor, temperature:
 def _hf(context: EngineContext) -> HFRollout:
     return HFRollout(context.engine, context.pad_token_id, context.eos_token_id, context.device,
                      context.cfg.rollout.micro_batch_size)
+
+
+class LocalWeights:
+    """A rollout replica's own copy of the actor's model, as the hf engine reads an engine's
+    weights (``gathered``), loaded by Hugging Face name from the actor's (``load``)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        # Hugging Face names, a tied weight once (what the actor sends: models.hf_weights).
+        self.params = dict(module.lm.named_parameters())
+
+    def gathered(self, phase: str | None = None) -> ContextManager:
+        return contextlib.nullcontext(self.module)
+
+    @torch.no_grad()
+    def load(self, named: Iterable[tuple[str, Tensor]]) -> None:
+        for name, tensor in named:
+            self.params[name].copy_(tensor)
+
+
+class HFReplica(HFRollout):
+    """The hf engine of a rollout replica on a device of its own: it generates on its own copy
+    of the weights (``LocalWeights``), which ``sync`` overwrites after each update."""
+
+    needs_sync = True
+
+    def sync(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        self.engine.load(named_tensors)
