@@ -78,12 +78,16 @@ def run(cfg: Config, argv: list[str]) -> None:
 def _run(cfg: Config, argv: list[str]) -> None:
     import ray
 
-    from rlhf_paro.actors.group import NoAnswerError, StopRequested, WorkerError
+    from rlhf_paro.actors.group import (
+        NoAnswerError, RayOutput, RayStartError, StopRequested, WorkerError,
+    )
     from rlhf_paro.trainer import PPOTrainer, RunError, StopFlag
 
     trainer = None
     stopped = None
     stop = StopFlag()
+    # Ray's and the workers' console output, kept in the output directory (README, "Logs").
+    output = RayOutput(os.path.join(cfg.trainer.output_dir, WORKERS_LOG))
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
         # Raising here could land inside Ray's own code: the trainer stops at its next safe
@@ -94,10 +98,12 @@ def _run(cfg: Config, argv: list[str]) -> None:
     # Ctrl-C in the run is a KeyboardInterrupt, which the trainer turns into a RunError.
     previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        trainer = PPOTrainer(cfg, stop)
+        trainer = PPOTrainer(cfg, stop, output)
         dashboard = trainer.fit()
     except (WorkerError, NoAnswerError) as err:  # while the workers start, before any step
         stopped = RunError(f"{err} while starting", "auto")
+    except RayStartError as err:
+        stopped = RunError(str(err), "auto")
     except KeyboardInterrupt:
         stopped = RunError("interrupted while starting", "auto", exit_code=130)
     except StopRequested:
@@ -117,6 +123,7 @@ def _run(cfg: Config, argv: list[str]) -> None:
         # No process of the run outlives it; the next job of a multirun starts its own Ray,
         # sized for its own devices.
         ray.shutdown()
+        output.close()
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_int)
     if stopped is not None:
@@ -124,6 +131,10 @@ def _run(cfg: Config, argv: list[str]) -> None:
               file=sys.stderr)
         raise SystemExit(stopped.exit_code)
     print(f"metrics: {cfg.trainer.output_dir}/metrics.jsonl\ndashboard: {dashboard}")
+
+
+# In the output directory: what Ray and the workers print (actors/group.py, RayOutput).
+WORKERS_LOG = "workers.log"
 
 
 def with_ray_address(cfg: Config, environ: Mapping[str, str]) -> Config:
