@@ -9,13 +9,14 @@ Ctrl-C stops a run at once (exit 130), SIGTERM after the step in progress, with 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shlex
 import signal
 import sys
 from types import FrameType
-from typing import Mapping
+from typing import Iterator, Mapping
 
 from rlhf_paro import cli
 from rlhf_paro.config import RAY_ADDRESS_ALLOWED, Config, ConfigError
@@ -58,10 +59,27 @@ def prepare(cfg: Config, conf: str) -> Config:
     from rlhf_paro import models, plan
     from rlhf_paro.resolve import resolve
 
-    cfg = resolve(cfg)
+    with quiet_vllm_import():
+        cfg = resolve(cfg)
     vocab_sizes = runs.check_inputs(cfg)
     models.check_model_configs(cfg, vocab_sizes)
     return plan.resolve_auto(cfg, vocab_sizes)
+
+
+@contextlib.contextmanager
+def quiet_vllm_import() -> Iterator[None]:
+    """vLLM's warnings off while the engine check imports it in this process (its notes on
+    Triton, which a CPU build does without), unless VLLM_LOGGING_LEVEL says otherwise: vLLM sets
+    its logging level as it is imported. The workers, which start later, log at vLLM's own level
+    into the run's workers.log."""
+    if "VLLM_LOGGING_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
+    try:
+        yield
+    finally:
+        del os.environ["VLLM_LOGGING_LEVEL"]
 
 
 def run(cfg: Config, argv: list[str]) -> None:

@@ -48,7 +48,9 @@ from rlhf_paro.actors.group import (
 from rlhf_paro.actors.ref import RefWorker
 from rlhf_paro.actors.reward import RewardWorker
 from rlhf_paro.config import RAY_ADDRESS_ALLOWED, Config, ConfigError
-from rlhf_paro.metrics import MetricsLogger, logprob_diff, model_metrics, padding_fraction
+from rlhf_paro.metrics import (
+    MetricsLogger, logprob_diff, missing_steps, model_metrics, padding_fraction,
+)
 from rlhf_paro.ppo import algorithms, core
 from rlhf_paro.ppo.data import rollout_tokenizer
 from rlhf_paro.ppo.rewards import RewardFunctionError
@@ -299,7 +301,24 @@ class PPOTrainer:
         if source is not None:
             print(f"resumed from {source}: step {self.start_step} of {trainer.steps}",
                   flush=True)
+            self._say_lost_rows(source)
         return source
+
+    def _say_lost_rows(self, source: Path) -> None:
+        """One line when this output directory's own checkpoint goes on where metrics.jsonl
+        lacks rows before it (deleted or cut by hand): the new rows cannot bring them back."""
+        output_dir = Path(self.cfg.trainer.output_dir)
+        if output_dir.resolve() not in source.resolve().parents:  # another run's rows
+            return
+        path = output_dir / "metrics.jsonl"
+        missing = missing_steps(str(path), self.start_step)
+        if missing:
+            first, last = missing[0], missing[-1]
+            which = f"step {first}" if first == last else (
+                f"steps {first}-{last}" if len(missing) == last - first + 1 else
+                f"{len(missing)} of steps 0-{self.start_step - 1}")
+            print(f"{path} has no rows for {which} (deleted since they were logged): they are "
+                  f"gone, and the run logs steps {self.start_step} on", flush=True)
 
     def _newest_intact(self) -> Path | None:
         """The newest checkpoint of the output directory whose files match its manifest (None:

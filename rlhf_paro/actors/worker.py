@@ -72,7 +72,10 @@ class Worker:
         self.threads: dict[str, int] = {}
         if self.device.type == "cpu":
             torch.set_num_threads(1)
-            if local_ranks is not None:
+            # vLLM's CPU backend binds the threads of the process it runs in to cores itself,
+            # and from then on ignores set_num_threads (warning at each call).
+            engine_binds = role == "actor" and cfg.rollout.engine == "vllm"
+            if local_ranks is not None and not engine_binds:
                 self.threads = phase_threads(cfg, available_cores() // local_ranks)
         self.engine: TrainEngine | None = None  # None: a reward function or server
         self.packed = False  # forwards on packed real tokens (set at setup from the model type)
