@@ -318,8 +318,12 @@ class Placement:
             except OSError:
                 pass
         ranks = [r for r, n in enumerate(self.nodes) if n == node]
-        which = f"rank {ranks[0]}" if len(ranks) == 1 else \
-            f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
+        if len(ranks) == 1:
+            which = f"rank {ranks[0]}"
+        elif len(ranks) > 2 and ranks[-1] - ranks[0] == len(ranks) - 1:
+            which = f"ranks {ranks[0]}-{ranks[-1]}"
+        else:
+            which = f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
         return f"node {address} (Ray node {node[:8]}, {which} of every model)"
 
     def remove(self) -> None:

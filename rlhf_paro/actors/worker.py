@@ -151,7 +151,7 @@ class Worker:
     @contextlib.contextmanager
     def timed(self, phase: str) -> Iterator[None]:
         """Time a role phase (``generate``, ``inference``, ``train``)."""
-        if self.threads:
+        if self.threads and torch.get_num_threads() != self.threads.get(phase, 1):
             torch.set_num_threads(self.threads.get(phase, 1))
         start = time.perf_counter()
         try:
