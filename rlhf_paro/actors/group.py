@@ -424,11 +424,19 @@ class ModelGroup:
         self.issued = [] if issued is None else issued
         remote_cls = ray.remote(worker_cls)
         share = bundle_share(cfg)
+        # A CPU worker runs several threads in a phase it has a device's cores for (worker.py,
+        # [Note: threads of a CPU device]). OpenMP's threads spin while they wait for each
+        # other, which on a machine busier than its cores lets a parallel region wait for a
+        # descheduled thread: passive waiting, read as OpenMP starts in the process, unless
+        # the environment says otherwise.
+        env = {} if use_gpu else {
+            "env_vars": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}}
         self.workers = [
             remote_cls.options(
                 num_cpus=share,
                 num_gpus=share if use_gpu else 0,
                 scheduling_strategy=placement.strategy(rank),
+                runtime_env=env or None,
             ).remote(cfg, role, rank, self.num_ranks, placement.local_ranks(rank))
             for rank in range(self.num_ranks)
         ]
