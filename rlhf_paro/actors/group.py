@@ -69,17 +69,20 @@ class RayOutput:
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
-        """This process's stdout and stderr (file descriptors 1 and 2) into the log."""
-        sys.stdout.flush()
-        sys.stderr.flush()
+        """This process's stdout and stderr into the log: file descriptors 1 and 2 (what C++
+        and the streams Ray's loggers hold write to) and ``sys.stdout``, ``sys.stderr``."""
+        streams = sys.stdout, sys.stderr
+        for stream in streams:
+            stream.flush()
         saved = [os.dup(1), os.dup(2)]
         os.dup2(self._file.fileno(), 1)
         os.dup2(self._file.fileno(), 2)
+        sys.stdout = sys.stderr = self._file
         try:
             yield
         finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
+            self._file.flush()
+            sys.stdout, sys.stderr = streams
             os.dup2(saved[0], 1)
             os.dup2(saved[1], 2)
             for fd in saved:
