@@ -1,17 +1,19 @@
-"""Ray side of a PPO job: one placement group, one group of Ray actors per model, rendezvous.
+"""Ray side of a PPO job: the devices (one placement group per topology group), one group of
+Ray actors per model, rendezvous.
 
 The run's models (``ppo/algorithms.roles``: actor, reward, and critic and ref where the algorithm
-reads them) are colocated: rank r of every model runs on bundle r of one placement group, each
-taking an equal fraction of the bundle (``bundle_share``: a quarter of a GPU, or of a CPU slot
-here, for PPO's four models). Each model has its own process group: rank 0 of the model picks a
-free port on its node and every rank of that model joins ``tcp://ip:port``, so the models never
-share collectives and each builds its own ``Topology``.
+reads them) are colocated: rank r of every model runs on device r (``Placement``: bundle r % M of
+group r // M, each group on one node), each taking an equal fraction of it (``bundle_share``: a
+quarter of a GPU, or of a CPU slot here, for PPO's four models). Each model has its own process
+group: rank 0 of the model picks a free port on its node and every rank of that model joins
+``tcp://ip:port``, so the models never share collectives and each builds its own ``Topology``.
 
 On one machine ``init_ray`` starts a private Ray; on a cluster start Ray on every node
 (``ray start --head`` on one, ``ray start --address=HEAD:6379`` on the others) and set
-``ray.address=auto`` (a driver whose environment names the cluster in RAY_ADDRESS, as a Ray job's
-does, joins it without): the same code then places bundles node by node, and each worker binds
-gloo to its node's Ray address (``worker.bind_gloo``).
+``ray.address`` (a driver whose environment names the cluster in RAY_ADDRESS, as a Ray job's
+does, joins it without): the same code then places each group on a node of its own, waiting for
+devices other jobs hold (``place``), and each worker binds gloo to its node's Ray address
+(``worker.bind_gloo``). What Ray and the workers print goes to the run's log (``RayOutput``).
 """
 
 from __future__ import annotations
