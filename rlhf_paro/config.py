@@ -228,11 +228,19 @@ class ModelConfig:
     # Reward only: the NAME of an environment variable holding the reward server's bearer
     # token; the token itself stays out of the config, which is printed and saved.
     token_env: str | None = None
+    # Reward only: the environment's episode score is the reward (``env.reward``; set when the
+    # config is resolved): no model, like ``function``.
+    env_score: bool = False
 
     @property
     def runs_model(self) -> bool:
-        """False for a reward that is a function or a server: no weights, no engine."""
-        return self.function is None and self.url is None
+        """False for a reward that is a function, a server or an environment's score: no
+        weights, no engine."""
+        return self.function is None and self.url is None and not self.env_score
+
+    def reward_sources(self) -> list[str]:
+        """The keys of this section that name a model, function or server."""
+        return [key for key in self.SOURCES if getattr(self, key) is not None]
 
     def __post_init__(self) -> None:
         _positive("micro_batch_size", self.micro_batch_size)
@@ -379,6 +387,8 @@ class PPOConfig:
     max_new_tokens: int = 8  # response length limit in tokens
     # Mean response length the planner sizes packed models' compute by (null: max_new_tokens,
     # the worst case); memory is always sized by max_new_tokens (docs/design.md, "Batching").
+    # With an environment, an episode's response: its actions and observations (null: the
+    # episode's budget less the prompt bound).
     expected_response_length: int | None = None
     temperature: float = 1.0  # sampling temperature (log-probs use the same one)
     top_k: int = 0  # 0: sample from the full distribution
@@ -397,10 +407,7 @@ class PPOConfig:
             _positive(key, getattr(self, key))
         _unit_interval("gamma", self.gamma)
         _unit_interval("lam", self.lam)
-        expected = self.expected_response_length
-        if expected is not None and not 1 <= expected <= self.max_new_tokens:
-            raise ConfigError("expected_response_length", f"got {expected}; allowed: null or an "
-                              f"integer from 1 to ppo.max_new_tokens={self.max_new_tokens}")
+        _positive("expected_response_length", self.expected_response_length)
         if self.top_k < 0:
             raise ConfigError("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
 
@@ -469,6 +476,63 @@ class RolloutConfig:
             raise ConfigError("micro_batch_size", f"must be >= 1 or null (all of a "
                                                   f"rank's prompts at once), got "
                                                   f"{self.micro_batch_size}")
+
+
+ENV_REWARDS = ("env", "reward")
+
+
+@dataclass
+class EnvConfig:
+    """Multi-turn episodes (docs/design.md, "Multi-turn episodes"): an environment answers each
+    action until the episode ends; the policy trains on its own tokens only."""
+
+    # file.py:NAME, a class (or factory) built per sample as NAME(**row) from its prompt row's
+    # columns: reset() -> observation | None, step(action) -> (observation | None, reward, done).
+    function: str | None = None
+    # file.py:a,b: plain Python functions the model calls in its chat template's tool-call format
+    # (a built-in environment; the episode ends with an answer that calls no tool).
+    tools: str | None = None
+    max_turns: int = 4  # actions an episode takes at most (each at most ppo.max_new_tokens)
+    # The episode's context budget in tokens, prompt and observations included (null: the
+    # actor's max_position_embeddings).
+    max_total_tokens: int | None = None
+    timeout_s: float = 60.0  # seconds one reset() or step() may take before the run stops
+    num_workers: int = 8  # environment calls (reset, step) a rank runs at once, in threads
+    # What scores an episode: env (the sum of its step rewards) or reward (the reward section's
+    # function, model or server scores the finished trajectory); null: env, unless the reward
+    # section names a source, which is ambiguous and refused.
+    reward: Literal["env", "reward"] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.function is not None or self.tools is not None
+
+    def __post_init__(self) -> None:
+        check_function_spec("function", self.function)
+        if self.tools is not None:
+            file, sep, names = self.tools.rpartition(":")
+            if not sep or not file.endswith(".py") or not all(
+                    name.strip().isidentifier() for name in names.split(",")):
+                raise ConfigError("tools", f"got {self.tools!r}; allowed: path/to/file.py:"
+                                           "function_a,function_b")
+        if self.function is not None and self.tools is not None:
+            raise ConfigError("tools", "set either env.function (your environment) or "
+                                       "env.tools (the built-in tool environment), not both")
+        for key in ("max_turns", "max_total_tokens", "num_workers"):
+            _positive(key, getattr(self, key))
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ConfigError("timeout_s", f"must be a positive number of seconds, got "
+                                           f"{self.timeout_s}")
+        if not self.enabled:
+            defaults = EnvConfig.__dataclass_fields__
+            for key in ("max_turns", "max_total_tokens", "timeout_s", "num_workers", "reward"):
+                if getattr(self, key) != defaults[key].default:
+                    raise ConfigError(key, "sets an environment's episodes; allowed only with "
+                                           "env.function or env.tools")
+        if self.tools is not None and self.reward == "env":
+            raise ConfigError("reward", "env.tools rewards nothing (a tool only answers); "
+                                        "allowed: reward (the reward section scores the "
+                                        "finished trajectory)")
 
 
 RESUME_CHOICES = ("auto", "none")
@@ -635,6 +699,7 @@ class Config:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -676,6 +741,11 @@ class Config:
                               f"the samples of a step, ppo.rollout_batch_size x rollout.n = "
                               f"{samples}")
         self.check_micro_batches("actor")  # the critic's, where there is one: algorithms.check
+        self._check_env()
+        expected, (bound_key, bound) = self.ppo.expected_response_length, self.response_bound()
+        if expected is not None and expected > bound:
+            raise ConfigError("ppo.expected_response_length", f"got {expected}; allowed: null or "
+                              f"an integer from 1 to {bound_key}={bound}")
         if self.task.prompt_len > self.ppo.max_prompt_len:
             raise ConfigError("task.prompt_len", f"{self.task.prompt_len} exceeds "
                               f"ppo.max_prompt_len={self.ppo.max_prompt_len}")
@@ -686,6 +756,63 @@ class Config:
         single rank has no other to wait for, and the round trip would only cost it time."""
         return self.ppo.balance_batch and self.cluster.num_devices > 1
 
+    def _check_env(self) -> None:
+        """An environment's episodes: rows to build it from, a budget longer than a prompt, and
+        one source of the episode's score (``env.reward``)."""
+        env = self.env
+        if not env.enabled:
+            return
+        key = "env.function" if env.function is not None else "env.tools"
+        if self.data.train_files is None:
+            raise ConfigError(key, "needs prompt files (data.train_files): each sample's "
+                                   "environment is built from the columns of its prompt's row")
+        prompt_key, prompt = self.prompt_bound()
+        if env.max_total_tokens is not None and env.max_total_tokens <= prompt:
+            raise ConfigError("env.max_total_tokens", f"{env.max_total_tokens} leaves no room "
+                              f"for an action after a prompt of {prompt_key}={prompt} tokens; "
+                              f"allowed: more than {prompt}")
+        if env.tools is not None and not self.data.apply_chat_template:
+            raise ConfigError("env.tools", "the tools reach the model through its chat template "
+                                           "(their schemas, its tool-call format); allowed: "
+                                           "with data.apply_chat_template=true")
+        sources = self.reward.reward_sources()
+        if env.tools is not None and not sources and env.reward != "reward":
+            raise ConfigError("env.tools", "a tool scores nothing: the finished trajectory needs "
+                                           "a reward (reward.function, reward.path or "
+                                           "reward.url)")
+        if env.reward is None and env.function is not None and sources \
+                and not self.reward.env_score:
+            given = f"reward.{sources[0]}"
+            raise ConfigError("env.reward", f"both the environment and {given} can score an "
+                                            "episode; allowed: env (the sum of its step "
+                                            f"rewards; {given} is then not used) or reward "
+                                            f"({given} scores the finished trajectory)")
+
+    @property
+    def env_scores(self) -> bool:
+        """Whether an episode's score is its environment's (``env.reward``)."""
+        return self.env.function is not None and (
+            self.env.reward == "env" or (self.env.reward is None
+                                         and not self.reward.reward_sources()))
+
+    def longest_sequence(self) -> tuple[str, int]:
+        """(what bounds it, tokens) of the longest sequence a step can hold: an episode's budget
+        (``env.max_total_tokens``, once resolved), else the prompt bound + ppo.max_new_tokens."""
+        if self.env.enabled and self.env.max_total_tokens is not None:
+            return "env.max_total_tokens", self.env.max_total_tokens
+        prompt_key, prompt = self.prompt_bound()
+        return (f"{prompt_key}={prompt} + ppo.max_new_tokens={self.ppo.max_new_tokens}",
+                prompt + self.ppo.max_new_tokens)
+
+    def response_bound(self) -> tuple[str, int]:
+        """(what bounds it, tokens) of the longest response a step can hold: an episode's
+        actions and observations within its budget (``env.max_total_tokens`` less the prompt
+        bound), else ``ppo.max_new_tokens``."""
+        if self.env.enabled and self.env.max_total_tokens is not None:
+            return ("env.max_total_tokens - " + self.prompt_bound()[0],
+                    self.env.max_total_tokens - self.prompt_bound()[1])
+        return "ppo.max_new_tokens", self.ppo.max_new_tokens
+
     def prompt_bound(self) -> tuple[str, int]:
         """(key, value) of the longest prompt a step can hold: ``data.max_prompt_length`` for
         prompts from files, ``ppo.max_prompt_len`` for the task's."""
@@ -695,7 +822,7 @@ class Config:
 
     def _check_token_budget(self, role: str, model: ModelConfig) -> None:
         """``max_tokens_per_micro_batch``: trained models on the PaRO engine, and room for the
-        longest sequence a step can hold (prompt bound + ppo.max_new_tokens)."""
+        longest sequence a step can hold (``longest_sequence``)."""
         budget, key = model.max_tokens_per_micro_batch, f"{role}.max_tokens_per_micro_batch"
         if budget is None:
             return
@@ -704,13 +831,11 @@ class Config:
         if model.backend == "deepspeed":
             raise ConfigError(key, "needs a micro-batch count per step, which DeepSpeed fixes "
                                    "at initialize; allowed: null on backend=deepspeed")
-        prompt_key, prompt = self.prompt_bound()
-        longest = prompt + self.ppo.max_new_tokens
+        bound, longest = self.longest_sequence()
         if budget < longest:
             raise ConfigError(key, f"{budget} is smaller than the longest sequence a step can "
-                                   f"hold, {longest} tokens ({prompt_key}={prompt} + "
-                                   f"ppo.max_new_tokens={self.ppo.max_new_tokens}); allowed: "
-                                   f"null or at least {longest}")
+                                   f"hold, {longest} tokens ({bound}); allowed: null or at "
+                                   f"least {longest}")
 
     def _check_deepspeed(self, role: str, model: ModelConfig) -> None:
         """Every rule of a model's ``deepspeed`` section: its own values on any backend, how

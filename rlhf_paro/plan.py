@@ -32,11 +32,12 @@ A packed model (``models.packs``) computes on the real tokens of its sequences o
 (docs/design.md, "Batching"), so its FLOPs and time follow the expected length of a sequence:
 the prompt bound (``Config.prompt_bound``; a mean of the prompts is not known before they are
 read, so the bound stands for it) plus ``ppo.expected_response_length`` (null:
-``ppo.max_new_tokens``). A padded model computes on its rank's width, the rank's longest prompt
+``ppo.max_new_tokens``; with an environment, an episode's actions and observations, null: the
+episode's budget ``env.max_total_tokens`` less the prompt bound). A padded model computes on its rank's width, the rank's longest prompt
 and longest response, which nothing in the config predicts better than their bounds: it keeps
 the worst case. Memory is never sized by the expected length, since a plan that fits must fit
-whatever the rollout: a forward of b sequences holds at most b x (prompt bound +
-max_new_tokens) positions, packed (at most b rows as wide as the longest) or padded. Under
+whatever the rollout: a forward of b sequences holds at most b x the longest sequence
+(prompt bound + max_new_tokens, or an episode's ``env.max_total_tokens``) positions, packed (at most b rows as wide as the longest) or padded. Under
 ``max_tokens_per_micro_batch`` = B a training micro-batch holds at most B real tokens but any
 number of sequences. Packed, its first-fit rows are as wide as its longest sequence W, and any
 two rows hold more than W real tokens between them (the later one's first sequence did not fit
@@ -285,14 +286,16 @@ def _sequence_tokens(cfg: Config, role: str, model_type: str | None) -> Tokens:
     """[Note: real tokens] for one model; ``model_type`` None: no model (a reward function)."""
     from rlhf_paro.models import packs
 
-    longest = cfg.prompt_bound()[1] + cfg.ppo.max_new_tokens
+    longest = cfg.longest_sequence()[1]
     packed = model_type is not None and packs(cfg.model(role), model_type)
     return Tokens(longest, _expected_tokens(cfg) if packed else longest, packed)
 
 
 def _expected_tokens(cfg: Config) -> int:
-    """A sequence's expected real tokens: the prompt bound + ``ppo.expected_response_length``."""
-    response = cfg.ppo.expected_response_length or cfg.ppo.max_new_tokens
+    """A sequence's expected real tokens: the prompt bound + ``ppo.expected_response_length``
+    (an episode's actions and observations when an environment is set; null: the bound of a
+    response, ``Config.response_bound``)."""
+    response = cfg.ppo.expected_response_length or cfg.response_bound()[1]
     return cfg.prompt_bound()[1] + response
 
 
@@ -362,7 +365,7 @@ def _kv_cache_bytes(cfg: Config, vocab_size: int) -> float:
     hf = hf_config("actor", cfg.actor, vocab_size)
     kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
     width = kv_heads * (hf.hidden_size // hf.num_attention_heads)
-    positions = _samples_per_device(cfg) * (cfg.prompt_bound()[1] + cfg.ppo.max_new_tokens)
+    positions = _samples_per_device(cfg) * cfg.longest_sequence()[1]
     return 2 * hf.num_hidden_layers * width * positions * bytes_per_element(cfg.actor.precision)
 
 
@@ -698,21 +701,23 @@ def _tokens_line(cfg: Config, plan: Plan) -> str:
     ([Note: real tokens])."""
     key, prompt = cfg.prompt_bound()
     ppo = cfg.ppo
-    longest = prompt + ppo.max_new_tokens
+    bound, longest = cfg.longest_sequence()
     running = [r for r in plan.models if cfg.model(r).runs_model]
     packed = [r for r in running if plan.models[r].tokens.packed]
     padded = [r for r in running if r not in packed]
+    response_key, response_bound = cfg.response_bound()
     response = (f"ppo.expected_response_length={ppo.expected_response_length}"
                 if ppo.expected_response_length is not None else
-                f"ppo.max_new_tokens={ppo.max_new_tokens}: expected_response_length null")
+                f"{response_key}={response_bound}: expected_response_length null")
     compute = []
     if packed:
         compute.append(f"the expected {_expected_tokens(cfg)} ({key}={prompt} + {response}) for "
                        f"{', '.join(packed)} (packed)")
     if padded:
         compute.append(f"the padded {longest} for {', '.join(padded)} (packing off)")
-    return (f"tokens per sequence: memory by the longest, {longest} ({key}={prompt} + "
-            f"ppo.max_new_tokens={ppo.max_new_tokens}); compute by " + "; ".join(compute))
+    episode = " (an episode: actions and observations)" if cfg.env.enabled else ""
+    return (f"tokens per sequence{episode}: memory by the longest, {longest} ({bound}); "
+            "compute by " + "; ".join(compute))
 
 
 def format_plan(cfg: Config, plan: Plan) -> str:

@@ -168,11 +168,16 @@ def _figure(rows: list[dict], run: dict) -> plt.Figure:
 
     plt.rcParams.update({"font.size": 9, "axes.titlesize": 10.5, "axes.titleweight": "bold",
                          "axes.spines.top": False, "axes.spines.right": False})
-    fig = plt.figure(figsize=(18, 10.5), dpi=110)
-    grid = fig.add_gridspec(2, 3, hspace=0.45, wspace=0.32, left=0.05, right=0.98, top=0.87,
-                            bottom=0.09, width_ratios=[1, 1, 1.25])
+    # A run with an environment gets a third row: its episodes.
+    episodes = bool(np.isfinite(_series(rows, "env/turns_mean")).any())
+    height = 15.5 if episodes else 10.5
+    fig = plt.figure(figsize=(18, height), dpi=110)
+    grid = fig.add_gridspec(3 if episodes else 2, 3, hspace=0.45, wspace=0.32, left=0.05,
+                            right=0.98, top=1 - 1.37 / height, bottom=0.95 / height,
+                            width_ratios=[1, 1, 1.25])
     fig.suptitle(_title(run, rows), fontsize=13, fontweight="bold", x=0.05, ha="left")
-    fig.text(0.05, 0.925, _subtitle(run, rows, roles), fontsize=9.5, color="#444", ha="left")
+    fig.text(0.05, 1 - 0.79 / height, _subtitle(run, rows, roles), fontsize=9.5, color="#444",
+             ha="left")
 
     _learning(fig.add_subplot(grid[0, 0]), rows, steps, window, _reward_label(run))
     _kl(fig.add_subplot(grid[0, 1]), rows, steps)
@@ -180,7 +185,53 @@ def _figure(rows: list[dict], run: dict) -> plt.Figure:
     _throughput(fig.add_subplot(grid[1, 0]), rows, steps, run, window, roles)
     _memory(fig.add_subplot(grid[1, 1]), rows, run, roles)
     _traffic(fig, grid[1, 2], rows, run, roles)
+    if episodes:
+        _episodes(fig.add_subplot(grid[2, 0]), rows, steps)
+        _episode_tokens(fig.add_subplot(grid[2, 1]), rows, steps)
     return fig
+
+
+def _episodes(ax, rows, steps) -> None:
+    """Multi-turn episodes: turns per episode, and the share cut short by each budget."""
+    turns = _series(rows, "env/turns_mean")
+    ax.plot(steps, turns, color="#4c72b0", lw=2, label="turns per episode")
+    ax.set_ylabel("turns", color="#4c72b0")
+    ax.set_xlabel("step")
+    twin = ax.twinx()
+    for key, color, label in (("env/truncated_fraction_max_turns", "#c44e52", "cut by max_turns"),
+                              ("env/truncated_fraction_max_total_tokens", "#8172b2",
+                               "cut by max_total_tokens")):
+        twin.plot(steps, _series(rows, key), color=color, lw=1.5, ls="--", label=label)
+    twin.set_ylim(0, 1.05)
+    twin.set_ylabel("fraction of episodes")
+    twin.spines["right"].set_visible(True)
+    step_s = np.nanmean(_series(rows, "env/step_time_s"))
+    ax.set_title(f"Episodes ({np.nanmean(turns):.2f} turns, environment step {step_s * 1e3:.1f} "
+                 "ms on average)")
+    lines = ax.get_lines() + twin.get_lines()
+    ax.legend(lines, [ln.get_label() for ln in lines], loc="upper left", frameon=False)
+    ax.grid(alpha=0.25)
+
+
+def _episode_tokens(ax, rows, steps) -> None:
+    """An episode's tokens by whose they are, and its tool calls."""
+    actions, observed = (_series(rows, f"env/{k}_tokens") for k in ("action", "observation"))
+    ax.stackplot(steps, actions, observed, labels=["actions (trained)", "observations (not)"],
+                 colors=["#55a868", "#dd8452"], alpha=0.85)
+    ax.set_ylabel("tokens per episode")
+    ax.set_xlabel("step")
+    calls = _series(rows, "env/tool_calls")
+    if np.nansum(calls) > 0:
+        twin = ax.twinx()
+        twin.plot(steps, calls, color="#333", lw=1.5, label="tool calls")
+        twin.plot(steps, _series(rows, "env/tool_errors"), color="#c44e52", lw=1.5, ls="--",
+                  label="tool errors")
+        twin.set_ylabel("per episode")
+        twin.spines["right"].set_visible(True)
+        twin.legend(loc="upper right", frameon=False)
+    ax.set_title("Episode tokens: the policy's and the environment's")
+    ax.legend(loc="upper left", frameon=False)
+    ax.grid(alpha=0.25)
 
 
 def _title(run: dict, rows: list[dict]) -> str:

@@ -70,6 +70,12 @@ def check_files(cfg: Config) -> None:
                                               f"{model.path!r} (needs config.json); allowed: an "
                                               "existing local directory, models are never "
                                               "downloaded")
+    if cfg.env.function is not None:
+        rewards.function_file(cfg.env.function, "env.function")
+    if cfg.env.tools is not None and not Path(cfg.env.tools.rpartition(":")[0]).expanduser() \
+            .is_file():
+        raise ConfigError("env.tools", f"no file {cfg.env.tools.rpartition(':')[0]!r}; "
+                                       "allowed: an existing .py file")
     resume = cfg.trainer.resume
     if resume not in RESUME_CHOICES and not (Path(resume).expanduser() / MANIFEST).is_file():
         raise ConfigError("trainer.resume", f"no complete checkpoint at {resume!r} (it has no "
@@ -88,6 +94,8 @@ def check_files(cfg: Config) -> None:
 def derive(cfg: Config, say: Callable[[str], None] = print) -> Config:
     """``cfg`` with the values that come from other sections set (step 4 of the module
     docstring); reads the reward model's tokenizer when the critic would start from it."""
+    if cfg.env.enabled:
+        cfg = _with_env(cfg)
     actor = cfg.actor
     changed = {}
     for role in ("reward", "ref"):
@@ -121,3 +129,26 @@ def _with_critic_source(cfg: Config, say: Callable[[str], None]) -> Config:
         path, config = actor_source
         critic = dataclasses.replace(critic, path=path, config=config)
     return dataclasses.replace(cfg, critic=critic)
+
+
+def _with_env(cfg: Config) -> Config:
+    """An environment's run: the episode's score from the environment when ``env.reward`` says
+    so (the reward section's source then unused), the episode budget of the actor's positions
+    when ``env.max_total_tokens`` is null, and the environment checked against the first prompt
+    row (``envs.check_factory``: its file, its class, ``NAME(**row)``)."""
+    from rlhf_paro import envs, models
+    from rlhf_paro.ppo import data
+
+    env, reward = cfg.env, cfg.reward
+    if cfg.env_scores:
+        reward = dataclasses.replace(reward, path=None, config=None, function=None, url=None,
+                                     env_score=True)
+    if env.max_total_tokens is None:
+        hf = models.hf_config("actor", cfg.actor, data.vocab_sizes(cfg)["actor"])
+        env = dataclasses.replace(env, max_total_tokens=int(hf.max_position_embeddings))
+    cfg = dataclasses.replace(cfg, reward=reward, env=env)
+    if env.function is not None:
+        envs.check_factory(cfg, data.first_row(cfg))
+    else:
+        envs.load(cfg)  # the tools and their schemas
+    return cfg

@@ -110,7 +110,9 @@ def evaluate(models: dict[str, Any], prompts: Prompts, step: int, wait: Wait
         while len(index) % num_ranks:  # every rank needs rows: repeat the last prompt
             index.append(index[-1])
         per_rank, rows = prompts.split(prompts.val.rows(index))
-        rollouts, _ = zip(*actor.call("generate", per_rank, num_returns=2, greedy=True))
+        episode_rows = (rows,) if prompts.cfg.env.enabled else ()
+        rollouts, _ = zip(*actor.call("generate", per_rank, *episode_rows, num_returns=2,
+                                      greedy=True, step=step))
         scores = wait(reward=reward.call("score", list(rollouts), rows, step=step))["reward"]
         sums = wait(reward=reward.call("score_sums"))["reward"]
         total["count"] += sum(len(s) for s in scores)

@@ -48,6 +48,7 @@ from rlhf_paro.actors.group import (
 from rlhf_paro.actors.ref import RefWorker
 from rlhf_paro.actors.reward import RewardWorker
 from rlhf_paro.config import RAY_ADDRESS_ALLOWED, Config, ConfigError
+from rlhf_paro.envs import EnvError
 from rlhf_paro.metrics import (
     MetricsLogger, logprob_diff, missing_steps, model_metrics, padding_fraction,
 )
@@ -212,7 +213,8 @@ class PPOTrainer:
         try:
             yield
         except WorkerError as err:
-            if isinstance(err.cause, RewardFunctionError):  # its line names function and step
+            # Their lines name the function or environment, the step (and the sample).
+            if isinstance(err.cause, (RewardFunctionError, EnvError)):
                 raise self._stopped(str(err.cause)) from None
             if err.node is not None:
                 raise self._stopped(f"{err.node} was lost at step {step}") from None
@@ -377,7 +379,10 @@ class PPOTrainer:
         self.issued.clear()  # the last step's calls are all done
         # Sliced here, before anything is sent: each rank receives only its own prompts.
         prompts, rows = self.prompts.next(self.cfg.ppo.rollout_batch_size, self.cfg.rollout.n)
-        rollouts, gen_stats = zip(*actor.call("generate", prompts, num_returns=2))
+        # An environment's episodes are built from the prompts' rows (columns).
+        episode_rows = (rows,) if self.cfg.env.enabled else ()
+        rollouts, gen_stats = zip(*actor.call("generate", prompts, *episode_rows, step=step,
+                                              num_returns=2))
         gen = _sum(self.wait(actor=list(gen_stats))["actor"])
         generated = time.perf_counter()
         if self.cfg.deals_rollouts:
@@ -416,6 +421,7 @@ class PPOTrainer:
             self.kl_ctl.update(kl, int(exp["count"]))
             row.update({"ppo/kl": kl, "ppo/kl_coef": kl_coef})
         row.update(reward_extras(gen))
+        row.update(env_metrics(gen))
         row.update(mismatch)
         row.update({
             "ppo/reward_mean": exp["reward"] / exp["count"],
@@ -473,6 +479,29 @@ def _sum(dicts: list[dict[str, float]]) -> dict[str, float]:
     """Key by key sums over ranks; a key some ranks lack (a reward extra) counts 0 there."""
     keys = dict.fromkeys(k for d in dicts for k in d)
     return {k: sum(d.get(k, 0.0) for d in dicts) for k in keys}
+
+
+def env_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """``env/*`` of a step's episodes from the actor ranks' ``env_*`` sums (``episodes.run``):
+    per episode its turns, observation and action tokens, tool calls and tool errors; the
+    fraction of episodes cut short by ``env.max_turns`` or ``env.max_total_tokens`` (each, and
+    both as ``env/truncated_fraction``); the mean seconds of one environment step. None without
+    an environment."""
+    episodes = sums.get("env_episodes")
+    if not episodes:
+        return {}
+    turns, tokens = sums["env_truncated_max_turns"], sums["env_truncated_max_total_tokens"]
+    return {
+        "env/turns_mean": sums["env_turns"] / episodes,
+        "env/truncated_fraction": (turns + tokens) / episodes,
+        "env/truncated_fraction_max_turns": turns / episodes,
+        "env/truncated_fraction_max_total_tokens": tokens / episodes,
+        "env/step_time_s": sums["env_step_time_s"] / max(sums["env_steps"], 1.0),
+        "env/observation_tokens": sums["env_observation_tokens"] / episodes,
+        "env/action_tokens": sums["env_action_tokens"] / episodes,
+        "env/tool_calls": sums["env_tool_calls"] / episodes,
+        "env/tool_errors": sums["env_tool_errors"] / episodes,
+    }
 
 
 def reward_extras(sums: dict[str, float]) -> dict[str, float]:

@@ -53,6 +53,7 @@ LAYERS = {
     "rlhf_paro.metrics": 3,
     "rlhf_paro.ppo": 3,
     "rlhf_paro.rollout": 3,  # the rollout engines and their batches (no Ray)
+    "rlhf_paro.envs": 3,  # multi-turn environments: the contract and its runner (no Ray)
     "rlhf_paro.actors": 4,
     "rlhf_paro.trainer": 5,
     "rlhf_paro.train": 5,

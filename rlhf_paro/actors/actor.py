@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 
-from rlhf_paro import models, rollout
+from rlhf_paro import envs, models, rollout
 from rlhf_paro.actors.worker import TrainedWorker, Worker
 from rlhf_paro.comm.meter import GENERATE, SYNC
 from rlhf_paro.metrics import INFERENCE
 from rlhf_paro.ppo import algorithms, core
 from rlhf_paro.ppo.data import rollout_tokenizer
-from rlhf_paro.rollout import PromptBatch, RolloutBatch
+from rlhf_paro.rollout import PromptBatch, RolloutBatch, episodes
 
 
 class ActorWorker(TrainedWorker):
@@ -32,6 +32,16 @@ class ActorWorker(TrainedWorker):
         # Whether the weights changed since the rollout engine last took them (an engine with a
         # copy of its own: ``Rollout.needs_sync``): at setup, after an update or a resume.
         self._engine_stale = True
+        # Multi-turn episodes (env.function, env.tools): this rank's environments' runner and
+        # what turns their observations into tokens; None for single-turn rollouts.
+        self.env_runner: envs.EnvRunner | None = None
+        self.observations: envs.Observations | None = None
+        if self.cfg.env.enabled:
+            factory, name = envs.load(self.cfg)
+            self.env_runner = envs.EnvRunner(factory, name, self.cfg.env.num_workers,
+                                             self.cfg.env.timeout_s)
+            self.observations = envs.Observations(
+                self.tokenizer, self.cfg.data.apply_chat_template, envs.tool_schemas(self.cfg))
 
     def setup(self, master_addr: str, master_port: int) -> int:
         """``Worker.setup``, then the rollout engine on this rank's engine."""
@@ -59,24 +69,51 @@ class ActorWorker(TrainedWorker):
         self._engine_stale = False
 
     @torch.no_grad()
-    def generate(self, prompts: PromptBatch, greedy: bool = False
-                 ) -> tuple[RolloutBatch, dict[str, float]]:
-        """Sample one response per prompt (``prompts``: left-padded, ``runs.Prompts``).
-        ``greedy``: an evaluation, whose rollout is returned and not kept. Returns the rollout
-        (for the other models of this rank) and sums for the driver."""
+    def generate(self, prompts: PromptBatch, rows: dict[str, Any] | None = None,
+                 greedy: bool = False, step: int = 0) -> tuple[RolloutBatch, dict[str, float]]:
+        """Sample one response per prompt (``prompts``: left-padded, ``runs.Prompts``), or, with
+        an environment, one episode per prompt (``rows``: the prompts' texts and columns, which
+        build the environments). ``greedy``: an evaluation, whose rollout is returned and not
+        kept. Returns the rollout (for the other models of this rank) and sums for the driver
+        (an environment's as ``env_<name>``, ``episodes.run``)."""
         sampling = rollout.Sampling.from_config(self.cfg.ppo, greedy)
         self.rollout_engine.wake()
         self.sync_engine()
+        env_stats: dict[str, float] = {}
         with self.timed(GENERATE):
-            batch = self.rollout_engine.generate(prompts, sampling)
+            if self.env_runner is None:
+                batch = self.rollout_engine.generate(prompts, sampling)
+            else:
+                batch, env_stats = self._episodes(prompts, rows, sampling, step)
         self.rollout_engine.sleep()
         # Generation runs padded (a key/value cache per row): every position of the rows.
         self.count_tokens(batch.attention_mask, packed=False)
         stats = {"count": float(len(batch)), "response_length": float(batch.action_mask.sum()),
-                 "real_tokens": float(batch.attention_mask.sum())}
+                 "real_tokens": float(batch.attention_mask.sum()),
+                 **{f"env_{k}": v for k, v in env_stats.items()}}
         if not greedy:
             self._rollout = batch
         return batch, stats
+
+    def _episodes(self, prompts: PromptBatch, rows: dict[str, Any], sampling: rollout.Sampling,
+                  step: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """This rank's episodes (``episodes.run``): sample i of the step is number
+        rank x len(prompts) + i, which names it in error lines and seeds its environment (an
+        evaluation's seeds are apart from the training steps')."""
+        cfg = self.cfg
+        first = self.rank * len(prompts)
+        key = cfg.data.prompt_key
+        samples = [{key: text, **{c: values[i] for c, values in rows["columns"].items()}}
+                   for i, text in enumerate(rows["texts"])]
+        stream = -1 - step if sampling.greedy else step
+        seeds = [envs.sample_seed(cfg.trainer.seed, stream, first + i)
+                 for i in range(len(prompts))]
+        what = "evaluation after step" if sampling.greedy else "step"
+        return episodes.run(
+            self.rollout_engine, prompts, samples, seeds, self.env_runner, self.observations,
+            lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), sampling,
+            episodes.Budget(cfg.env.max_turns, cfg.env.max_total_tokens),
+            self.tokenizer.pad_token_id, lambda i: f"at {what} {step}, sample {first + i}")
 
     def set_rollout(self, batch: RolloutBatch) -> None:
         """Replace this rank's rollout with ``batch``: the rows the driver dealt it

@@ -2,7 +2,8 @@
 or a reward server.
 
 A reward model is a Hugging Face sequence classifier with one label (or the task's, trained
-beforehand on preference pairs). When its tokenizer differs from the actor's, each rollout is
+beforehand on preference pairs). With ``env.reward`` an environment's episode scores, which the
+rollout carries, are the reward. When its tokenizer differs from the actor's, each rollout is
 decoded with the actor's tokenizer and encoded again with the reward model's. A reward function
 (``reward.function``, ``ppo/rewards.py``) gets the decoded prompts and responses and the other
 columns of the prompts' rows, and a reward server (``reward.url``) gets them as JSON; then no
@@ -38,7 +39,7 @@ class RewardWorker(Worker):
         self.url = self.model_cfg.url
         # Read here, on the worker's node, so that the token never travels in the config.
         self.token = _token(self.model_cfg.token_env) if self.url else None
-        self.has_model = self.function is None and self.url is None
+        self.has_model = self.model_cfg.runs_model
         score_spec = self.model_cfg.score_function
         self.score_function = (rewards.load_function(score_spec, "reward.score_function")
                                if score_spec else None)
@@ -77,8 +78,11 @@ class RewardWorker(Worker):
             else:
                 # A function or server reads the real tokens, no padding.
                 self.count_tokens(rollout.attention_mask, packed=True)
-                reward = self._modelless(step, prompts, responses, rows["columns"])
-                out, extras = torch.tensor(reward.scores), reward.extras
+                if self.model_cfg.env_score:  # the episodes' scores (env.reward)
+                    out, extras = rollout.scores.float(), {}
+                else:
+                    reward = self._modelless(step, prompts, responses, rows["columns"])
+                    out, extras = torch.tensor(reward.scores), reward.extras
         if rows is not None:
             score = out
             if self.score_function is not None:
@@ -116,8 +120,9 @@ class RewardWorker(Worker):
         return self._score_sums
 
     def _responses(self, rollout: RolloutBatch) -> list[str]:
+        # The whole response: a multi-turn episode's observations too (a trajectory's score).
         return [self.tokenizer.decode(row[keep], skip_special_tokens=True)
-                for row, keep in zip(rollout.responses, rollout.action_mask.bool())]
+                for row, keep in zip(rollout.responses, rollout.response_attention.bool())]
 
     def _encoded(self, prompts: list[str], responses: list[str]) -> RolloutBatch:
         """The rollout's text in the reward model's tokens, right-padded, ending in its eos."""

@@ -4,7 +4,9 @@ Shape legend (every tensor here is about the response part of a rollout, never t
 
     B   number of sequences in the (micro-)batch
     T   response length after right padding
-    mask (B, T) float 0/1: 1 on generated tokens, 0 on padding after the end of a response
+    mask (B, T) float 0/1: 1 on the policy's own tokens (actions), 0 on padding after the end of
+        a response and, in a multi-turn episode, on the environment's tokens between two actions
+        (observations: attended, never trained; docs/design.md, "Multi-turn episodes")
 
 Conventions are those OpenRLHF and veRL share. References: PPO is Schulman et al. 2017 ("Proximal
 Policy Optimization Algorithms", eq. 7 for the clipped surrogate), GAE is Schulman et al. 2016
@@ -101,11 +103,12 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str = "k1") -> Tensor:
 
 
 def last_token_index(mask: Tensor) -> Tensor:
-    """(B,) index of the last valid token of each right-padded row; every row needs one."""
-    lengths = mask.sum(dim=-1).long()
-    if bool((lengths == 0).any()):
+    """(B,) index of the last valid token of each row (its last action: the mask may have holes
+    where observations lie); every row needs one."""
+    if bool((mask.sum(dim=-1) == 0).any()):
         raise ValueError("every response needs at least one valid token (mask row of zeros)")
-    return lengths - 1
+    # argmax gives the first of equal maxima: the first 1 of the reversed row is the last 1.
+    return mask.shape[-1] - 1 - mask.flip(-1).argmax(dim=-1)
 
 
 def token_rewards(score: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) -> Tensor:
@@ -127,10 +130,14 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
         ) -> tuple[Tensor, Tensor]:
     """Generalized advantage estimation (Schulman et al. 2016, eq. 16), not whitened.
 
-    rewards, values, mask: (B, T). ``delta_t = r_t + gamma * V_{t+1} - V_t`` with ``V`` taken as 0
-    after the last valid token (the episode ends there), ``A_t = delta_t + gamma * lam * A_{t+1}``.
-    Returns ``(advantages, returns)``, both (B, T) and zero on padding, with
-    ``returns = advantages + values``. Row-wise, so invariant to any split of the batch.
+    rewards, values, mask: (B, T). The time steps are the valid tokens (the actions) of a row, in
+    order: ``delta_t = r_t + gamma * V_{t'} - V_t`` with t' the next valid token (``V`` taken as 0
+    after the last one: the episode ends there), ``A_t = delta_t + gamma * lam * A_{t'}``. A run of
+    masked tokens between two valid ones (a multi-turn episode's observation) is not a step:
+    gamma and lambda apply once across it, as if the environment's answer took no time, and a
+    reward there is ignored. Returns ``(advantages, returns)``, both (B, T) and zero where the
+    mask is, with ``returns = advantages + values``. Row-wise, so invariant to any split of the
+    batch; with a mask that is a prefix of each row it is the textbook recursion.
     """
     rewards = rewards * mask
     values = values * mask
@@ -139,10 +146,13 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
     next_advantage = torch.zeros_like(rewards[:, 0])
     next_value = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(num_tokens)):
+        valid = mask[:, t]
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        next_advantage = (delta + gamma * lam * next_advantage) * mask[:, t]
-        advantages[:, t] = next_advantage
-        next_value = values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        advantages[:, t] = advantage * valid
+        # A masked token carries the next valid token's advantage and value through unchanged.
+        next_advantage = torch.where(valid.bool(), advantage, next_advantage)
+        next_value = torch.where(valid.bool(), values[:, t], next_value)
     returns = (advantages + values) * mask
     return advantages, returns
 

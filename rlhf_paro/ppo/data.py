@@ -188,9 +188,11 @@ def _messages(prompt: Any) -> list[dict[str, str]] | None:
     return prompt
 
 
-def _tokenized(prompt: Any, where: str, data: Any, tokenizer: Any) -> tuple[str, list[int]]:
+def _tokenized(prompt: Any, where: str, data: Any, tokenizer: Any,
+               tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
     """(text as the model sees it, token ids) of one row's prompt; ``ConfigError`` naming the
-    row for anything else than a string or chat messages, or messages the template refuses."""
+    row for anything else than a string or chat messages, or messages the template refuses.
+    ``tools``: the schemas of ``env.tools``, which the chat template renders into the prompt."""
     key = data.prompt_key
     if not data.apply_chat_template:
         if isinstance(prompt, str):
@@ -207,7 +209,7 @@ def _tokenized(prompt: Any, where: str, data: Any, tokenizer: Any) -> tuple[str,
                                              "string or a list of chat messages "
                                              '{"role": "...", "content": "..."}')
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
                                              tokenize=False)
     except Exception as err:  # the template is the user's: jinja2 errors, raise_exception()
         detail = str(err).splitlines()[0] if str(err) else ""
@@ -215,6 +217,13 @@ def _tokenized(prompt: Any, where: str, data: Any, tokenizer: Any) -> tuple[str,
                           f"{where}: the chat template refuses its messages "
                           f"({type(err).__name__}{': ' + detail if detail else ''})") from None
     return text, tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def first_row(cfg: Config) -> dict[str, Any]:
+    """The first row of the first training file, as an environment is built from it
+    (``NAME(**row)``: the prompt column as it is in the file, the other columns)."""
+    tables = _read(data_files(cfg.data.train_files)[:1], "data.train_files")
+    return dict(tables[0][1][0])
 
 
 def load_prompts(cfg: Config, tokenizer: Any, split: str = "train") -> PromptSet:
@@ -240,8 +249,13 @@ def load_prompts(cfg: Config, tokenizer: Any, split: str = "train") -> PromptSet
                                                       "template; allowed: false")
     others = [c for c in columns if c != data.prompt_key]
     out = PromptSet([], [], {c: [] for c in others})
+    tools = None
+    if cfg.env.tools is not None:
+        from rlhf_paro.envs import tool_schemas
+
+        tools = tool_schemas(cfg)
     for where, row in _rows(tables, key):
-        text, ids = _tokenized(row[data.prompt_key], where, data, tokenizer)
+        text, ids = _tokenized(row[data.prompt_key], where, data, tokenizer, tools)
         if len(ids) > data.max_prompt_length:
             out.num_skipped += 1
             continue

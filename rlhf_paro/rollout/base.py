@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, ContextManager, Iterable, Protocol
 
 import torch
 from torch import Tensor
@@ -37,6 +37,11 @@ class Rollout(Protocol):
     def generate(self, prompts: PromptBatch, sampling: Sampling) -> RolloutBatch:
         """One response per prompt; responses as wide as the longest, never padded out to
         ``sampling.max_new_tokens``. Tensors on the CPU, ready to travel."""
+
+    def turns(self) -> ContextManager[None]:
+        """Around the turns of multi-turn episodes (``rollout/episodes.py``): whatever the
+        engine holds for all their ``generate`` calls at once (``hf``: the gathered weights,
+        gathered once instead of once a turn)."""
 
     def sync(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Take the actor's updated weights: ``(Hugging Face name, tensor)`` pairs

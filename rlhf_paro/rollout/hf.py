@@ -3,7 +3,7 @@ once for the whole rollout (phase ``generate`` of the actor's meter)."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import ContextManager, Iterable
 
 import torch
 from torch import Tensor
@@ -50,6 +50,11 @@ class HFRollout:
                     out.logits, responses, sampling.temperature).cpu()
                 chunks.append(join(part, responses.cpu(), self.eos_token_id, logp))
         return chunks[0] if len(chunks) == 1 else RolloutBatch.concat(chunks, self.pad_token_id)
+
+    def turns(self) -> ContextManager:
+        """The weights gathered once for all turns: ``generate`` inside it gathers nothing
+        (``engine.gathered`` nests)."""
+        return self.engine.gathered(phase=GENERATE)
 
     # Generation reads the engine's own parameters, gathered at each call: there is no second copy
     # of the weights to update, and nothing held between calls to release.

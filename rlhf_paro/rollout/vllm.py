@@ -15,12 +15,13 @@ on CUDA); ``check`` refuses a run it cannot serve before anything starts.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
 import tempfile
 import weakref
-from typing import Any, Iterable
+from typing import Any, ContextManager, Iterable
 
 import torch
 from torch import Tensor
@@ -94,8 +95,10 @@ def head_dim(hf_config: Any) -> int:
 
 
 def max_model_len(cfg: Config, hf_config: Any) -> int:
-    """The longest sequence the engine serves: the run's longest, within the model's positions."""
-    return min(cfg.prompt_bound()[1] + cfg.ppo.max_new_tokens,
+    """The longest sequence the engine serves: the run's longest (an episode's budget in a
+    multi-turn run, where vLLM's cap ends each turn's action at the budget), within the model's
+    positions."""
+    return min(cfg.longest_sequence()[1],
                getattr(hf_config, "max_position_embeddings", 1 << 30))
 
 
@@ -192,6 +195,11 @@ class VLLMRollout:
                 logprobs[row, :len(out.token_ids)] = torch.tensor(
                     [step[token].logprob for step, token in zip(out.logprobs, out.token_ids)])
         return join(prompts, responses, self.eos_token_id, logprobs)
+
+    def turns(self) -> ContextManager:
+        """Nothing to hold across turns: the prefix cache (``rollout.enable_prefix_caching``)
+        keeps the earlier turns' keys and values for the next turn's prefill."""
+        return contextlib.nullcontext()
 
     def sync(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Load the actor's weights (Hugging Face names) in place, as the stream hands them

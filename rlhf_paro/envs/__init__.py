@@ -1,0 +1,291 @@
+"""Environments of multi-turn episodes: the contract, loading one, running them on a rank's
+samples at once, and their observations as tokens (docs/design.md, "Multi-turn episodes").
+
+The contract (``env.function=file.py:NAME``): ``NAME(**row)`` builds one environment per sample
+from the columns of its prompt's row (the prompt column as the text the model sees), and
+
+    reset() -> observation | None          # None: the prompt alone starts the episode
+    step(action: str) -> (observation | None, reward: float, done: bool)
+
+``action`` is the model's turn decoded without special tokens. An observation is text, or chat
+messages (a ``{"role": "tool" | "user", "content": ...}`` dict or a list of them) rendered with
+the tokenizer's chat template (``data.apply_chat_template=true``). A ``reset`` that takes a
+``seed`` keyword (gymnasium's convention) gets one drawn from the run's seed, the step and the
+sample, so a resumed run meets the same episodes. ``env.tools`` builds ``envs.tools.ToolEnv``
+instead.
+
+An environment that raises, returns something else, or takes longer than ``env.timeout_s`` for
+one call stops the run with ``EnvError``: one line naming the environment, the step, the sample
+and what went wrong.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Sequence
+
+from rlhf_paro.config import Config, ConfigError
+
+# How often the driver of a batch of environment calls looks for one past its deadline.
+_POLL_S = 0.05
+
+
+class EnvError(RuntimeError):
+    """An environment failed at a step; ``str()`` is one line."""
+
+
+class StepResult(NamedTuple):
+    observation: Any  # text, chat messages, or None
+    reward: float
+    done: bool
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+
+
+def check_step(value: Any, name: str, where: str) -> StepResult:
+    """``step``'s return as a ``StepResult``; ``EnvError`` naming ``name`` and ``where`` for
+    anything but ``(observation | None, finite real reward, bool done)``."""
+    if not isinstance(value, (tuple, list)) or len(value) != 3:
+        got = f"a {type(value).__name__}" + (f" of {len(value)}" if isinstance(
+            value, (tuple, list)) else "")
+        raise EnvError(f"{name}.step returned {got} {where}; allowed: (observation | None, "
+                       "reward, done)")
+    observation, reward, done = value
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or \
+            not math.isfinite(float(reward)):
+        raise EnvError(f"{name}.step returned the reward {reward!r} {where}; allowed: a finite "
+                       "real number")
+    if not isinstance(done, bool):
+        raise EnvError(f"{name}.step returned done={done!r} {where}; allowed: True or False")
+    check_observation(observation, f"{name}.step", where)
+    return StepResult(observation, float(reward), done)
+
+
+def check_observation(observation: Any, what: str, where: str) -> None:
+    """``EnvError`` unless ``observation`` is None, text, a message dict or a list of them."""
+    if observation is None or isinstance(observation, str):
+        return
+    messages = [observation] if isinstance(observation, dict) else observation
+    if isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in messages):
+        return
+    raise EnvError(f"{what} returned the observation {str(observation)[:60]!r} {where}; allowed: "
+                   'None, text, or chat messages {"role": ..., "content": ...}')
+
+
+def load(cfg: Config) -> tuple[Callable[..., Any], str]:
+    """(factory of one sample's environment, its name for error lines) of ``env.function`` or
+    ``env.tools``; ``ConfigError`` naming the key when the file or the name is not there."""
+    from rlhf_paro.ppo import rewards
+
+    env = cfg.env
+    if env.tools is not None:
+        from rlhf_paro.envs import tools
+
+        functions = tools.load_tools(env.tools)
+        return (lambda **row: tools.ToolEnv(functions, **row)), "env.tools"
+    factory = rewards.load_function(env.function, "env.function")
+    if not callable(factory):
+        raise ConfigError("env.function", f"{env.function} is a {type(factory).__name__}; "
+                                          "allowed: a class or a function that builds one "
+                                          "sample's environment")
+    return factory, env.function.rpartition(":")[2]
+
+
+def tool_schemas(cfg: Config) -> list[dict[str, Any]] | None:
+    """The tools' schemas for the chat template (``env.tools``); None without tools."""
+    if cfg.env.tools is None:
+        return None
+    from rlhf_paro.envs import tools
+
+    return tools.schemas(tools.load_tools(cfg.env.tools))
+
+
+def check_factory(cfg: Config, row: dict[str, Any]) -> None:
+    """``ConfigError`` before anything starts when the environment cannot be built from the
+    columns of a prompt row (``NAME(**row)`` refused) or lacks ``reset`` / ``step``."""
+    factory, name = load(cfg)
+    try:
+        env = factory(**row)
+    except TypeError as err:
+        raise ConfigError("env.function", f"{name}(**row) refuses the prompt rows' columns "
+                          f"{', '.join(sorted(row))} ({_one_line(err)}); allowed: a class "
+                          "whose constructor takes those columns (or **row)") from None
+    except Exception as err:  # the user's constructor: anything it raises is its own
+        raise ConfigError("env.function", f"{name}(**row) raised on the first prompt row "
+                                          f"({_one_line(err)})") from None
+    for method in ("reset", "step"):
+        if not callable(getattr(env, method, None)):
+            raise ConfigError("env.function", f"{name} has no {method}() method; allowed: an "
+                                              "environment with reset() and step(action)")
+
+
+def takes_seed(method: Callable[..., Any]) -> bool:
+    """Whether ``method`` takes a ``seed`` keyword (gymnasium's ``reset(seed=...)``)."""
+    try:
+        params = inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
+    return "seed" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def sample_seed(run_seed: int, step: int, sample: int) -> int:
+    """A sample's environment seed: a pure function of the run's seed, the step and the sample,
+    so a resumed run's episodes are those of a run that never stopped."""
+    return ((run_seed * 1_000_003 + step) * 1_000_003 + sample) & 0x7FFFFFFF
+
+
+@dataclass
+class Calls:
+    """Counts and time of one rank's environment calls in a rollout."""
+
+    steps: int = 0
+    step_time_s: float = 0.0  # summed over steps (calls running at once all count)
+
+
+class EnvRunner:
+    """Builds, resets and steps one rank's environments, ``num_workers`` calls at a time in
+    threads (a slow environment does not serialise the rank), each within ``timeout_s``.
+
+    A call past its deadline cannot be killed in a thread: the runner raises ``EnvError`` and the
+    run stops (its process is ended by the trainer), which leaves the last checkpoint intact.
+    """
+
+    def __init__(self, factory: Callable[..., Any], name: str, num_workers: int,
+                 timeout_s: float) -> None:
+        self.factory = factory
+        self.name = name
+        self.timeout_s = timeout_s
+        self.pool = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="env")
+        self.calls = Calls()
+
+    def start(self, rows: Sequence[dict[str, Any]], seeds: Sequence[int], where: Callable[
+            [int], str]) -> tuple[list[Any], list[Any]]:
+        """(environments, first observations): one per row, each built as ``factory(**row)``
+        and reset (with its seed where ``reset`` takes one)."""
+
+        def build(i: int) -> tuple[Any, Any]:
+            try:
+                env = self.factory(**rows[i])
+            except Exception as err:
+                raise EnvError(f"{self.name}(**row) raised {where(i)} ({_one_line(err)})"
+                               ) from None
+            try:
+                obs = env.reset(seed=seeds[i]) if takes_seed(env.reset) else env.reset()
+            except Exception as err:
+                raise EnvError(f"{self.name}.reset raised {where(i)} ({_one_line(err)})"
+                               ) from None
+            check_observation(obs, f"{self.name}.reset", where(i))
+            return env, obs
+
+        built = self._run([lambda i=i: build(i) for i in range(len(rows))], "reset", where)
+        return [b[0] for b in built], [b[1] for b in built]
+
+    def step(self, envs: Sequence[Any], actions: Sequence[str], where: Callable[[int], str]
+             ) -> list[StepResult]:
+        """``env.step(action)`` of each, checked (``check_step``)."""
+
+        def one(i: int) -> StepResult:
+            try:
+                value = envs[i].step(actions[i])
+            except Exception as err:
+                raise EnvError(f"{self.name}.step raised {where(i)} ({_one_line(err)})"
+                               ) from None
+            return check_step(value, self.name, where(i))
+
+        results = self._run([lambda i=i: one(i) for i in range(len(envs))], "step", where)
+        self.calls.steps += len(results)
+        return results
+
+    def _run(self, calls: list[Callable[[], Any]], what: str, where: Callable[[int], str]
+             ) -> list[Any]:
+        """Every call's result, in order; each call's own time (from when a thread starts it)
+        is held to ``timeout_s``, and the first error of a call is raised as it is."""
+        started: dict[int, float] = {}
+        lock = threading.Lock()
+        elapsed = [0.0] * len(calls)
+
+        def timed(i: int) -> Any:
+            begin = time.monotonic()
+            with lock:
+                started[i] = begin
+            try:
+                return calls[i]()
+            finally:
+                elapsed[i] = time.monotonic() - begin
+                with lock:
+                    started.pop(i, None)
+
+        futures: list[Future] = [self.pool.submit(timed, i) for i in range(len(calls))]
+        pending = set(futures)
+        try:
+            while pending:
+                done, pending = wait(pending, timeout=_POLL_S, return_when=FIRST_COMPLETED)
+                for future in done:
+                    if future.exception() is not None:
+                        raise future.exception()
+                now = time.monotonic()
+                with lock:
+                    late = [i for i, begin in started.items() if now - begin > self.timeout_s]
+                if late:
+                    raise EnvError(f"{self.name}.{what} took longer than env.timeout_s="
+                                   f"{self.timeout_s:g} {where(min(late))}")
+        except BaseException:
+            for future in pending:
+                future.cancel()
+            raise
+        if what == "step":
+            self.calls.step_time_s += sum(elapsed)
+        return [f.result() for f in futures]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Observations:
+    """Observations as the token ids appended to an episode's context: text as the tokenizer
+    encodes it without special tokens, chat messages as the chat template renders them after an
+    assistant turn (what the template puts between the end of the model's turn and the start
+    of its next one, generation prompt included)."""
+
+    def __init__(self, tokenizer: Any, chat: bool, tools: list[dict] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.chat = chat
+        self.tools = tools
+
+    def encode(self, observation: Any) -> list[int]:
+        if isinstance(observation, str) and not self.chat:
+            return list(self.tokenizer(observation, add_special_tokens=False)["input_ids"])
+        messages = ([{"role": "user", "content": observation}] if isinstance(observation, str)
+                    else [observation] if isinstance(observation, dict) else list(observation))
+        if not self.chat:
+            raise EnvError("an observation of chat messages needs data.apply_chat_template=true "
+                           "(the tokenizer's chat template renders them)")
+        return self._rendered(messages)
+
+    def _rendered(self, messages: list[dict[str, Any]]) -> list[int]:
+        # The template renders whole conversations: the observation's tokens are what a
+        # conversation gains past the end of an assistant turn (the text after its eos) when the
+        # messages and the next generation prompt follow it. The assistant's text is a stand-in.
+        tok = self.tokenizer
+        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+        render = (lambda conv, gen: tok.apply_chat_template(
+            conv, tools=self.tools, add_generation_prompt=gen, tokenize=False))
+        before, after = render(base, False), render(base + messages, True)
+        eos = tok.eos_token or ""
+        cut = before.rfind(eos) + len(eos) if eos and eos in before else len(before)
+        if not after.startswith(before[:cut]):
+            raise EnvError("the chat template renders the conversation before an observation "
+                           "differently once the observation follows it; allowed: a template "
+                           "that appends turns")
+        return list(tok(after[cut:], add_special_tokens=False)["input_ids"])

@@ -1,0 +1,125 @@
+"""The built-in tool environment (``env.tools=file.py:a,b``): plain Python functions the model
+calls in its chat template's tool-call format.
+
+Each function's signature and docstring (a Google-style ``Args:`` section, what transformers'
+``get_json_schema`` reads) become a schema that the prompts' chat template receives as
+``tools=``. A turn's tool calls are parsed from the model's text in the convention of
+Qwen2.5/Hermes-style templates: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
+one block per call. Each call's result comes back as a ``{"role": "tool", ...}`` message; a
+turn that calls no tool is the agent's answer and ends the episode. A malformed call (not JSON,
+an unknown tool, arguments the function refuses, a tool that raises) is an observation the agent
+sees, never a crash. The episode's reward is the reward section's (a tool only answers).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Callable
+
+from rlhf_paro.config import ConfigError
+
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+OPEN_TAG = "<tool_call>"
+
+
+def load_tools(spec: str) -> dict[str, Callable[..., Any]]:
+    """The functions ``a, b`` of ``file.py:a,b`` by name; ``ConfigError`` naming ``env.tools``
+    for a file or function that is not there, or one without the docstring a schema needs."""
+    from rlhf_paro.ppo import rewards
+
+    file, _, names = spec.rpartition(":")
+    functions = {}
+    for name in (n.strip() for n in names.split(",")):
+        function = rewards.load_function(f"{file}:{name}", "env.tools")
+        if not callable(function):
+            raise ConfigError("env.tools", f"{name} in {file} is not a function")
+        functions[name] = function
+    schemas(functions)  # refuses a function whose schema cannot be made, before the run
+    return functions
+
+
+def schemas(functions: dict[str, Callable[..., Any]]) -> list[dict[str, Any]]:
+    """The JSON schemas of the tools, as chat templates take them (``tools=``)."""
+    from transformers.utils import get_json_schema
+
+    out = []
+    for name, function in functions.items():
+        try:
+            out.append(get_json_schema(function))
+        except Exception as err:  # transformers' docstring and type-hint parse errors
+            detail = str(err).splitlines()[0]
+            raise ConfigError("env.tools", f"no tool schema from {name}: {detail}; allowed: a "
+                                           "function with type hints and a docstring whose "
+                                           "Args: section describes every argument") from None
+    return out
+
+
+def parse_tool_calls(text: str) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
+    """(calls as (name, arguments), problems of malformed ones) in a turn's text."""
+    calls, problems = [], []
+    for body in TOOL_CALL.findall(text):
+        try:
+            call = json.loads(body)
+        except ValueError as err:
+            problems.append(f"the tool call is not JSON ({str(err).splitlines()[0]})")
+            continue
+        arguments = call.get("arguments", {}) if isinstance(call, dict) else None
+        if isinstance(arguments, str):  # some templates emit the arguments as a JSON string
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                arguments = None
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str)
+                and isinstance(arguments, dict)):
+            problems.append('a tool call needs {"name": "...", "arguments": {...}}')
+            continue
+        calls.append((call["name"], arguments))
+    unclosed = text.count(OPEN_TAG) - len(TOOL_CALL.findall(text))
+    if unclosed > 0:
+        problems.append("a <tool_call> is not closed by </tool_call>")
+    return calls, problems
+
+
+class ToolEnv:
+    """One sample's tool environment: each turn runs the calls it makes; a turn without a call
+    ends the episode. ``tool_calls`` and ``tool_errors`` count what happened
+    (``env/tool_calls``, ``env/tool_errors``)."""
+
+    def __init__(self, functions: dict[str, Callable[..., Any]], **row: Any) -> None:
+        self.functions = functions
+        self.tool_calls = 0
+        self.tool_errors = 0
+
+    def reset(self) -> None:
+        return None
+
+    def step(self, action: str) -> tuple[list[dict[str, str]] | None, float, bool]:
+        calls, problems = parse_tool_calls(action)
+        if not calls and not problems:
+            return None, 0.0, True
+        self.tool_calls += len(problems)  # a malformed call is a call that failed
+        messages = [self._error(problem) for problem in problems]
+        for name, arguments in calls:
+            self.tool_calls += 1
+            function = self.functions.get(name)
+            if function is None:
+                messages.append(self._error(f"no tool {name!r}; the tools are "
+                                            f"{', '.join(self.functions)}", name))
+                continue
+            try:
+                result = function(**arguments)
+            except Exception as err:  # the tool's own failure is the agent's to see
+                detail = str(err).splitlines()[0] if str(err) else ""
+                messages.append(self._error(f"{type(err).__name__}: {detail}", name))
+                continue
+            content = result if isinstance(result, str) else json.dumps(result, default=str)
+            messages.append({"role": "tool", "name": name, "content": content})
+        return messages, 0.0, False
+
+    def _error(self, problem: str, name: str | None = None) -> dict[str, str]:
+        self.tool_errors += 1
+        message = {"role": "tool", "content": f"error: {problem}"}
+        if name is not None:
+            message["name"] = name
+        return message

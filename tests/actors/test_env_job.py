@@ -1,0 +1,110 @@
+"""Multi-turn episodes through the command line (docs/design.md, "Multi-turn episodes").
+
+    one turn     an environment that ends after its first step, rewarding the action with the
+                 reward function's score, gives the single-turn run with that function, row for
+                 row, on hf and on vllm: the multi-turn path adds nothing to a one-turn episode
+    timeout      an environment whose step outlasts env.timeout_s at step 2 stops the run in one
+                 line naming it, the step and the sample, its step_2 checkpoint intact
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf_paro.actors import checkpoint
+from rlhf_paro.rollout import vllm as vllm_engine
+from tests.test_trainer import _compared, _error_line, _train
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+# The demo's GRPO on 2 ranks, 4 prompts x 4 samples a step; hidden 64 (heads of 32, which vLLM's
+# CPU attention needs); prompts of at most 8 tokens, so an episode has room in the demo model's
+# 64 positions.
+SMALL = ["conf=grpo_tiny", "cluster.num_devices=2", "cluster.group_size=1",
+         "task.model.hidden_size=64", "task.model.intermediate_size=128",
+         "ppo.rollout_batch_size=4", "ppo.mini_batch_size=16", "actor.micro_batch_size=4",
+         "ref.micro_batch_size=8", "trainer.eval_every=0", "data.max_prompt_length=8"]
+ONE_STEP = '''
+import time
+
+from rlhf_paro.ppo.task import counting_score
+
+
+class OneStep:
+    """Scores the action with the counting score and ends the episode."""
+
+    def __init__(self, prompt, **columns):
+        self.prompt, self.columns = prompt, {k: [v] for k, v in columns.items()}
+
+    def reset(self):
+        return None
+
+    def step(self, action):
+        return None, counting_score([self.prompt], [action], **self.columns)[0], True
+
+
+class Stuck(OneStep):
+    """Takes a minute over the steps of one prompt's samples."""
+
+    def reset(self, seed):
+        self.seed = seed
+
+    def step(self, action):
+        if self.columns["stall"][0]:
+            time.sleep(60)
+        return super().step(action)
+'''
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("env")
+    (root / "envs.py").write_text(ONE_STEP)
+    return root
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_a_one_turn_episode_repeats_the_single_turn_run_row_for_row(root, engine):
+    if engine == "vllm" and not vllm_engine.installed():
+        pytest.skip('needs the vllm extra: pip install -e ".[vllm]"')
+    cache, args = root / "cache", [*SMALL, f"rollout.engine={engine}", "trainer.steps=2"]
+    single = _train(root / f"single-{engine}", *args, cache=cache)
+    episodes = _train(root / f"episodes-{engine}", *args, f"env.function={root}/envs.py:OneStep",
+                      "env.reward=env", cache=cache)
+    assert single.returncode == 0, single.stderr
+    assert episodes.returncode == 0, episodes.stderr
+    for step in range(2):
+        expected, got = _compared(single.rows[step]), _compared(episodes.rows[step])
+        assert set(got) == set(expected) and "ppo/task_score" in got
+        # The same tokens sampled by the same random streams, the same scores: the same fp32
+        # arithmetic in the same order (tests/test_trainer.py's bound, 1e-6 relative).
+        assert got == pytest.approx(expected, rel=1e-6, abs=0), step
+        row = episodes.rows[step]
+        assert row["env/turns_mean"] == 1.0 and row["env/observation_tokens"] == 0.0
+        assert row["env/action_tokens"] == row["ppo/response_length"]
+
+
+def test_an_environment_past_its_timeout_stops_the_run_in_one_line(root):
+    # Rows of the demo's prompts carry no "stall" column: the environment stalls through a
+    # column made by a prompt file of its own.
+    import json
+
+    prompts = root / "stall.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": "a b c", "num_symbols": 16,
+                                           "response_len": 8, "stall": i == 9}) + "\n"
+                               for i in range(16)))
+    run = _train(root / "stuck", *SMALL, "trainer.steps=4", "trainer.save_every=2",
+                 f"data.train_files={prompts}", "data.shuffle=false",
+                 f"env.function={root}/envs.py:Stuck", "env.reward=env", "env.timeout_s=2",
+                 cache=root / "cache")
+    line = _error_line(run)
+    assert run.returncode == 1, run.stderr
+    # Step 2 takes rows 8 to 11, two a rank, each 4 times (rollout.n): row 9's samples are
+    # 4 to 7 of rank 0, the first of which the line names.
+    newest = checkpoint.checkpoint_dir(run.out, 2)
+    assert line.startswith("error: Stuck.step took longer than env.timeout_s=2 at step 2, "
+                           "sample 4 (turn 0); newest checkpoint: " + str(newest)), line
+    assert checkpoint.newest(run.out) == newest
+    checkpoint.check(newest)  # complete: every file its manifest lists, of its size
+    assert [r["step"] for r in run.rows] == [0, 1]
+    assert run.left == [], run.left

@@ -1,0 +1,360 @@
+"""Environments: bad input is one line before anything starts, faults are one line naming the
+environment, the step and the sample; the tool environment's parsing; episodes' budgets on the
+hf engine (docs/design.md, "Multi-turn episodes")."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from rlhf_paro import envs, train
+from rlhf_paro.config import ConfigError, EnvConfig
+from rlhf_paro.envs import EnvError, EnvRunner, Observations, tools
+from rlhf_paro.rollout import PromptBatch, Sampling, episodes
+from tests.hf_assets import SYMBOLS, bpe_tokenizer, word_tokenizer, write_prompts
+
+ENVS = '''
+import math
+
+class Echo:
+    """Answers with the action's last word twice; done when the action holds 'p'."""
+    def __init__(self, prompt, start):
+        self.start = start
+    def reset(self):
+        return None
+    def step(self, action):
+        words = action.split()
+        return " ".join(words[-1:] * 2), float(len(words)), "p" in words
+
+class Long(Echo):
+    """Answers with 40 words: more than an episode of 64 tokens has room for."""
+    def step(self, action):
+        return " ".join(["a"] * 40), 1.0, False
+
+class Chat(Echo):
+    def step(self, action):
+        return {"role": "tool", "content": "b c"}, 0.0, False
+
+class Broken(Echo):
+    def step(self, action):
+        if action == "bad":
+            raise ValueError("the game broke")
+        return super().step(action)
+
+class Pair(Echo):
+    def step(self, action):
+        return ("a", 1.0) if action == "bad" else super().step(action)
+
+class Nan(Echo):
+    def step(self, action):
+        return (None, math.nan, False) if action == "bad" else super().step(action)
+
+class Truthy(Echo):
+    def step(self, action):
+        return (None, 1.0, 1) if action == "bad" else super().step(action)
+
+class Narrow:
+    def __init__(self, prompt):
+        pass
+
+class NoStep:
+    def __init__(self, **row):
+        pass
+    def reset(self):
+        return None
+
+not_a_class = 3
+'''
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("envs")
+    (root / "envs.py").write_text(ENVS)
+    write_prompts(root / "prompts.jsonl", 16)
+    return root
+
+
+@pytest.fixture
+def jobs(monkeypatch, tmp_path):
+    ran = []
+    monkeypatch.setattr(train, "run", lambda cfg, argv: ran.append(cfg))
+    monkeypatch.chdir(tmp_path)
+    return ran
+
+
+def _argv(files, *extra):
+    from tests.confs import TINY_MODEL
+
+    return [f"actor.config={TINY_MODEL}", "reward.path=null",
+            f"data.train_files={files / 'prompts.jsonl'}", "data.max_prompt_length=16",
+            "actor.tokenizer=" + str(files / "tok"), *extra]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(files):
+    word_tokenizer(chat=True).save_pretrained(files / "tok")
+    return files / "tok"
+
+
+# -- bad input: one line, exit 2, before anything starts --------------------------------------------
+
+@pytest.mark.parametrize("extra, key, says", [
+    (["env.max_turns=3"], "env.max_turns", "allowed only with env.function or env.tools"),
+    (["env.timeout_s=5"], "env.timeout_s", "allowed only with env.function or env.tools"),
+    (["env.function=ENVS:Echo", "env.tools=ENVS:f"], "env.tools", "not both"),
+    (["env.function=nowhere.py:Echo"], "env.function", "no file 'nowhere.py'"),
+    (["env.function=ENVS:Missing"], "env.function", "has no function 'Missing'"),
+    (["env.function=ENVS:not_a_class"], "env.function", "has no function 'not_a_class'"),
+    (["env.function=ENVS:Narrow"], "env.function", "Narrow(**row) refuses the prompt rows' "
+                                                    "columns prompt, start"),
+    (["env.function=ENVS:NoStep"], "env.function", "NoStep has no step() method"),
+    (["env.function=ENVS:Echo", "env.max_turns=0"], "env.max_turns", "must be positive"),
+    (["env.function=ENVS:Echo", "env.timeout_s=-1"], "env.timeout_s", "positive number"),
+    (["env.function=ENVS:Echo", "env.max_total_tokens=16"], "env.max_total_tokens",
+     "leaves no room for an action"),
+    (["env.function=ENVS:Echo", "reward.function=ENVS:Echo"], "env.reward",
+     "both the environment and reward.function can score an episode"),
+    (["env.function=ENVS:Echo", "env.reward=maybe"], "env.reward", "allowed: env, reward"),
+    (["env.tools=ENVS:Echo"], "env.tools", "data.apply_chat_template=true"),
+    (["env.tools=ENVS:Echo", "data.apply_chat_template=true", "env.reward=env"], "env.reward",
+     "env.tools rewards nothing"),
+    (["env.tools=ENVS:Echo", "data.apply_chat_template=true"], "env.tools",
+     "a tool scores nothing"),
+    (["env.function=ENVS:Echo", "data.train_files=null"], "env.function",
+     "needs prompt files"),
+])
+def test_bad_environment_input_is_one_line_before_anything_starts(jobs, capsys, files,
+                                                                  tokenizer_dir, tmp_path, extra,
+                                                                  key, says):
+    extra = [e.replace("ENVS", str(files / "envs.py")) for e in extra]
+    with pytest.raises(SystemExit) as info:
+        train.main([f"trainer.output_dir={tmp_path / 'out'}", *_argv(files, *extra)])
+    stderr = capsys.readouterr().err
+    assert info.value.code == 2 and stderr.count("\n") == 1, stderr
+    assert stderr.startswith(f"error: {key}: ") and says in stderr, stderr
+    assert jobs == [] and not (tmp_path / "out").exists()
+
+
+def test_an_environment_scores_unless_told_the_reward_section_does(jobs, files, tokenizer_dir):
+    spec = f"env.function={files / 'envs.py'}:Echo"
+    train.main(_argv(files, spec))
+    train.main(_argv(files, spec, f"reward.function={files / 'envs.py'}:Echo", "env.reward=env"))
+    train.main(_argv(files, spec, f"reward.config={{hidden_size: 32}}", "env.reward=reward"))
+    first, env_wins, reward_wins = jobs
+    for cfg in (first, env_wins):  # the environment's score; no reward model is built
+        assert cfg.reward.env_score and not cfg.reward.runs_model
+        assert cfg.reward.function is None and cfg.reward.config is None
+    assert not reward_wins.reward.env_score and reward_wins.reward.runs_model
+    # The episode's budget: the actor's positions when null.
+    assert first.env.max_total_tokens == 64
+
+
+def test_env_keys_check_themselves():
+    with pytest.raises(ConfigError, match="^num_workers: must be positive"):
+        EnvConfig(function="a.py:A", num_workers=0)
+    with pytest.raises(ConfigError, match="^tools: got 'a.py:f,2'"):
+        EnvConfig(tools="a.py:f,2")
+
+
+# -- faults at run time: one line naming the environment, the step and the sample -------------------
+
+def _runner(files, name, timeout_s=5.0):
+    from rlhf_paro.ppo import rewards
+
+    factory = rewards.load_function(f"{files / 'envs.py'}:{name}", "env.function")
+    return EnvRunner(factory, name, num_workers=4, timeout_s=timeout_s)
+
+
+@pytest.mark.parametrize("name, says", [
+    ("Broken", "Broken.step raised at step 3, sample 1 (ValueError: the game broke)"),
+    ("Pair", "Pair.step returned a tuple of 2 at step 3, sample 1; allowed: (observation"),
+    ("Nan", "Nan.step returned the reward nan at step 3, sample 1; allowed: a finite"),
+    ("Truthy", "Truthy.step returned done=1 at step 3, sample 1; allowed: True or False"),
+])
+def test_a_failing_step_is_one_line_naming_environment_step_and_sample(files, name, says):
+    runner = _runner(files, name)
+    rows = [{"prompt": "a", "start": 0}] * 3
+    built, _ = runner.start(rows, [0, 1, 2], lambda i: f"at step 3, sample {i}")
+    with pytest.raises(EnvError) as info:
+        runner.step(built, ["a b", "bad", "d e f"], lambda i: f"at step 3, sample {i}")
+    assert str(info.value).startswith(says) and "\n" not in str(info.value), str(info.value)
+
+
+def test_a_step_past_its_timeout_is_one_line_and_calls_run_at_once(files):
+    class Slow:
+        def __init__(self, **row):
+            self.row = row
+
+        def reset(self):
+            return None
+
+        def step(self, action):
+            time.sleep(10 if self.row["stall"] else 0.3)
+            return None, 0.0, True
+
+    runner = EnvRunner(Slow, "Slow", num_workers=4, timeout_s=1.0)
+    rows = [{"stall": False}] * 4
+    built, _ = runner.start(rows, [0] * 4, str)
+    start = time.monotonic()
+    runner.step(built, ["a"] * 4, str)
+    # Four steps of 0.3 s in four threads: about 0.3 s, not 1.2 (a rank is not serialised).
+    assert time.monotonic() - start < 0.9
+    built, _ = runner.start([{"stall": False}, {"stall": True}], [0, 0], str)
+    start = time.monotonic()
+    with pytest.raises(EnvError, match=r"^Slow.step took longer than env.timeout_s=1 "
+                                       r"at sample 1$"):
+        runner.step(built, ["a", "b"], lambda i: f"at sample {i}")
+    assert time.monotonic() - start < 3  # stopped at the deadline, not after the 10 s step
+
+
+def test_seeds_reach_a_reset_that_takes_them_and_are_a_function_of_step_and_sample():
+    class Seeded:
+        def __init__(self, **row):
+            pass
+
+        def reset(self, seed=None):
+            self.seed = seed
+
+    runner = EnvRunner(Seeded, "Seeded", num_workers=2, timeout_s=5)
+    seeds = [envs.sample_seed(7, 3, i) for i in range(4)]
+    built, _ = runner.start([{}] * 4, seeds, str)
+    assert [e.seed for e in built] == seeds
+    assert len(set(seeds)) == 4 and seeds == [envs.sample_seed(7, 3, i) for i in range(4)]
+    assert envs.sample_seed(7, 4, 0) != seeds[0] and envs.sample_seed(8, 3, 0) != seeds[0]
+
+
+# -- the tool environment ---------------------------------------------------------------------------
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+
+def test_tool_calls_run_and_malformed_ones_are_observations_not_crashes():
+    env = tools.ToolEnv({"add": add})
+    obs, reward, done = env.step('I add. <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}'
+                                 '</tool_call>')
+    assert (obs, reward, done) == ([{"role": "tool", "name": "add", "content": "5"}], 0.0, False)
+    obs, _, done = env.step('<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 1}"}'
+                            '</tool_call><tool_call>not json</tool_call>'
+                            '<tool_call>{"name": "mul", "arguments": {}}</tool_call>'
+                            '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+                            '<tool_call>{"name": "add"')
+    contents = [m["content"] for m in obs]
+    assert not done and contents[0].startswith("error: the tool call is not JSON")
+    assert contents[1] == "error: a <tool_call> is not closed by </tool_call>"
+    assert contents[2] == "2"
+    assert contents[3] == "error: no tool 'mul'; the tools are add"
+    assert contents[4].startswith("error: TypeError: ")
+    assert (env.tool_calls, env.tool_errors) == (1 + 5, 4)
+    assert env.step("The answer is 5.") == (None, 0.0, True)
+
+
+def test_tool_schemas_come_from_signatures_and_docstrings(tmp_path):
+    (tmp_path / "t.py").write_text(
+        "def add(a: int, b: int) -> int:\n    '''Add.\n\n    Args:\n        a: x\n        b: y\n"
+        "    '''\n    return a + b\n\ndef bare(a):\n    return a\n")
+    schema, = tools.schemas(tools.load_tools(f"{tmp_path / 't.py'}:add"))
+    assert schema["function"]["name"] == "add"
+    assert schema["function"]["parameters"]["required"] == ["a", "b"]
+    with pytest.raises(ConfigError, match="^env.tools: no tool schema from bare"):
+        tools.load_tools(f"{tmp_path / 't.py'}:add,bare")
+
+
+# Tools rendered Hermes-style, turns as <|im_start|>role ... <|im_end|> (written here for the test).
+HERMES = ("{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+          "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+          "{% if m.role == 'tool' %}<tool_response>{{ m.content }}</tool_response>"
+          "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_chat_observations_are_what_the_template_adds_after_the_models_turn():
+    tok = bpe_tokenizer()
+    tok.add_special_tokens({"eos_token": "<|im_end|>", "additional_special_tokens": [
+        "<|im_start|>"]})
+    tok.chat_template = HERMES
+    obs = Observations(tok, chat=True).encode([{"role": "tool", "content": "5"}])
+    # After the model's turn, which ends with its eos (<|im_end|>): the newline the template puts
+    # after it, the tool's turn, and the next generation prompt.
+    assert tok.decode(obs) == ("\n<|im_start|>tool\n<tool_response>5</tool_response><|im_end|>\n"
+                               "<|im_start|>assistant\n")
+    text = Observations(word_tokenizer(chat=False), chat=False)
+    assert text.encode("a b") == word_tokenizer(chat=False)("a b", add_special_tokens=False)[
+        "input_ids"]
+    with pytest.raises(EnvError, match="needs data.apply_chat_template=true"):
+        text.encode({"role": "tool", "content": "a"})
+
+
+# -- budgets, on the hf engine -------------------------------------------------------------------
+
+class _Engine:
+    """The hf engine on a tiny random model, gathered as the engine contract gives it."""
+
+    def __init__(self, model):
+        import contextlib
+
+        from rlhf_paro.rollout.hf import HFRollout
+
+        class Gathered:
+            @contextlib.contextmanager
+            def gathered(self, phase=None):
+                yield model
+
+        self.hf = HFRollout(Gathered(), 0, 2, torch.device("cpu"))
+
+    def __getattr__(self, name):
+        return getattr(self.hf, name)
+
+
+def _episodes(files, name, max_turns=4, max_total_tokens=40):
+    from rlhf_paro import models
+    from rlhf_paro.config import ModelConfig
+
+    tok = word_tokenizer(chat=False)
+    model = models.build_model("actor", ModelConfig(config={
+        "model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+        "max_position_embeddings": 64}), len(tok), seed=1)
+    prompts = [tok(f"count : {s}")["input_ids"] for s in SYMBOLS[:6]]
+    rows = [{"prompt": f"count : {s}", "start": k} for k, s in enumerate(SYMBOLS[:6])]
+    torch.manual_seed(0)
+    return episodes.run(_Engine(model), PromptBatch.left_padded(prompts, 0), rows, [0] * 6,
+                        _runner(files, name), Observations(tok, chat=False),
+                        lambda ids: tok.decode(ids, skip_special_tokens=True),
+                        Sampling(max_new_tokens=6), episodes.Budget(max_turns, max_total_tokens),
+                        0, lambda i: f"at sample {i}")
+
+
+def test_an_observation_past_the_budget_ends_the_episode_truncated(files):
+    batch, stats = _episodes(files, "Long")
+    # The first observation (40 tokens) never fits 40 - prompt - action: each episode ends after
+    # one action, truncated by its budget, the observation dropped; every row ends with an action.
+    assert stats["turns"] == 6 and stats["truncated_max_total_tokens"] == 6
+    assert stats["observation_tokens"] == 0
+    assert torch.equal(batch.action_mask, batch.response_attention.float())
+    assert batch.scores.tolist() == [1.0] * 6
+    assert int(batch.attention_mask.sum(-1).max()) <= 40
+
+
+def test_max_turns_and_max_total_tokens_bound_every_episode(files):
+    batch, stats = _episodes(files, "Echo", max_turns=3, max_total_tokens=30)
+    lengths = batch.attention_mask.sum(-1)
+    assert int(lengths.max()) <= 30
+    assert stats["turns"] <= 3 * 6
+    ended = stats["truncated_max_turns"] + stats["truncated_max_total_tokens"]
+    done = 6 - ended
+    assert 0 <= done <= 6 and stats["episodes"] == 6
+    # Observations (the action's last word twice) lie between actions, never trained.
+    holes = (batch.response_attention.bool() & ~batch.action_mask.bool()).sum()
+    assert holes == stats["observation_tokens"] and holes > 0
+    assert stats["action_tokens"] == float(batch.action_mask.sum())
