@@ -132,13 +132,15 @@ class RayOutput:
 def init_ray(address: str | None, num_cpus: int | None, num_devices: int,
              output: RayOutput | None = None) -> None:
     """Join the cluster at ``address`` or start a private Ray on this machine; with ``output``,
-    what Ray prints goes there from the start (``RayOutput``), once this call starts it.
+    what Ray prints goes there (``RayOutput``), from the start when this call starts it.
 
     Raises ``ConnectionError`` (one line) within seconds when no cluster answers at ``address``,
     and when one refuses this driver (token authentication); ``RayStartError`` (one line) when a
     private Ray does not start.
     """
-    if ray.is_initialized():
+    if ray.is_initialized():  # by the entry point's check of a cluster's GPUs, or a caller
+        if output is not None:
+            output.attach()
         return
     # ray.init first sets a SIGTERM handler of its own, a bare exit raised wherever the driver
     # is: inside an at-fork hook (logging's, as Ray starts its processes) Python prints it and
