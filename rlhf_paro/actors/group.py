@@ -92,6 +92,8 @@ class RayOutput:
 
     def attach(self) -> None:
         """Route what Ray forwards to this driver into the log, until ``close``."""
+        if self._attached is not None:
+            return
         from ray._private import worker as ray_worker
         from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
