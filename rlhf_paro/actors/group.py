@@ -45,7 +45,7 @@ GRACE_S = 10.0
 # gone.
 CONNECT_S = 5.0
 # Seconds without a placement before the run says what it waits for, when the free devices it
-# sees do not already tell it that it must wait.
+# saw as it began did not already tell it that it must wait (Ray's view of them lags a little).
 NOTE_S = 5.0
 
 
@@ -346,9 +346,9 @@ def place(num_devices: int, group_size: int, use_gpu: bool, timeout_s: float | N
     """Reserve ``num_devices`` devices in groups of ``group_size`` on one node each.
 
     Devices other jobs hold are waited for, for ``timeout_s`` seconds at most (None: no limit):
-    a line through ``say`` says what the run waits for as soon as the cluster's free devices
-    fall short (or after ``NOTE_S`` without a placement), and the ``ConfigError`` at the end
-    (``cluster.num_devices``) says it again. ``stop()`` true ends the wait within ``POLL_S``
+    a line through ``say`` says what the run waits for (free devices per node) after a first
+    poll when the cluster's free devices fell short as it began (else after ``NOTE_S``), and
+    the ``ConfigError`` at the end (``cluster.num_devices``) says it again. ``stop()`` true ends the wait within ``POLL_S``
     (``StopRequested``). A cluster that can never hold them is ``missing_devices``' to say.
     """
     kind = "GPU" if use_gpu else "CPU"
@@ -358,35 +358,36 @@ def place(num_devices: int, group_size: int, use_gpu: bool, timeout_s: float | N
                                        "each" if num_groups > 1 else " on one node")
     limit = "no limit" if timeout_s is None else f"ray.placement_timeout_s={timeout_s:g}"
     total = _devices(kind, free=False)
-    # Free before the run reserves any: what its groups compete for.
-    free = _devices(kind, free=True)
-    noted = _groups_fit(free, group_size) < num_groups
-    if noted:
-        say(f"waiting for {need} ({_per_node_text(free, kind, total)}; {limit})")
+    # Free before the run reserves any: too few, and the run says so after its first poll.
+    short = _groups_fit(_devices(kind, free=True), group_size) < num_groups
     groups = [placement_group([dict(bundle) for _ in range(group_size)], strategy="STRICT_PACK")
               for _ in range(num_groups)]
     start = time.monotonic()
+    noted = False
     try:
         readies = [pg.ready() for pg in groups]
         pending = list(readies)
         while pending:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
+            if not pending:
+                break
             waited = time.monotonic() - start
             if stop is not None and stop():
                 raise StopRequested
-            if not noted and waited >= NOTE_S or timeout_s is not None and waited >= timeout_s:
+            over = timeout_s is not None and waited >= timeout_s
+            if over or not noted and (short or waited >= NOTE_S):
                 free = _devices(kind, free=True)
                 for pg, ref in zip(groups, readies):
                     if ref not in pending:  # reserved by this run: free for it
                         node = placement_group_table(pg)["bundles_to_node_id"][0]
                         free[node] = free.get(node, 0) + group_size
-                if timeout_s is not None and waited >= timeout_s:
+                if over:
                     raise ConfigError("cluster.num_devices", f"the run's {need} were not free "
                                       f"within {limit} ({_per_node_text(free, kind, total)}); "
                                       "allowed: fewer devices, or a longer timeout while other "
                                       "jobs hold them")
                 say(f"waiting for {need} ({_per_node_text(free, kind, total)}; {limit})")
                 noted = True
-            _, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
     except BaseException:
         for pg in groups:
             ray.util.remove_placement_group(pg)
