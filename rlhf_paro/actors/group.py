@@ -277,11 +277,12 @@ def _per_node_text(per_node: dict[str, int], kind: str, of: dict[str, int] | Non
         address = nodes.get(node, "?")
         return f"{address} ({node[:8]})" if address in shared else address
 
+    order = sorted(per_node, key=lambda node: (nodes.get(node, "?"), node))
     if of is None:
-        return f"{kind}s per node: " + ", ".join(f"{n} on {name(node)}"
-                                                 for node, n in per_node.items())
-    return f"free {kind}s per node: " + ", ".join(f"{n} of {of.get(node, 0)} on {name(node)}"
-                                                  for node, n in per_node.items())
+        return f"{kind}s per node: " + ", ".join(f"{per_node[node]} on {name(node)}"
+                                                 for node in order)
+    return f"free {kind}s per node: " + ", ".join(
+        f"{per_node[node]} of {of.get(node, 0)} on {name(node)}" for node in order)
 
 
 class Placement:

@@ -112,9 +112,18 @@ def _names(cluster) -> tuple[str, str]:
             f"{worker.node_ip_address} ({worker.node_id[:8]})")
 
 
+def _per_node(cluster, head_text: str, worker_text: str) -> str:
+    """The nodes' parts of a line in the run's order: by address, then by node id."""
+    _, head, worker = cluster
+    on_head, on_worker = _names(cluster)
+    parts = sorted([(head.node_id, f"{head_text} on {on_head}"),
+                    (worker.node_id, f"{worker_text} on {on_worker}")])
+    return ", ".join(part for _, part in parts)
+
+
 def test_a_held_cpu_makes_the_run_wait_saying_for_what_then_stop_within_the_bound(cluster):
     _, head, _ = cluster
-    on_head, on_worker = _names(cluster)
+    free = _per_node(cluster, "1 of 2", "2 of 2")
     holds = _hold(head)
     lines: list[str] = []
     start = time.monotonic()
@@ -124,13 +133,12 @@ def test_a_held_cpu_makes_the_run_wait_saying_for_what_then_stop_within_the_boun
     assert 3 <= waited < 3 + POLL_S + SLACK_S
     # Said at once, from the free CPUs (the total counts 4, enough): one group fits, not two.
     assert lines == [f"waiting for 4 CPUs in 2 groups of 2 on one node each (free CPUs per "
-                     f"node: 1 of 2 on {on_head}, 2 of 2 on {on_worker}; "
-                     "ray.placement_timeout_s=3)"]
+                     f"node: {free}; ray.placement_timeout_s=3)"]
     # The group placed on the other node counts as free for the run.
     assert str(info.value) == ("cluster.num_devices: the run's 4 CPUs in 2 groups of 2 on one node"
                                " each were not free within ray.placement_timeout_s=3 (free CPUs "
-                               f"per node: 1 of 2 on {on_head}, 2 of 2 on {on_worker}); allowed: "
-                               "fewer devices, or a longer timeout while other jobs hold them")
+                               f"per node: {free}); allowed: fewer devices, or a longer timeout "
+                               "while other jobs hold them")
     # Nothing of the run is left holding CPUs.
     assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
     _free_cpus_become(3)
@@ -146,12 +154,11 @@ def test_a_held_cpu_makes_the_run_wait_saying_for_what_then_stop_within_the_boun
 
 def test_with_one_cpu_held_on_each_node_a_group_waits_rather_than_span_them(cluster):
     _, head, worker = cluster
-    on_head, on_worker = _names(cluster)
     holds = _hold(head, worker)
     # Two CPUs are free, one per node: the placement of old (one group of N bundles, PACK)
     # took them, and the "intra" group crossed the nodes.
-    with pytest.raises(ConfigError, match=re.escape(f"(free CPUs per node: 1 of 2 on {on_head}, "
-                                                    f"1 of 2 on {on_worker})")):
+    free = _per_node(cluster, "1 of 2", "1 of 2")
+    with pytest.raises(ConfigError, match=re.escape(f"(free CPUs per node: {free})")):
         place(2, 2, use_gpu=False, timeout_s=2, say=lambda line: None)
     _release(holds)
     placement = place(4, 2, use_gpu=False, timeout_s=60)
