@@ -142,7 +142,7 @@ class PPOTrainer:
         return get(calls, {role: group.workers for role, group in self.models.items()},
                    self.cfg.trainer.step_timeout_s, self.issued, self.pids,
                    None if self._in_steps else (lambda: self.stop.requested),
-                   self.placement.lost_node)
+                   self.placement)
 
     def fit(self) -> str:
         """Run the steps from ``start_step`` to ``trainer.steps``, logging each and saving

@@ -44,6 +44,8 @@ GRACE_S = 10.0
 # Seconds to wait for a Ray cluster's address (or a node's raylet) to answer before calling it
 # gone.
 CONNECT_S = 5.0
+# Seconds between looks at the run's nodes while the driver waits for its workers (a lost node).
+PROBE_S = 5.0
 # Seconds without a placement before the run says what it waits for, when the free devices it
 # saw as it began did not already tell it that it must wait (Ray's view of them lags a little).
 NOTE_S = 5.0
@@ -310,13 +312,25 @@ class Placement:
         return self.nodes.count(self.nodes[rank])
 
     def lost_node(self, rank: int) -> str | None:
-        """'node ADDRESS (Ray node ID, ranks ...)' when Ray lost rank ``rank``'s node (marked
-        dead, or its raylet does not answer), else None.
+        """'node ADDRESS (Ray node ID, ranks ...)' when Ray lost rank ``rank``'s node, else
+        None."""
+        return self._lost(self.nodes[rank], ray.nodes())
 
-        Ray notices a lost node seconds after the workers on it fail (its heartbeats time out),
-        so its raylet is asked directly."""
-        node = self.nodes[rank]
-        info = next((n for n in ray.nodes() if n["NodeID"] == node), None)
+    def lost(self) -> tuple[int, str] | None:
+        """The first rank on a node of the run that Ray lost and ``lost_node``'s line for it,
+        or None."""
+        known = ray.nodes()
+        for node in dict.fromkeys(self.nodes):
+            line = self._lost(node, known)
+            if line is not None:
+                return self.nodes.index(node), line
+        return None
+
+    def _lost(self, node: str, known: list[dict[str, Any]]) -> str | None:
+        """A node is lost when Ray marked it dead or its raylet does not take a connection:
+        Ray marks a node dead only once its heartbeats time out, seconds after the workers on
+        it fail, or, under load, much later."""
+        info = next((n for n in known if n["NodeID"] == node), None)
         if info is None:
             return None
         address = info["NodeManagerAddress"]
@@ -515,7 +529,7 @@ class NoAnswerError(RuntimeError):
 def get(calls: dict[str, list[ray.ObjectRef]], workers: dict[str, list[Any]],
         timeout_s: float | None = None, issued: Sequence[Call] = (),
         pids: dict[str, list[int]] | None = None, stop: Callable[[], bool] | None = None,
-        lost_node: Callable[[int], str | None] | None = None) -> dict[str, list[Any]]:
+        placement: Placement | None = None) -> dict[str, list[Any]]:
     """The results of ``calls`` (model -> one ref per rank), like ``ray.get``, except that the
     first failure is raised as soon as it is known: the failed rank's peers may wait for it in a
     collective for good, so waiting for every ref would hang. ``workers`` (model -> actor handle
@@ -526,19 +540,28 @@ def get(calls: dict[str, list[ray.ObjectRef]], workers: dict[str, list[Any]],
     in the order issued) and ``pids`` (model -> process id per rank). [Note: naming a hang]
     Raises ``StopRequested`` within a second once ``stop()`` is true.
 
-    Raises ``WorkerError``, naming the node a dead rank was on when Ray lost that node
-    (``lost_node(rank)``, ``Placement.lost_node``); a ``ConfigError`` a worker raised (a user's
-    mistake it found) and a ``KeyboardInterrupt`` come through as themselves.
+    Raises ``WorkerError``, naming the node when Ray lost one of ``placement``'s: that of a
+    dead rank, or one found lost every ``PROBE_S`` of a long wait, since the calls on a lost
+    node may fail only once Ray marks it dead (minutes, on a loaded machine); a
+    ``ConfigError`` a worker raised (a user's mistake it found) and a ``KeyboardInterrupt``
+    come through as themselves.
     """
     owner = {ref: (role, rank) for role, refs in calls.items() for rank, ref in enumerate(refs)}
     results: dict[str, list[Any]] = {role: [None] * len(refs) for role, refs in calls.items()}
     pending = list(owner)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    probe = time.monotonic() + PROBE_S
     while pending:
         if deadline is not None and time.monotonic() >= deadline:
             raise _no_answer(pending, owner, issued, pids or {}, timeout_s)
         if stop is not None and stop():
             raise StopRequested
+        if placement is not None and time.monotonic() >= probe:
+            lost = placement.lost()
+            if lost is not None:
+                rank, line = lost
+                raise WorkerError(next(iter(calls)), rank, True, "its node was lost", node=line)
+            probe = time.monotonic() + PROBE_S
         done, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
         failures = []
         for ref in done:
@@ -548,7 +571,7 @@ def get(calls: dict[str, list[ray.ObjectRef]], workers: dict[str, list[Any]],
             except RayError as err:
                 failures.append((err, role, rank))
         if failures:
-            raise _failure(failures, pending, owner, workers, lost_node) from None
+            raise _failure(failures, pending, owner, workers, placement) from None
     return results
 
 
@@ -583,7 +606,7 @@ def _is_stopped(pids: dict[str, list[int]], role: str, rank: int) -> bool:
 
 def _failure(failures: list[tuple[RayError, str, int]], pending: list[ray.ObjectRef],
              owner: dict[ray.ObjectRef, tuple[str, int]], workers: dict[str, list[Any]],
-             lost_node: Callable[[int], str | None] | None = None) -> BaseException:
+             placement: Placement | None = None) -> BaseException:
     """The exception that says best what went wrong, given the failures seen so far."""
     cause = _cause(failures[0][0])
     if isinstance(cause, (ConfigError, KeyboardInterrupt)):
@@ -605,7 +628,7 @@ def _failure(failures: list[tuple[RayError, str, int]], pending: list[ray.Object
             role, rank = ids.get(err.actor_id, (role, rank))
             return WorkerError(role, rank, True, "its process exited: killed, out of memory or "
                                                  "crashed",
-                               node=lost_node(rank) if lost_node is not None else None)
+                               node=placement.lost_node(rank) if placement else None)
     err, role, rank = failures[0]
     lines = str(cause).strip().splitlines()
     reason = f"{type(cause).__name__}: {lines[0]}" if lines else type(cause).__name__

@@ -26,7 +26,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlhf_paro.actors.group import (
-    POLL_S, Placement, RayOutput, StopRequested, WorkerError, get, place,
+    POLL_S, PROBE_S, Placement, RayOutput, StopRequested, WorkerError, get, place,
 )
 from rlhf_paro.config import ConfigError
 from tests.confs import INLINE
@@ -221,8 +221,10 @@ def test_a_lost_node_is_named_as_a_node_and_rays_dump_of_it_stays_off_the_consol
         nodes.remove_node(worker, allow_graceful=False)  # its raylet killed
         start = time.monotonic()
         with pytest.raises(WorkerError) as info:
-            get(calls, {"actor": ranks}, lost_node=placement.lost_node)
-        assert time.monotonic() - start < 30
+            get(calls, {"actor": ranks}, placement=placement)
+        # Ray's own word on the calls may come minutes later on a loaded machine (seen): the
+        # driver's look at the nodes every PROBE_S finds the node first.
+        assert time.monotonic() - start < PROBE_S + SLACK_S
         # Before: "actor rank 2 died (its process exited: killed, out of memory or crashed)".
         assert str(info.value) == (f"node {worker.node_ip_address} (Ray node "
                                    f"{worker.node_id[:8]}, ranks {lost[0]} and {lost[1]} of "
