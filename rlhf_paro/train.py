@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import shlex
 import signal
@@ -68,18 +69,23 @@ def prepare(cfg: Config, conf: str) -> Config:
 
 @contextlib.contextmanager
 def quiet_vllm_import() -> Iterator[None]:
-    """vLLM's warnings off while the engine check imports it in this process (its notes on
-    Triton, which a CPU build does without), unless VLLM_LOGGING_LEVEL says otherwise: vLLM sets
-    its logging level as it is imported. The workers, which start later, log at vLLM's own level
-    into the run's workers.log."""
+    """vLLM's warnings off while the engine check imports it in this process (its note on
+    Triton, which a CPU build does without), unless VLLM_LOGGING_LEVEL says otherwise. vLLM sets
+    its loggers' level from that variable as it is imported, and warns on some imports before
+    that, through the parent logger's level. The workers, which start later, log at vLLM's own
+    level into the run's workers.log."""
     if "VLLM_LOGGING_LEVEL" in os.environ:
         yield
         return
+    parent = logging.getLogger("vllm")
+    level = parent.level
     os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
+    parent.setLevel(logging.ERROR)
     try:
         yield
     finally:
         del os.environ["VLLM_LOGGING_LEVEL"]
+        parent.setLevel(level)
 
 
 def run(cfg: Config, argv: list[str]) -> None:
