@@ -266,12 +266,12 @@ def _groups_fit(per_node: dict[str, int], group_size: int) -> int:
 
 def _per_node_text(per_node: dict[str, int], kind: str, of: dict[str, int] | None = None
                    ) -> str:
-    """'4 CPUs', or '1 of 2 CPUs free' on one node; per node on several, by address (a node of
-    several on one machine also by its id)."""
+    """'4 CPUs', or '1 of the cluster's 2 CPUs free' (``of``: all of them) on one node; per
+    node on several, by address (a node of several on one machine also by its id)."""
     if len(per_node) <= 1:
         count = sum(per_node.values())
         return f"{count} {kind}s" if of is None else \
-            f"{count} of its {sum(of.values())} {kind}s free"
+            f"{count} of the cluster's {sum(of.values())} {kind}s free"
     nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
     shared = {a for a in nodes.values() if list(nodes.values()).count(a) > 1}
 
@@ -363,8 +363,9 @@ def place(num_devices: int, group_size: int, use_gpu: bool, timeout_s: float | N
     Devices other jobs hold are waited for, for ``timeout_s`` seconds at most (None: no limit):
     a line through ``say`` says what the run waits for (free devices per node) after a first
     poll when the cluster's free devices fell short as it began (else after ``NOTE_S``), and
-    the ``ConfigError`` at the end (``cluster.num_devices``) says it again. ``stop()`` true ends the wait within ``POLL_S``
-    (``StopRequested``). A cluster that can never hold them is ``missing_devices``' to say.
+    the ``ConfigError`` at the end (``cluster.num_devices``) says it again. ``stop()`` true
+    ends the wait within ``POLL_S`` (``StopRequested``). A cluster that can never hold them is
+    ``missing_devices``' to say.
     """
     kind = "GPU" if use_gpu else "CPU"
     bundle = {"CPU": 1, **({"GPU": 1} if use_gpu else {})}
