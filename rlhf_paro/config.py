@@ -282,6 +282,9 @@ def _check_reward_server(model: ModelConfig) -> None:
         raise ConfigError("timeout_s", f"must be a positive number of seconds, got "
                                        f"{model.timeout_s}")
     if model.url is None:
+        if model.token_env is not None:  # a token for no server: a forgotten url
+            raise ConfigError("token_env", "names a reward server's token, and url (the "
+                                           "server) is not set; allowed: with url, or null")
         return
     try:
         parts = urllib.parse.urlsplit(model.url)
@@ -699,9 +702,17 @@ class RayConfig:
     # host:port: join a running cluster.
     address: str | None = None
     num_cpus: int | None = None  # CPUs of the local Ray (None: all)
+    # Seconds the run waits for its devices to be free (other jobs may hold them) before it
+    # stops, saying what it waited for. None: no limit.
+    placement_timeout_s: float | None = 600.0
 
     def __post_init__(self) -> None:
         _positive("num_cpus", self.num_cpus)
+        if self.placement_timeout_s is not None and not (
+                math.isfinite(self.placement_timeout_s) and self.placement_timeout_s > 0):
+            raise ConfigError("placement_timeout_s", "must be a positive number of seconds or "
+                                                     f"null (no limit), got "
+                                                     f"{self.placement_timeout_s}")
 
 
 @dataclass

@@ -183,6 +183,9 @@ class MetricsLogger:
         self._wandb = None
         self.wandb_id = wandb_id
         if wandb_mode != "disabled":
+            # The driver imports vLLM (openai with it) for its engine check, and wandb then
+            # advertises Weave, its LLM call tracer, on the console: a run calls no LLM API.
+            os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
             import wandb
 
             init = {"project": "rlhf_paro", **(wandb_init or {})}
@@ -223,6 +226,16 @@ def _step_of(line: str) -> float:
         return json.loads(line)["step"]
     except (ValueError, KeyError):
         return math.inf
+
+
+def missing_steps(path: str, before: int) -> list[int]:
+    """The steps below ``before`` that have no row in the metrics.jsonl at ``path`` (all of them
+    when it is gone)."""
+    logged = set()
+    if os.path.isfile(path):
+        with open(path) as f:
+            logged = {_step_of(line) for line in f}
+    return [step for step in range(before) if step not in logged]
 
 
 def read_jsonl(path: str) -> list[dict[str, float]]:

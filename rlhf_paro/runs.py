@@ -164,10 +164,17 @@ def export(models: dict[str, Any], output_dir: str, wait: Wait, step: int | None
 LOCK_FILE = "run.lock"
 
 
+# What a run writes first into its output directory (``locked``, then the metrics logger): a
+# directory that holds one of them is a run's, which a run may go on in or replace.
+RUN_MARKS = (LOCK_FILE, "run.json", "metrics.jsonl", checkpoint.CHECKPOINTS)
+
+
 def check_output_dir(output_dir: str) -> None:
     """Raise ``ConfigError`` (``trainer.output_dir``, one line) unless a run can make and write
-    ``output_dir``: not a file, not under one, within a directory this user can write. Nothing
-    is created."""
+    ``output_dir``: not a file, not under one, within a directory this user can write, and new,
+    empty or a run's own (``RUN_MARKS``): a run replaces the files at its paths (``run.json``,
+    ``hf/actor/``, ``checkpoints/step_<k>/``...), so a directory of the user's own files is
+    refused rather than written into. Nothing is created."""
     path = Path(output_dir).expanduser().absolute()
     found = next(p for p in [path, *path.parents] if p.exists())
     if not found.is_dir():
@@ -177,6 +184,15 @@ def check_output_dir(output_dir: str) -> None:
     if not os.access(found, os.W_OK | os.X_OK):
         raise ConfigError("trainer.output_dir", f"{found} is not writable by this user; allowed: "
                                                 "a directory you can write, or a path under one")
+    if found == path:
+        names = sorted(os.listdir(path))
+        if names and not any(name in names for name in RUN_MARKS):
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            raise ConfigError("trainer.output_dir", f"{output_dir} holds files no run wrote "
+                                                    f"({shown}), which a run would write among "
+                                                    "or over; allowed: a new or empty "
+                                                    "directory, or one a run wrote (with "
+                                                    "run.json or metrics.jsonl)")
 
 
 @contextlib.contextmanager

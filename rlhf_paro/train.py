@@ -9,13 +9,15 @@ Ctrl-C stops a run at once (exit 130), SIGTERM after the step in progress, with 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
 import shlex
 import signal
 import sys
 from types import FrameType
-from typing import Mapping
+from typing import Iterator, Mapping
 
 from rlhf_paro import cli
 from rlhf_paro.config import RAY_ADDRESS_ALLOWED, Config, ConfigError
@@ -58,10 +60,32 @@ def prepare(cfg: Config, conf: str) -> Config:
     from rlhf_paro import models, plan
     from rlhf_paro.resolve import resolve
 
-    cfg = resolve(cfg)
+    with quiet_vllm_import():
+        cfg = resolve(cfg)
     vocab_sizes = runs.check_inputs(cfg)
     models.check_model_configs(cfg, vocab_sizes)
     return plan.resolve_auto(cfg, vocab_sizes)
+
+
+@contextlib.contextmanager
+def quiet_vllm_import() -> Iterator[None]:
+    """vLLM's warnings off while the engine check imports it in this process (its note on
+    Triton, which a CPU build does without), unless VLLM_LOGGING_LEVEL says otherwise. vLLM sets
+    its loggers' level from that variable as it is imported, and warns on some imports before
+    that, through the parent logger's level. The workers, which start later, log at vLLM's own
+    level into the run's workers.log."""
+    if "VLLM_LOGGING_LEVEL" in os.environ:
+        yield
+        return
+    parent = logging.getLogger("vllm")
+    level = parent.level
+    os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
+    parent.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        del os.environ["VLLM_LOGGING_LEVEL"]
+        parent.setLevel(level)
 
 
 def run(cfg: Config, argv: list[str]) -> None:
@@ -78,12 +102,16 @@ def run(cfg: Config, argv: list[str]) -> None:
 def _run(cfg: Config, argv: list[str]) -> None:
     import ray
 
-    from rlhf_paro.actors.group import NoAnswerError, StopRequested, WorkerError
+    from rlhf_paro.actors.group import (
+        NoAnswerError, RayOutput, RayStartError, StopRequested, WorkerError,
+    )
     from rlhf_paro.trainer import PPOTrainer, RunError, StopFlag
 
     trainer = None
     stopped = None
     stop = StopFlag()
+    # Ray's and the workers' console output, kept in the output directory (README, "Logs").
+    output = RayOutput(os.path.join(cfg.trainer.output_dir, WORKERS_LOG))
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
         # Raising here could land inside Ray's own code: the trainer stops at its next safe
@@ -94,10 +122,12 @@ def _run(cfg: Config, argv: list[str]) -> None:
     # Ctrl-C in the run is a KeyboardInterrupt, which the trainer turns into a RunError.
     previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        trainer = PPOTrainer(cfg, stop)
+        trainer = PPOTrainer(cfg, stop, output)
         dashboard = trainer.fit()
     except (WorkerError, NoAnswerError) as err:  # while the workers start, before any step
         stopped = RunError(f"{err} while starting", "auto")
+    except RayStartError as err:
+        stopped = RunError(str(err), "auto")
     except KeyboardInterrupt:
         stopped = RunError("interrupted while starting", "auto", exit_code=130)
     except StopRequested:
@@ -117,6 +147,7 @@ def _run(cfg: Config, argv: list[str]) -> None:
         # No process of the run outlives it; the next job of a multirun starts its own Ray,
         # sized for its own devices.
         ray.shutdown()
+        output.close()
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_int)
     if stopped is not None:
@@ -124,6 +155,10 @@ def _run(cfg: Config, argv: list[str]) -> None:
               file=sys.stderr)
         raise SystemExit(stopped.exit_code)
     print(f"metrics: {cfg.trainer.output_dir}/metrics.jsonl\ndashboard: {dashboard}")
+
+
+# In the output directory: what Ray and the workers print (actors/group.py, RayOutput).
+WORKERS_LOG = "workers.log"
 
 
 def with_ray_address(cfg: Config, environ: Mapping[str, str]) -> Config:

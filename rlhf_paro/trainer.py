@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -42,15 +43,17 @@ from rlhf_paro.actors import checkpoint
 from rlhf_paro.actors.actor import ActorWorker
 from rlhf_paro.actors.critic import CriticWorker
 from rlhf_paro.actors.group import (
-    Call, ModelGroup, NoAnswerError, StopRequested, WorkerError, get, init_ray, make_placement_group,
-    missing_devices,
+    Call, ModelGroup, NoAnswerError, RayOutput, StopRequested, WorkerError, get, init_ray,
+    missing_devices, place,
 )
 from rlhf_paro.actors.ref import RefWorker
 from rlhf_paro.actors.reward import RewardWorker
 from rlhf_paro.actors.rollout import RolloutWorker
 from rlhf_paro.config import RAY_ADDRESS_ALLOWED, Config, ConfigError
 from rlhf_paro.envs import EnvError
-from rlhf_paro.metrics import MetricsLogger, logprob_diff, model_metrics, padding_fraction
+from rlhf_paro.metrics import (
+    MetricsLogger, logprob_diff, missing_steps, model_metrics, padding_fraction,
+)
 from rlhf_paro.ppo import algorithms, core, pipeline
 from rlhf_paro.ppo.data import rollout_tokenizer
 from rlhf_paro.ppo.rewards import RewardFunctionError
@@ -114,6 +117,11 @@ class RunError(RuntimeError):
         self.exit_code = exit_code
 
 
+class CheckpointWriteError(RuntimeError):
+    """The checkpoint of a step could not be written (a full or read-only disk, a path taken by
+    a file); ``str()`` is one line naming the checkpoint and the operating system's reason."""
+
+
 @dataclasses.dataclass
 class StopFlag:
     """Set when SIGTERM asks the run to stop, by a handler that only sets it (an exception
@@ -128,34 +136,45 @@ class PPOTrainer:
     (``rlhf_paro.resolve``, which the entry point runs once); ``stop`` stops it early
     (``StopFlag``)."""
 
-    def __init__(self, cfg: Config, stop: StopFlag | None = None) -> None:
+    def __init__(self, cfg: Config, stop: StopFlag | None = None,
+                 output: RayOutput | None = None) -> None:
         self.stop = stop or StopFlag()
         self._in_steps = False  # fit's steps are running: a stop waits for the step's end
-        num_devices, use_gpu = cfg.cluster.num_devices, cfg.cluster.device == "cuda"
+        cluster = cfg.cluster
+        num_devices, use_gpu = cluster.num_devices, cluster.device == "cuda"
         # The training devices, then the rollout's own (rollout.num_devices).
-        total = num_devices + cfg.rollout.num_devices
+        replicas = cfg.rollout.num_devices
         try:
-            init_ray(cfg.ray.address, cfg.ray.num_cpus, total)
+            init_ray(cfg.ray.address, cfg.ray.num_cpus, num_devices + replicas, output)
         except ConnectionError as err:
-            raise ConfigError("ray.address", f"{err}; {RAY_ADDRESS_ALLOWED}") from None
-        problem = missing_devices(total, use_gpu)
+            refused = "authentication" in str(err)  # a cluster that answers: the address is good
+            raise ConfigError("ray.address", str(err) if refused else
+                              f"{err}; {RAY_ADDRESS_ALLOWED}") from None
+        problem = missing_devices(num_devices, cluster.group_size, use_gpu, replicas)
         if problem:
             key = "rollout.num_devices" if cfg.rollout.num_devices else "cluster.num_devices"
             raise ConfigError(key, problem)
         self.cfg = cfg
-        self.placement, bundles = make_placement_group(total, use_gpu)
+        wait = dict(use_gpu=use_gpu, timeout_s=cfg.ray.placement_timeout_s,
+                    stop=lambda: self.stop.requested, say=lambda line: print(line, flush=True))
+        self.placement = place(num_devices, cluster.group_size, **wait)
+        # Each replica a device of its own, on any node.
+        try:
+            self.replica_placement = place(replicas, 1, **wait) if replicas else None
+        except BaseException:
+            self.placement.remove()
+            raise
         # Every model's calls since the last step's were done, in the order issued: what a
         # worker that does not answer is traced back to (actors/group.py, get).
         self.issued: list[Call] = []
         self.pids: dict[str, list[int]] = {}  # each model's process id per rank
-        train_bundles, replica_bundles = bundles[:num_devices], bundles[num_devices:]
-        self.models = {role: ModelGroup(WORKERS[role], role, cfg, self.placement, train_bundles,
-                                        use_gpu, self.issued)
+        self.models = {role: ModelGroup(WORKERS[role], role, cfg, self.placement, use_gpu,
+                                        self.issued)
                        for role in algorithms.roles(cfg)}
         # Rollout replicas on devices of their own (rollout.num_devices), each alone on its own.
-        self.replicas = (ModelGroup(RolloutWorker, "rollout", cfg, self.placement,
-                                    replica_bundles, use_gpu, self.issued, share=1.0)
-                         if replica_bundles else None)
+        self.replicas = (ModelGroup(RolloutWorker, "rollout", cfg, self.replica_placement,
+                                    use_gpu, self.issued, share=1.0)
+                         if self.replica_placement is not None else None)
         # The models join their process groups and build their engines at once.
         self.pids = self.wait(**{role: group.rendezvous() for role, group in self.models.items()})
         if self.replicas is not None:
@@ -192,7 +211,9 @@ class PPOTrainer:
         step's end."""
         return get(calls, {role: group.workers for role, group in self.groups().items()},
                    self.cfg.trainer.step_timeout_s, self.issued, self.pids,
-                   None if self._in_steps else (lambda: self.stop.requested))
+                   None if self._in_steps else (lambda: self.stop.requested),
+                   {role: self.replica_placement if role == "rollout" else self.placement
+                    for role in self.groups()})
 
     def fit(self) -> str:
         """Run the steps from ``start_step`` to ``trainer.steps``, logging each and saving
@@ -230,9 +251,11 @@ class PPOTrainer:
                     if trainer.export_every and done % trainer.export_every == 0:
                         runs.export(self.models, trainer.output_dir, self.wait, done)
                     # A run that stops here keeps its last checkpoint from before the skips.
-                    if not over and trainer.save_every and done % trainer.save_every == 0:
-                        row.update(self.save(done))
-                    logger.log(step, row)
+                    try:
+                        if not over and trainer.save_every and done % trainer.save_every == 0:
+                            row.update(self.save(done))
+                    finally:  # the step's row, even when its checkpoint cannot be written
+                        logger.log(step, row)
                 for role, n in over.items():
                     raise self._stopped(
                         f"{role} skipped {n} optimizer step{'s' * (n > 1)} in a row (non-finite "
@@ -267,9 +290,13 @@ class PPOTrainer:
             # Their lines name the function or environment, the step (and the sample).
             if isinstance(err.cause, (RewardFunctionError, EnvError)):
                 raise self._stopped(str(err.cause)) from None
+            if err.node is not None:
+                raise self._stopped(f"{err.node} was lost at step {step}") from None
             raise self._stopped(f"{err.role} rank {err.rank} {'died' if err.died else 'raised'}"
                                 f" at step {step}{_running(self.cfg, err)} ({err.reason})"
                                 ) from None
+        except CheckpointWriteError as err:
+            raise self._stopped(str(err)) from None
         except NoAnswerError as err:
             raise self._stopped(f"{err} at step {step}") from None
         except KeyboardInterrupt:
@@ -292,18 +319,29 @@ class PPOTrainer:
         is complete or absent]); returns its time and size for the metrics row."""
         start = time.perf_counter()
         output_dir = self.cfg.trainer.output_dir
-        scratch = checkpoint.scratch(output_dir, step)
-        self.wait(**{role: group.call("save_checkpoint", directory=str(scratch))
-                     for role, group in self.models.items()})
-        self._save_launched(scratch)
-        checkpoint.write_json(scratch / checkpoint.TRAINER_FILE, {
-            "step": step, "kl_coef": self.kl_ctl.value, "wandb_id": self.wandb_id,
-            "prompts": self.prompts.state(),
-            "rng": checkpoint.rng_state()})
-        (scratch / checkpoint.CONFIG_FILE).write_text(OmegaConf.to_yaml(self.cfg.to_dict()))
-        digests = self._digests(scratch, checkpoint.files(scratch))
-        checkpoint.publish(scratch, checkpoint.checkpoint_dir(output_dir, step), step, digests)
-        checkpoint.prune(output_dir, self.cfg.trainer.keep_checkpoints)
+        target = checkpoint.checkpoint_dir(output_dir, step)
+        scratch = None
+        try:
+            scratch = checkpoint.scratch(output_dir, step)
+            self.wait(**{role: group.call("save_checkpoint", directory=str(scratch))
+                         for role, group in self.models.items()})
+            self._save_launched(scratch)
+            checkpoint.write_json(scratch / checkpoint.TRAINER_FILE, {
+                "step": step, "kl_coef": self.kl_ctl.value, "wandb_id": self.wandb_id,
+                "prompts": self.prompts.state(),
+                "rng": checkpoint.rng_state()})
+            (scratch / checkpoint.CONFIG_FILE).write_text(OmegaConf.to_yaml(self.cfg.to_dict()))
+            digests = self._digests(scratch, checkpoint.files(scratch))
+            checkpoint.publish(scratch, target, step, digests)
+            checkpoint.prune(output_dir, self.cfg.trainer.keep_checkpoints)
+        except (OSError, WorkerError) as err:
+            cause = err.cause if isinstance(err, WorkerError) else err
+            if not isinstance(cause, OSError):
+                raise
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
+            raise CheckpointWriteError(f"cannot write the checkpoint {target} "
+                                       f"({type(cause).__name__}: {cause})") from None
         return {"timing_s/checkpoint": time.perf_counter() - start,
                 "checkpoint/bytes": float(sum(size for size, _ in digests.values()))}
 
@@ -363,7 +401,24 @@ class PPOTrainer:
         if source is not None:
             print(f"resumed from {source}: step {self.start_step} of {trainer.steps}",
                   flush=True)
+            self._say_lost_rows(source)
         return source
+
+    def _say_lost_rows(self, source: Path) -> None:
+        """One line when this output directory's own checkpoint goes on where metrics.jsonl
+        lacks rows before it (deleted or cut by hand): the new rows cannot bring them back."""
+        output_dir = Path(self.cfg.trainer.output_dir)
+        if output_dir.resolve() not in source.resolve().parents:  # another run's rows
+            return
+        path = output_dir / "metrics.jsonl"
+        missing = missing_steps(str(path), self.start_step)
+        if missing:
+            first, last = missing[0], missing[-1]
+            which = f"step {first}" if first == last else (
+                f"steps {first}-{last}" if len(missing) == last - first + 1 else
+                f"{len(missing)} of steps 0-{self.start_step - 1}")
+            print(f"{path} has no rows for {which} (deleted since they were logged): they are "
+                  f"gone, and the run logs steps {self.start_step} on", flush=True)
 
     def _newest_intact(self) -> Path | None:
         """The newest checkpoint of the output directory whose files match its manifest (None:
@@ -641,7 +696,9 @@ class PPOTrainer:
         """Kill every worker (even one blocked in a collective) and free their devices."""
         for group in self.groups().values():
             group.shutdown()
-        ray.util.remove_placement_group(self.placement)
+        self.placement.remove()
+        if self.replica_placement is not None:
+            self.replica_placement.remove()
 
 
 def run_info(cfg: Config) -> dict[str, Any]:

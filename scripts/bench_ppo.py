@@ -94,7 +94,7 @@ def strategies_and_fit(overrides: list[str]) -> tuple[dict[str, str], bool | Non
     except ConfigError:  # auto found nothing that fits; the job will say so itself
         return {r: "auto" for r in ROLES}, False
     fixed = configured_strategies(cfg)
-    names = {r: fixed[r].name for r in ROLES}
+    names = {r: fixed[r].name if r in fixed else "-" for r in ROLES}  # "-": a model not run
     if cfg.cluster.memory_gb is None:
         return names, None
     return names, make_plan(cfg, fixed=fixed).best is not None

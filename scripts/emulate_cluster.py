@@ -20,9 +20,9 @@ GLOO_SOCKET_IFNAME, plus EMU_INTER_RATE_BPS (the shaped rate, bytes/s) for repor
 
 With ``--ray`` the command runs once, as the driver of a Ray cluster of g nodes: a Ray head in
 node 0's namespace and one Ray node in every other node's, each started with its node's address
-as ``--node-ip-address`` and M CPU slots (``--num-cpus M``, no GPUs). A placement group of N
-one-slot bundles then takes M bundles on every node, and rlhf_paro, which gives ranks to
-bundles sorted by node, puts the M ranks of a topology group on one node. A Ray node is known by
+as ``--node-ip-address`` and M CPU slots (``--num-cpus M``, no GPUs). rlhf_paro places each
+topology group of M one-slot bundles on one node (a placement group per group, STRICT_PACK), so
+the M ranks of a group share a node. A Ray node is known by
 one address, so in this mode a node has one NIC (rail 0: ``r0``, 10.77.0.(i+1)) that its M ranks
 share: everything the node sends to other nodes crosses it at --inter-rate, and traffic between
 its own ranks stays on its loopback. rlhf_paro's workers bind gloo to their Ray node's address

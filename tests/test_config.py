@@ -210,6 +210,18 @@ def test_every_mistake_is_one_line_naming_the_key(argv, key, allowed):
     assert allowed in message
 
 
+@pytest.mark.parametrize("argv, key, allowed", [
+    # A token for no server: silently ignored before.
+    (["reward.token_env=REWARD_TOKEN"], "reward.token_env", "allowed: with url, or null"),
+    (["ray.placement_timeout_s=0"], "ray.placement_timeout_s", "positive number of seconds or "
+                                                               "null (no limit), got 0"),
+    (["ray.placement_timeout_s=.inf"], "ray.placement_timeout_s", "got inf"),
+])
+def test_keys_of_a_run_s_surroundings_are_checked_in_one_line(argv, key, allowed):
+    message = error_of(argv)
+    assert message.startswith(f"{key}: ") and allowed in message, message
+
+
 def test_a_deepspeed_model_takes_its_stage_equivalent_strategy():
     cfg = load(["actor.backend=deepspeed", "actor.deepspeed.zero_stage=3",
                        "actor.deepspeed.hpz_partition_size=2", "critic.backend=deepspeed",

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from rlhf_paro.metrics import (LOOP_KEYS, MetricsLogger, RankReport, logprob_diff, model_metrics,
-                               padding_fraction, read_jsonl, required_keys)
+from rlhf_paro.metrics import (LOOP_KEYS, MetricsLogger, RankReport, logprob_diff, missing_steps,
+                               model_metrics, padding_fraction, read_jsonl, required_keys)
 
 
 def _report(rank: int) -> RankReport:
@@ -131,3 +131,12 @@ def test_logprob_diff_is_the_largest_rank_s_max_and_the_token_weighted_mean():
     assert row["rollout/logprob_diff_max"] == 6e-6
     assert row["rollout/logprob_diff_mean"] == pytest.approx(9e-6 / 4)
     assert logprob_diff([{}, {}]) == {}  # an engine that gives no log-probs: no keys
+
+
+def test_missing_steps_are_those_without_a_row_before_the_resumed_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    assert missing_steps(str(path), 3) == [0, 1, 2]  # the file deleted
+    # Rows of steps 0 and 2, a line a kill cut short, and a row after the resumed step.
+    path.write_text('{"step": 0}\n{"step": 2}\n{"step": 3, "ppo/kl\n{"step": 5}\n')
+    assert missing_steps(str(path), 4) == [1, 3]
+    assert missing_steps(str(path), 0) == []

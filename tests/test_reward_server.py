@@ -610,7 +610,8 @@ def test_token_env_must_name_a_set_variable_when_url_is_set(monkeypatch):
         check_files(run_config(url=url, token_env=TOKEN_ENV))
     assert str(err.value).startswith(
         f"reward.token_env: the environment variable {TOKEN_ENV} is not set")
-    check_files(run_config(token_env=TOKEN_ENV))  # no url: not read
+    with pytest.raises(ConfigError, match="url"):  # a token for no server: refused
+        run_config(token_env=TOKEN_ENV)
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
     check_files(run_config(url=url, token_env=TOKEN_ENV))
     monkeypatch.setenv(TOKEN_ENV, TOKEN + "\n")  # stripped where it is read

@@ -42,6 +42,30 @@ def test_an_output_dir_under_a_file_is_refused_naming_it_and_nothing_is_made(tmp
     assert os.listdir(tmp_path) == ["notes"]
 
 
+def test_a_directory_of_the_users_own_files_is_refused_and_a_runs_or_an_empty_one_is_not(
+        tmp_path):
+    # Before, a run wrote its run.json, hf/actor/ and checkpoints over whatever was there.
+    mine = tmp_path / "mine"
+    (mine / "hf").mkdir(parents=True)
+    for name in ("notes.txt", "run.json.bak", "a.csv", "b.csv"):
+        (mine / name).write_text("x")
+    with pytest.raises(ConfigError) as info:
+        runs.check_output_dir(str(mine))
+    assert str(info.value) == (f"trainer.output_dir: {mine} holds files no run wrote (a.csv, "
+                               "b.csv, hf and 2 more), which a run would write among or over; "
+                               "allowed: a new or empty directory, or one a run wrote (with "
+                               "run.json or metrics.jsonl)")
+    assert sorted(os.listdir(mine)) == ["a.csv", "b.csv", "hf", "notes.txt", "run.json.bak"]
+    (tmp_path / "empty").mkdir()
+    runs.check_output_dir(str(tmp_path / "empty"))
+    for mark in runs.RUN_MARKS:  # a run's: it goes on there, or starts over
+        run = tmp_path / f"run_{mark}"
+        run.mkdir()
+        (run / "notes.txt").write_text("x")
+        (run / mark).write_text("")
+        runs.check_output_dir(str(run))
+
+
 def test_a_locked_output_dir_is_refused_naming_the_holder_and_freed_when_it_is_killed(tmp_path):
     out = tmp_path / "run"
     holder = hold(out)

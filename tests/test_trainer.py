@@ -320,3 +320,49 @@ def test_resume_auto_skips_a_damaged_newest_checkpoint_and_a_stopped_rank_is_nam
     assert " within trainer.step_timeout_s=30 (its process is stopped) at step 5; newest " \
            f"checkpoint: {checkpoint.checkpoint_dir(hung.out, 3)}; resume with: " in line, line
     assert hung.left == [], hung.left
+
+
+ONE = ["cluster.num_devices=1", "cluster.group_size=1", "trainer.keep_checkpoints=0"]
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory) -> dict[str, Run]:
+    """A run of 2 steps with a checkpoint each; the same directory resumed after its
+    metrics.jsonl was deleted; and a run resumed from its step_2 into a directory where the
+    checkpoints cannot be written (``checkpoints`` is a file there: no write permission stops
+    root)."""
+    root = tmp_path_factory.mktemp("outputs")
+    cache = root / "cache"
+    first = _train(root / "first", *ONE, "trainer.steps=2", "trainer.save_every=1", cache=cache)
+    assert first.returncode == 0, first.stderr
+    (first.out / "metrics.jsonl").unlink()
+    deleted = _train(root / "first", *ONE, "trainer.steps=3", cache=cache)
+    blocked = root / "blocked"
+    blocked.mkdir()
+    (blocked / checkpoint.CHECKPOINTS).write_text("")
+    unwritable = _train(blocked, *ONE, f"trainer.resume={checkpoint.checkpoint_dir(first.out, 2)}",
+                        "trainer.steps=4", "trainer.save_every=1", cache=cache)
+    return {"first": first, "deleted": deleted, "unwritable": unwritable}
+
+
+def test_resuming_after_metrics_jsonl_was_deleted_says_its_rows_are_gone(outputs):
+    deleted = outputs["deleted"]
+    assert deleted.returncode == 0, deleted.stderr
+    assert (f"{deleted.out}/metrics.jsonl has no rows for steps 0-1 (deleted since they were "
+            "logged): they are gone, and the run logs steps 2 on") in deleted.stdout
+    assert [r["step"] for r in deleted.rows] == [2]
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_line_and_its_steps_row_is_kept(outputs):
+    unwritable = outputs["unwritable"]
+    line = _error_line(unwritable)
+    assert unwritable.returncode == 1
+    # Before: a 25-line PermissionError traceback, and no row for the step.
+    target = checkpoint.checkpoint_dir(unwritable.out, 3)
+    assert line.startswith(f"error: cannot write the checkpoint {target} (FileExistsError: "
+                           f"[Errno 17] File exists: '{unwritable.out / checkpoint.CHECKPOINTS}'"
+                           f"); newest checkpoint: "
+                           f"{checkpoint.checkpoint_dir(outputs['first'].out, 2)}; resume with: "
+                           ), line
+    assert [r["step"] for r in unwritable.rows] == [2]
+    assert unwritable.left == []

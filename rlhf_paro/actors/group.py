@@ -1,27 +1,31 @@
-"""Ray side of a PPO job: one placement group, one group of Ray actors per model, rendezvous.
+"""Ray side of a PPO job: the devices (one placement group per topology group), one group of
+Ray actors per model, rendezvous.
 
 The run's models (``ppo/algorithms.roles``: actor, reward, and critic and ref where the algorithm
-reads them) are colocated: rank r of every model runs on bundle r of one placement group, each
-taking an equal fraction of the bundle (``bundle_share``: a quarter of a GPU, or of a CPU slot
-here, for PPO's four models). Each model has its own process group: rank 0 of the model picks a
-free port on its node and every rank of that model joins ``tcp://ip:port``, so the models never
-share collectives and each builds its own ``Topology``.
+reads them) are colocated: rank r of every model runs on device r (``Placement``: bundle r % M of
+group r // M, each group on one node), each taking an equal fraction of it (``bundle_share``: a
+quarter of a GPU, or of a CPU slot here, for PPO's four models). Each model has its own process
+group: rank 0 of the model picks a free port on its node and every rank of that model joins
+``tcp://ip:port``, so the models never share collectives and each builds its own ``Topology``.
 
 On one machine ``init_ray`` starts a private Ray; on a cluster start Ray on every node
 (``ray start --head`` on one, ``ray start --address=HEAD:6379`` on the others) and set
-``ray.address=auto`` (a driver whose environment names the cluster in RAY_ADDRESS, as a Ray job's
-does, joins it without): the same code then places bundles node by node, and each worker binds
-gloo to its node's Ray address (``worker.bind_gloo``).
+``ray.address`` (a driver whose environment names the cluster in RAY_ADDRESS, as a Ray job's
+does, joins it without): the same code then places each group on a node of its own, waiting for
+devices other jobs hold (``place``), and each worker binds gloo to its node's Ray address
+(``worker.bind_gloo``). What Ray and the workers print goes to the run's log (``RayOutput``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
+import sys
 import threading
 import time
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import psutil
 import ray
@@ -37,16 +41,110 @@ POLL_S = 1.0
 # After a first failure, seconds to wait at most for Ray to report a dead worker behind it (a
 # loaded machine takes seconds to notice a killed process; see get).
 GRACE_S = 10.0
-# Seconds to wait for a Ray cluster's address to answer before calling it gone.
+# Seconds to wait for a Ray cluster's address (or a node's raylet) to answer before calling it
+# gone.
 CONNECT_S = 5.0
+# Seconds between looks at the run's nodes while the driver waits for its workers (a lost node).
+PROBE_S = 5.0
+# Seconds without a placement before the run says what it waits for, when the free devices it
+# saw as it began did not already tell it that it must wait (Ray's view of them lags a little).
+NOTE_S = 5.0
 
 
-def init_ray(address: str | None, num_cpus: int | None, num_devices: int) -> None:
-    """Join the cluster at ``address`` or start a private Ray on this machine.
+class RayStartError(RuntimeError):
+    """Ray did not start on this machine (``str()``: one line)."""
 
-    Raises ``ConnectionError`` (one line) within seconds when no cluster answers at ``address``.
+
+class RayOutput:
+    """What Ray and the workers print, kept off the console in ``path`` (the run's
+    ``workers.log``): the workers' output (Ray forwards it to the driver, prefixed with the
+    worker), Ray's own messages to the driver (its warnings, a lost node's log tail) and what
+    ``ray.init`` prints while it starts or joins a cluster (C++ warnings included).
+
+    Libraries print on every start what a user takes for errors (Ray's worker start-up warning,
+    DeepSpeed's accelerator line per worker, vLLM's advice and notes): the run's own console
+    lines are its progress and its one-line errors, which point here.
     """
-    if ray.is_initialized():
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = str(path)
+        self._file = open(self.path, "a", buffering=1, errors="replace")
+        self._attached: tuple[Any, Any] | None = None
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """This process's stdout and stderr into the log: file descriptors 1 and 2 (what C++
+        and the streams Ray's loggers hold write to) and ``sys.stdout``, ``sys.stderr``."""
+        streams = sys.stdout, sys.stderr
+        for stream in streams:
+            stream.flush()
+        saved = [os.dup(1), os.dup(2)]
+        os.dup2(self._file.fileno(), 1)
+        os.dup2(self._file.fileno(), 2)
+        sys.stdout = sys.stderr = self._file
+        try:
+            yield
+        finally:
+            self._file.flush()
+            sys.stdout, sys.stderr = streams
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
+    def attach(self) -> None:
+        """Route what Ray forwards to this driver into the log, until ``close``."""
+        if self._attached is not None:
+            return
+        from ray._private import worker as ray_worker
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+        dispatcher.remove_handler("ray_print_logs")
+        dispatcher.add_handler("rlhf_paro", self.write)
+        # Ray's messages to the driver go through this module function (its error listener).
+        self._attached = (ray_worker, ray_worker.print_to_stdstream)
+        ray_worker.print_to_stdstream = self.write
+
+    def write(self, data: dict[str, Any], ignore_prefix: bool = False) -> None:
+        """One batch of lines Ray forwards, prefixed as Ray prints them: a worker's
+        ``(ActorWorker pid=4711)`` (and ``ip=`` on another node), ``(raylet)``, and only the
+        events of the autoscaler's status (as Ray filters them)."""
+        from ray._private.worker import filter_autoscaler_events
+
+        pid = data.get("pid")
+        lines = data.get("lines", [])
+        if pid == "autoscaler":
+            lines = list(filter_autoscaler_events(lines))
+        name = data.get("actor_name") or data.get("task_name")
+        where = "" if data.get("ip") in (None, data.get("localhost")) else f", ip={data['ip']}"
+        prefix = f"({pid}) " if pid in ("raylet", "autoscaler") else \
+            f"({name + ' ' if name else ''}pid={pid}{where}) "
+        self._file.writelines(prefix + line + "\n" for line in lines)
+
+    def close(self) -> None:
+        """Give Ray its console back (after ``ray.shutdown``: until then it may still print)."""
+        if self._attached is not None:
+            from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+            module, original = self._attached
+            module.print_to_stdstream = original
+            dispatcher.remove_handler("rlhf_paro")
+            self._attached = None
+        self._file.close()
+
+
+def init_ray(address: str | None, num_cpus: int | None, num_devices: int,
+             output: RayOutput | None = None) -> None:
+    """Join the cluster at ``address`` or start a private Ray on this machine; with ``output``,
+    what Ray prints goes there (``RayOutput``), from the start when this call starts it.
+
+    Raises ``ConnectionError`` (one line) within seconds when no cluster answers at ``address``,
+    and when one refuses this driver (token authentication); ``RayStartError`` (one line) when a
+    private Ray does not start.
+    """
+    if ray.is_initialized():  # by the entry point's check of a cluster's GPUs, or a caller
+        if output is not None:
+            output.attach()
         return
     # ray.init first sets a SIGTERM handler of its own, a bare exit raised wherever the driver
     # is: inside an at-fork hook (logging's, as Ray starts its processes) Python prints it and
@@ -58,17 +156,27 @@ def init_ray(address: str | None, num_cpus: int | None, num_devices: int) -> Non
     if ours:
         ray._private.utils.set_sigterm_handler = lambda _handler: None
     try:
-        _init(address, num_cpus, num_devices)
+        with output.capture() if output is not None else contextlib.nullcontext():
+            _init(address, num_cpus, num_devices)
+    except (ConnectionError, RayStartError) as err:
+        if output is None:
+            raise
+        raise type(err)(f"{err} (Ray's messages: {output.path})") from None
     finally:
         ray._private.utils.set_sigterm_handler = install
         if ours:
             signal.signal(signal.SIGTERM, handler)
+    if output is not None:
+        output.attach()
 
 
 def _init(address: str | None, num_cpus: int | None, num_devices: int) -> None:
     if address:
         check_address(address)
-        ray.init(address=address)
+        try:
+            ray.init(address=address)
+        except Exception as err:  # noqa: BLE001 - Ray's reasons vary; each becomes one line
+            raise ConnectionError(_join_failure(address, err)) from None
         return
     # A CPU bundle is a placement slot, not a core: N devices need N slots even on 2 cores.
     num_cpus = num_cpus or max(os.cpu_count() or 1, num_devices)
@@ -78,8 +186,35 @@ def _init(address: str | None, num_cpus: int | None, num_devices: int) -> None:
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
     # "local": a new Ray even where RAY_ADDRESS names a cluster (ray.init would join that).
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
-             _node_ip_address="127.0.0.1")
+    try:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                 _node_ip_address="127.0.0.1")
+    except Exception as err:  # noqa: BLE001 - a start-up timeout under load, a full /tmp...
+        if ray.is_initialized():
+            ray.shutdown()
+        raise RayStartError(f"Ray did not start on this machine ({_first_line(err)})") from None
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+
+
+def _join_failure(address: str, err: BaseException) -> str:
+    """One line for a cluster that answers at ``address`` but that ``ray.init`` cannot join:
+    the cause Ray buries in its chain (an authentication token it refuses) named first."""
+    chain, seen = [], err
+    while seen is not None:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    if any("InvalidAuthToken" in str(e) or type(e).__name__ == "AuthenticationError"
+           for e in chain):
+        mode = os.environ.get("RAY_AUTH_MODE", "unset")
+        return (f"the Ray cluster at {address} refused this driver's authentication token "
+                f"(InvalidAuthToken; RAY_AUTH_MODE is {mode}): the cluster runs token "
+                "authentication; set RAY_AUTH_MODE=token and give this driver the cluster's "
+                "token (RAY_AUTH_TOKEN, or the file ~/.ray/auth_token of the head node)")
+    return f"could not join the Ray cluster at {address} ({_first_line(err)})"
 
 
 def check_address(address: str) -> None:
@@ -101,27 +236,194 @@ def check_address(address: str) -> None:
                               f"{err.strerror or err}") from None
 
 
-def missing_devices(num_devices: int, use_gpu: bool) -> str | None:
-    """Why the cluster cannot hold ``num_devices`` bundles, or None when it can."""
+def missing_devices(num_devices: int, group_size: int, use_gpu: bool, replicas: int = 0
+                    ) -> str | None:
+    """Why the cluster can never hold ``num_devices`` devices in groups of ``group_size`` on one
+    node each and ``replicas`` devices more on any node (counting every device, free or held),
+    or None when it can. Wherever the groups go, they leave the cluster's other devices to the
+    replicas."""
     kind = "GPU" if use_gpu else "CPU"
-    have = int(ray.cluster_resources().get(kind, 0))
-    if have >= num_devices:
+    total = _devices(kind, free=False)
+    if (_groups_fit(total, group_size) >= num_devices // group_size
+            and sum(total.values()) >= num_devices + replicas):
         return None
-    return f"needs {num_devices} {kind}s (cluster.num_devices) but the Ray cluster has {have}"
+    more = f" and {replicas} more for the rollout (rollout.num_devices)" if replicas else ""
+    return (f"needs {num_devices} {kind}s in groups of {group_size} on one node each "
+            f"(cluster.num_devices, cluster.group_size){more} but the Ray cluster has "
+            f"{_per_node_text(total, kind)}")
 
 
-def make_placement_group(num_devices: int, use_gpu: bool) -> tuple[PlacementGroup, list[int]]:
-    """One bundle per device; returns the group and the bundle of each rank.
+def _devices(kind: str, free: bool) -> dict[str, int]:
+    """Whole devices of ``kind`` (a bundle takes one whole CPU slot or GPU) per alive node:
+    all of them, or those free (Ray's view, refreshed every second or so)."""
+    from ray._private import state
 
-    Ranks are assigned to bundles sorted by node, so that the M consecutive ranks of a
-    topology group land on one node whenever each node holds M bundles.
+    alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
+    resources = state.available_resources_per_node() if free else \
+        {node: n["Resources"] for node, n in alive.items()}
+    return {node: int(resources.get(node, {}).get(kind, 0)) for node in alive}
+
+
+def _groups_fit(per_node: dict[str, int], group_size: int) -> int:
+    """Groups of ``group_size`` devices on one node each that ``per_node`` holds."""
+    return sum(n // group_size for n in per_node.values())
+
+
+def _per_node_text(per_node: dict[str, int], kind: str, of: dict[str, int] | None = None
+                   ) -> str:
+    """'4 CPUs', or '1 of the cluster's 2 CPUs free' (``of``: all of them) on one node; per
+    node on several, by address (a node of several on one machine also by its id)."""
+    if len(per_node) <= 1:
+        count = sum(per_node.values())
+        return f"{count} {kind}s" if of is None else \
+            f"{count} of the cluster's {sum(of.values())} {kind}s free"
+    nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    shared = {a for a in nodes.values() if list(nodes.values()).count(a) > 1}
+
+    def name(node: str) -> str:
+        address = nodes.get(node, "?")
+        return f"{address} ({node[:8]})" if address in shared else address
+
+    order = sorted(per_node, key=lambda node: (nodes.get(node, "?"), node))
+    if of is None:
+        return f"{kind}s per node: " + ", ".join(f"{per_node[node]} on {name(node)}"
+                                                 for node in order)
+    return f"free {kind}s per node: " + ", ".join(
+        f"{per_node[node]} of {of.get(node, 0)} on {name(node)}" for node in order)
+
+
+class Placement:
+    """The run's devices: one placement group per topology group of M ranks, each packed onto
+    one node (STRICT_PACK), so that the intra group of a rank is always its node's. Rank r is
+    bundle r % M of group r // M.
+
+    One placement group of N bundles packed as tightly as Ray could manage (PACK) split a group
+    over two nodes whenever no node had M devices free, and its "intra" bytes then crossed nodes
+    under that name; a group that cannot be placed on one node now waits, saying so."""
+
+    def __init__(self, groups: list[PlacementGroup], nodes: list[str]) -> None:
+        self.groups = groups
+        self.group_size = len(nodes) // len(groups)
+        self.nodes = nodes  # the Ray node id of each rank
+
+    def strategy(self, rank: int) -> PlacementGroupSchedulingStrategy:
+        """Where rank ``rank`` of every model runs."""
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self.groups[rank // self.group_size],
+            placement_group_bundle_index=rank % self.group_size)
+
+    def local_ranks(self, rank: int) -> int:
+        """Ranks of the run on rank ``rank``'s node (the devices its cores are shared by)."""
+        return self.nodes.count(self.nodes[rank])
+
+    def lost_node(self, rank: int) -> str | None:
+        """'node ADDRESS (Ray node ID, ranks ...)' when Ray lost rank ``rank``'s node, else
+        None."""
+        return self._lost(self.nodes[rank], ray.nodes())
+
+    def lost(self) -> tuple[int, str] | None:
+        """The first rank on a node of the run that Ray lost and ``lost_node``'s line for it,
+        or None."""
+        known = ray.nodes()
+        for node in dict.fromkeys(self.nodes):
+            line = self._lost(node, known)
+            if line is not None:
+                return self.nodes.index(node), line
+        return None
+
+    def _lost(self, node: str, known: list[dict[str, Any]]) -> str | None:
+        """A node is lost when Ray marked it dead or its raylet does not take a connection:
+        Ray marks a node dead only once its heartbeats time out, seconds after the workers on
+        it fail, or, under load, much later."""
+        info = next((n for n in known if n["NodeID"] == node), None)
+        if info is None:
+            return None
+        address = info["NodeManagerAddress"]
+        if info["Alive"]:
+            try:
+                socket.create_connection((address, info["NodeManagerPort"]),
+                                         timeout=CONNECT_S).close()
+                return None
+            except OSError:
+                pass
+        ranks = [r for r, n in enumerate(self.nodes) if n == node]
+        if len(ranks) == 1:
+            which = f"rank {ranks[0]}"
+        elif len(ranks) > 2 and ranks[-1] - ranks[0] == len(ranks) - 1:
+            which = f"ranks {ranks[0]}-{ranks[-1]}"
+        else:
+            which = f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
+        return f"node {address} (Ray node {node[:8]}, {which} of every model)"
+
+    def remove(self) -> None:
+        for pg in self.groups:
+            ray.util.remove_placement_group(pg)
+
+
+def place(num_devices: int, group_size: int, use_gpu: bool, timeout_s: float | None = None,
+          stop: Callable[[], bool] | None = None, say: Callable[[str], None] = print
+          ) -> Placement:
+    """Reserve ``num_devices`` devices in groups of ``group_size`` on one node each.
+
+    Devices other jobs hold are waited for, for ``timeout_s`` seconds at most (None: no limit):
+    a line through ``say`` says what the run waits for (free devices per node) after a first
+    poll when the cluster's free devices fell short as it began (else after ``NOTE_S``), and
+    the ``ConfigError`` at the end (``cluster.num_devices``) says it again. ``stop()`` true
+    ends the wait within ``POLL_S`` (``StopRequested``). A cluster that can never hold them is
+    ``missing_devices``' to say.
     """
+    kind = "GPU" if use_gpu else "CPU"
     bundle = {"CPU": 1, **({"GPU": 1} if use_gpu else {})}
-    pg = placement_group([dict(bundle) for _ in range(num_devices)], strategy="PACK")
-    ray.get(pg.ready())
-    nodes = placement_group_table(pg)["bundles_to_node_id"]
-    order = sorted(range(num_devices), key=lambda b: (nodes[b], b))
-    return pg, order
+    num_groups = num_devices // group_size
+    need = f"{num_devices} {kind}s" + (f" in {num_groups} groups of {group_size} on one node "
+                                       "each" if num_groups > 1 else " on one node")
+    limit = "no limit" if timeout_s is None else f"ray.placement_timeout_s={timeout_s:g}"
+    total = _devices(kind, free=False)
+    # Free before the run reserves any: too few, and the run says so after its first poll.
+    short = _groups_fit(_devices(kind, free=True), group_size) < num_groups
+    groups = [placement_group([dict(bundle) for _ in range(group_size)], strategy="STRICT_PACK")
+              for _ in range(num_groups)]
+    start = time.monotonic()
+    noted = False
+    try:
+        readies = [pg.ready() for pg in groups]
+        pending = list(readies)
+        while pending:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
+            if not pending:
+                break
+            waited = time.monotonic() - start
+            if stop is not None and stop():
+                raise StopRequested
+            over = timeout_s is not None and waited >= timeout_s
+            if over or not noted and (short or waited >= NOTE_S):
+                free = _devices(kind, free=True)
+                for pg, ref in zip(groups, readies):
+                    if ref not in pending:  # reserved by this run: free for it
+                        node = placement_group_table(pg)["bundles_to_node_id"][0]
+                        free[node] = free.get(node, 0) + group_size
+                if over:
+                    raise ConfigError("cluster.num_devices", f"the run's {need} were not free "
+                                      f"within {limit} ({_per_node_text(free, kind, total)}); "
+                                      "allowed: fewer devices, or a longer timeout while other "
+                                      "jobs hold them")
+                say(f"waiting for {need} ({_per_node_text(free, kind, total)}; {limit})")
+                noted = True
+    except BaseException:
+        for pg in groups:
+            ray.util.remove_placement_group(pg)
+        raise
+    nodes = []
+    for g, pg in enumerate(groups):
+        on = placement_group_table(pg)["bundles_to_node_id"]
+        group_nodes = [on[b] for b in range(group_size)]
+        if len(set(group_nodes)) > 1:  # STRICT_PACK promises one node; say so if it broke that
+            ranks = range(g * group_size, (g + 1) * group_size)
+            raise RuntimeError(f"ranks {', '.join(map(str, ranks))} of one group of "
+                               f"cluster.group_size={group_size} were placed on nodes "
+                               f"{', '.join(n[:8] for n in group_nodes)}, not on one")
+        nodes.extend(group_nodes)
+    return Placement(groups, nodes)
 
 
 def bundle_share(cfg: Any) -> float:
@@ -140,30 +442,37 @@ class Call(NamedTuple):
 
 
 class ModelGroup:
-    """N Ray actors of one worker class, rank r on bundle ``bundles[r]``, in one process group.
+    """N Ray actors of one worker class, rank r where ``placement`` puts it, in one process group.
 
     Every call is appended to ``issued`` (shared by the run's groups, so in the order issued),
     which the trainer clears once a step's calls are done (``get``, [Note: naming a hang]).
     """
 
-    def __init__(self, worker_cls: type, role: str, cfg: Any, pg: PlacementGroup,
-                 bundles: Sequence[int], use_gpu: bool, issued: list[Call] | None = None,
+    def __init__(self, worker_cls: type, role: str, cfg: Any, placement: Placement,
+                 use_gpu: bool, issued: list[Call] | None = None,
                  share: float | None = None) -> None:
         self.role = role
-        self.num_ranks = len(bundles)
+        self.num_ranks = len(placement.nodes)
         self.issued = [] if issued is None else issued
         remote_cls = ray.remote(worker_cls)
         # The fraction of its bundle each rank takes (``bundle_share``; a rollout replica has
         # its device to itself).
         share = bundle_share(cfg) if share is None else share
+        # A CPU worker runs several threads in a phase it has a device's cores for (worker.py,
+        # [Note: threads of a CPU device]). OpenMP's threads spin while they wait for each
+        # other, which on a machine busier than its cores lets a parallel region wait for a
+        # descheduled thread: passive waiting, read as OpenMP starts in the process, unless
+        # the environment says otherwise.
+        env = {} if use_gpu else {
+            "env_vars": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}}
         self.workers = [
             remote_cls.options(
                 num_cpus=share,
                 num_gpus=share if use_gpu else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=bundle),
-            ).remote(cfg, role, rank, self.num_ranks)
-            for rank, bundle in enumerate(bundles)
+                scheduling_strategy=placement.strategy(rank),
+                runtime_env=env or None,
+            ).remote(cfg, role, rank, self.num_ranks, placement.local_ranks(rank))
+            for rank in range(self.num_ranks)
         ]
 
     def rendezvous(self) -> list[ray.ObjectRef]:
@@ -197,12 +506,15 @@ class ModelGroup:
 
 
 class WorkerError(RuntimeError):
-    """Rank ``rank`` of model ``role`` died or raised; ``str()`` is one line."""
+    """Rank ``rank`` of model ``role`` died or raised; ``str()`` is one line. ``node``: the
+    node Ray lost, which the rank died with (``Placement.lost_node``), or None."""
 
     def __init__(self, role: str, rank: int, died: bool, reason: str,
-                 cause: BaseException | None = None) -> None:
+                 cause: BaseException | None = None, node: str | None = None) -> None:
         self.role, self.rank, self.died, self.reason, self.cause = role, rank, died, reason, cause
-        super().__init__(f"{role} rank {rank} {'died' if died else 'raised'} ({reason})")
+        self.node = node
+        super().__init__(f"{node} was lost" if node else
+                         f"{role} rank {rank} {'died' if died else 'raised'} ({reason})")
 
 
 class StopRequested(Exception):
@@ -225,8 +537,8 @@ class NoAnswerError(RuntimeError):
 
 def get(calls: dict[str, list[ray.ObjectRef]], workers: dict[str, list[Any]],
         timeout_s: float | None = None, issued: Sequence[Call] = (),
-        pids: dict[str, list[int]] | None = None, stop: Callable[[], bool] | None = None
-        ) -> dict[str, list[Any]]:
+        pids: dict[str, list[int]] | None = None, stop: Callable[[], bool] | None = None,
+        placements: dict[str, Placement] | None = None) -> dict[str, list[Any]]:
     """The results of ``calls`` (model -> one ref per rank), like ``ray.get``, except that the
     first failure is raised as soon as it is known: the failed rank's peers may wait for it in a
     collective for good, so waiting for every ref would hang. ``workers`` (model -> actor handle
@@ -237,18 +549,30 @@ def get(calls: dict[str, list[ray.ObjectRef]], workers: dict[str, list[Any]],
     in the order issued) and ``pids`` (model -> process id per rank). [Note: naming a hang]
     Raises ``StopRequested`` within a second once ``stop()`` is true.
 
-    Raises ``WorkerError``; a ``ConfigError`` a worker raised (a user's mistake it found) and a
-    ``KeyboardInterrupt`` come through as themselves.
+    Raises ``WorkerError``, naming the node when Ray lost one of ``placements``' (model ->
+    where its ranks run): that of a
+    dead rank, or one found lost every ``PROBE_S`` of a long wait, since the calls on a lost
+    node may fail only once Ray marks it dead (minutes, on a loaded machine); a
+    ``ConfigError`` a worker raised (a user's mistake it found) and a ``KeyboardInterrupt``
+    come through as themselves.
     """
     owner = {ref: (role, rank) for role, refs in calls.items() for rank, ref in enumerate(refs)}
     results: dict[str, list[Any]] = {role: [None] * len(refs) for role, refs in calls.items()}
     pending = list(owner)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    probe = time.monotonic() + PROBE_S
     while pending:
         if deadline is not None and time.monotonic() >= deadline:
             raise _no_answer(pending, owner, issued, pids or {}, timeout_s)
         if stop is not None and stop():
             raise StopRequested
+        if placements and time.monotonic() >= probe:
+            for role, placement in placements.items():
+                lost = placement.lost()
+                if lost is not None:
+                    rank, line = lost
+                    raise WorkerError(role, rank, True, "its node was lost", node=line)
+            probe = time.monotonic() + PROBE_S
         done, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
         failures = []
         for ref in done:
@@ -258,7 +582,7 @@ def get(calls: dict[str, list[ray.ObjectRef]], workers: dict[str, list[Any]],
             except RayError as err:
                 failures.append((err, role, rank))
         if failures:
-            raise _failure(failures, pending, owner, workers) from None
+            raise _failure(failures, pending, owner, workers, placements) from None
     return results
 
 
@@ -292,8 +616,8 @@ def _is_stopped(pids: dict[str, list[int]], role: str, rank: int) -> bool:
 
 
 def _failure(failures: list[tuple[RayError, str, int]], pending: list[ray.ObjectRef],
-             owner: dict[ray.ObjectRef, tuple[str, int]], workers: dict[str, list[Any]]
-             ) -> BaseException:
+             owner: dict[ray.ObjectRef, tuple[str, int]], workers: dict[str, list[Any]],
+             placements: dict[str, Placement] | None = None) -> BaseException:
     """The exception that says best what went wrong, given the failures seen so far."""
     cause = _cause(failures[0][0])
     if isinstance(cause, (ConfigError, KeyboardInterrupt)):
@@ -314,7 +638,9 @@ def _failure(failures: list[tuple[RayError, str, int]], pending: list[ray.Object
             # A task that took a dead worker's output fails with that worker's death.
             role, rank = ids.get(err.actor_id, (role, rank))
             return WorkerError(role, rank, True, "its process exited: killed, out of memory or "
-                                                 "crashed")
+                                                 "crashed",
+                               node=placements[role].lost_node(rank)
+                               if placements and role in placements else None)
     err, role, rank = failures[0]
     lines = str(cause).strip().splitlines()
     reason = f"{type(cause).__name__}: {lines[0]}" if lines else type(cause).__name__

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from rlhf_paro import envs, models, rollout
-from rlhf_paro.actors.worker import Worker, bind_gloo
+from rlhf_paro.actors.worker import Worker, available_cores, bind_gloo
 from rlhf_paro.comm.transfer import TransferGroup
 from rlhf_paro.ppo.data import rollout_tokenizer, vocab_sizes
 from rlhf_paro.rollout import PromptBatch, RolloutBatch, episodes
@@ -95,6 +95,7 @@ class RolloutWorker(Worker):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
+        self.threads = {}  # not per phase: a replica's one phase has its device alone (setup)
         self.tokenizer = rollout_tokenizer(self.cfg)
         self.generation: Generation | None = None  # built at setup
         self.transfer: TransferGroup | None = None  # its actor rank and it (setup)
@@ -111,7 +112,7 @@ class RolloutWorker(Worker):
             bind_gloo(__import__("ray").util.get_node_ip_address())
         # A replica owns its device alone: every core of its slot (a CPU bundle is one here).
         if self.device.type == "cpu":
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(
+            torch.set_num_threads(max(1, available_cores() // max(
                 1, self.cfg.cluster.num_devices + self.cfg.rollout.num_devices)))
         self.transfer = TransferGroup(host, port, f"transfer{source}/", group_rank, group_size,
                                       self.device)

@@ -90,17 +90,16 @@ def test_a_bad_command_line_exits_2_with_one_line(argv, message, capsys):
 _CAN_EMULATE = (hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("ip")
                 and shutil.which("tc") and importlib.util.find_spec("ray") is not None)
 
-# Run as the driver: rlhf_paro's placement group of N = 4 one-CPU bundles, and the address of
-# the node of each rank's bundle; exits 3 so that the test sees the status come through.
+# Run as the driver: rlhf_paro's placement of N = 4 one-CPU bundles in groups of M = 2, and the
+# address of the node of each rank's bundle; exits 3 so that the test sees the status come through.
 _WHERE = textwrap.dedent("""
     import os, sys, ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-    from rlhf_paro.actors.group import make_placement_group
+    from rlhf_paro.actors.group import place
     ray.init(address="auto", logging_level="ERROR")
-    pg, bundles = make_placement_group(4, use_gpu=False)
+    placement = place(4, 2, use_gpu=False)
     node_ip = ray.remote(num_cpus=1)(ray.util.get_node_ip_address)
-    ips = ray.get([node_ip.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-        placement_group=pg, placement_group_bundle_index=b)).remote() for b in bundles])
+    ips = ray.get([node_ip.options(scheduling_strategy=placement.strategy(r)).remote()
+                   for r in range(4)])
     print("ranks on", " ".join(ips), "driver", os.environ["RAY_ADDRESS"])
     sys.exit(3)
 """)
