@@ -118,7 +118,8 @@ def report(findings: Sequence[Finding]) -> str:
     def number(x: float | None, form: str) -> str:
         return "-" if x is None else format(x, form)
 
-    head = f"{'pair':16} {'measure':7} {'baseline':>8} {'band':>6} {'now':>6} {'change':>7}  verdict"
+    head = (f"{'pair':16} {'measure':7} {'baseline':>8} {'band':>6} {'now':>6} {'change':>7}  "
+            f"verdict")
     lines = [head, "-" * len(head)]
     for f in findings:
         change = None if f.baseline is None or f.measured is None else f.measured - f.baseline
