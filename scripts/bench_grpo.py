@@ -22,18 +22,19 @@ all rounds, with the last step's mean task score of each.
 wide, fp32, a word-level vocabulary of 48: ``SYMBOLS`` symbols, 3 special tokens and <unk>, so a
 response sampled at temperature 1 ends by chance at varied lengths) on the same prompts (6
 distinct symbols) against the same deterministic environment, ``Recall``: ``--turns`` actions of
-up to ``--max-new-tokens`` (default 64) tokens each; every action is rewarded by the share of its
-symbols that are the prompt's, and answered by up to 3 of the prompt's symbols it has not said yet
-(observation tokens: attended, never trained on). An episode's score is the sum of its rewards,
-in [0, 1]. rlhf_paro runs ``python -m rlhf_paro.train`` with ``env.function=...:Recall``. TRL
-1.16's own multi-turn loop (``environment_factory`` / ``tools``) goes on only while the model's
-turn parses as a tool call of a chat template it recognises (Qwen, Llama 3.1, ...), and its
-environment cannot end an episode or answer a turn that calls no tool; so TRL runs the same
-episodes through ``rollout_func``, its hook for custom (multi-turn) rollouts: each turn
-generates the next action of every running episode in one batched call of the trainer's own
-generation (``GRPOTrainer._generate_single_turn``, what its tool loop calls each turn), on the
-exact token ids of the earlier turns, and ``env_mask`` marks the observation tokens. A sample in
-the table is an episode.
+up to ``--max-new-tokens`` (default 64) tokens each; each action is rewarded by the share of its
+symbols that are lowercase letters and answered by up to 3 of the prompt's symbols that no
+action has said yet (observation tokens: attended, never trained on). An episode's score is the
+sum of its rewards, in [0, 1]. AdamW at 3e-3, the rest as above. rlhf_paro runs
+``python -m rlhf_paro.train`` with ``env.function=...:Recall``. TRL 1.16's own multi-turn loop
+(``environment_factory`` / ``tools``) goes on only while the model's turn parses as a tool call
+of a chat template it recognises (Qwen, Llama 3.1, ...; it refuses a tokenizer whose template
+cannot render tool calls), and its environment can neither end an episode nor answer a turn
+that calls no tool; so TRL runs the same episodes through ``rollout_func``, its hook for custom
+(multi-turn) rollouts: each turn generates the next action of every running episode in one
+batched call of the trainer's own generation (``GRPOTrainer._generate_single_turn``, what its
+tool loop calls each turn) on the exact token ids of the episode so far, and ``env_mask`` marks
+the observation tokens (``trl_rollout``). A sample in the table is an episode.
 """
 
 from __future__ import annotations
@@ -179,9 +180,14 @@ tok = transformers.AutoTokenizer.from_pretrained(actor)
 tok.padding_side = "left"
 model = transformers.AutoModelForCausalLM.from_pretrained(actor)
 
+generated = []  # seconds of each step's rollout_func: generation and environment
+
 def rollout(prompts, trainer):
-    return bench.trl_rollout(prompts, lambda contexts: trainer._generate_single_turn(
+    start = time.perf_counter()
+    out = bench.trl_rollout(prompts, lambda contexts: trainer._generate_single_turn(
         contexts, None, {}, 1)[0], tok, turns)
+    generated.append(time.perf_counter() - start)
+    return out
 
 def reward(prompts, completions, episode_score, **columns):
     return episode_score
@@ -208,7 +214,7 @@ args = GRPOConfig(output_dir=out, max_steps=steps, per_device_train_batch_size=m
 trainer = GRPOTrainer(model=model, args=args, reward_funcs=reward, train_dataset=data,
                       processing_class=tok, callbacks=[Clock()], rollout_func=rollout)
 trainer.train()
-print(json.dumps({"times": times, "scores": scores, "lengths": lengths}))
+print(json.dumps({"times": times, "scores": scores, "lengths": lengths, "generate": generated}))
 """ % {"samples": PROMPTS * SAMPLES, "n": SAMPLES}
 
 
@@ -240,7 +246,9 @@ def ours_episodes(python: str, steps: int, micro: int, new_tokens: int, out: Pat
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {"times": [r["timing_s/step"] for r in rows],
             "scores": [r["ppo/task_score"] for r in rows],
-            "lengths": [r["env/action_tokens"] for r in rows]}
+            "lengths": [r["env/action_tokens"] for r in rows],
+            "generate": [r["timing_s/generate"] for r in rows],
+            "experience": [r["timing_s/make_experience"] for r in rows]}
 
 
 def trl_episodes(python: str, steps: int, micro: int, new_tokens: int, out: Path,
@@ -331,10 +339,13 @@ def main() -> None:
     times: dict[tuple[str, int], list[float]] = {}
     scores: dict[tuple[str, int], list[list[float]]] = {}
     lengths: dict[tuple[str, int], list[float]] = {}
+    generate: dict[tuple[str, int], list[float]] = {}  # --episodes: the rollout's s/step
+    experience: dict[tuple[str, int], list[float]] = {}  # rlhf_paro's make_experience s/step
     with tempfile.TemporaryDirectory() as tmp:
         if args.episodes:
-            # The demo conf's learning rate, so that a dozen steps show the score move.
-            assets = episode_assets(Path(tmp), args.turns, lr=1e-3)
+            # 3e-3 rather than the demo conf's 1e-3: a random policy's score then rises clearly
+            # within ten steps.
+            assets = episode_assets(Path(tmp), args.turns, lr=3e-3)
         else:
             assets = demo_assets(new_tokens)
         assets["threads"] = args.trl_threads
@@ -356,6 +367,10 @@ def main() -> None:
                     times.setdefault((name, micro), []).extend(got["times"][args.warmup:])
                     scores.setdefault((name, micro), []).append(got["scores"])
                     lengths.setdefault((name, micro), []).extend(got.get("lengths", []))
+                    generate.setdefault((name, micro), []).extend(
+                        got.get("generate", [])[args.warmup:])
+                    experience.setdefault((name, micro), []).extend(
+                        got.get("experience", [])[args.warmup:])
                     print(f"round {r + 1}: {name} micro-batch {micro}: "
                           f"{time.perf_counter() - start:.0f} s", flush=True)
     what = (f"{args.turns}-turn episodes, up to {new_tokens} tokens an action"
@@ -364,8 +379,11 @@ def main() -> None:
           f"{args.rounds} rounds x {args.steps - args.warmup} steps")
     head = f"{'contender':<12}{'micro':>6}{'samples/s':>11}{'s/step':>9}"
     if args.episodes:
-        # Score: the mean episode score of the first and the last step, over the rounds.
-        print(head + f"{'action tokens':>15}{'first score':>13}{'last score':>12}")
+        # Action tokens: per episode, mean over all steps; tokens/s: all the step's action tokens
+        # over its median time; rollout: median s/step of the episodes' generation and
+        # environment steps; score: the mean episode score of the first and the last step.
+        print(head + f"{'action tokens':>15}{'tokens/s':>10}{'rollout s':>11}"
+                     f"{'first score':>13}{'last score':>12}")
     else:
         print(head + f"{'last score':>12}")
     for (name, micro), ts in times.items():
@@ -376,13 +394,20 @@ def main() -> None:
         if args.episodes:
             first = statistics.mean(s[0] for s in runs)
             tokens = statistics.mean(lengths[(name, micro)])
-            print(line + f"{tokens:>15.1f}{first:>13.3f}{last:>12.3f}")
+            rollout = statistics.median(generate[(name, micro)])
+            print(line + f"{tokens:>15.1f}{PROMPTS * SAMPLES * tokens / step:>10.0f}"
+                         f"{rollout:>11.2f}{first:>13.3f}{last:>12.3f}")
         else:
             print(line + f"{last:>12.3f}")
     for micro in micros:
         ratio = (statistics.median(times[("trl", micro)])
                  / statistics.median(times[("rlhf_paro", micro)]))
         print(f"micro-batch {micro}: rlhf_paro {ratio:.2f}x TRL's samples/s")
+        if experience.get(("rlhf_paro", micro)):
+            # The old log-probs' forward (and the advantages), which TRL skips when it updates
+            # once per rollout.
+            print(f"micro-batch {micro}: rlhf_paro's make_experience "
+                  f"{statistics.median(experience[('rlhf_paro', micro)]):.2f} s/step")
 
 
 if __name__ == "__main__":
