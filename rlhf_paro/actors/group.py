@@ -247,10 +247,11 @@ def missing_devices(num_devices: int, group_size: int, use_gpu: bool, replicas: 
     if (_groups_fit(total, group_size) >= num_devices // group_size
             and sum(total.values()) >= num_devices + replicas):
         return None
-    more = f" and {replicas} more for the rollout (rollout.num_devices)" if replicas else ""
-    return (f"needs {num_devices} {kind}s in groups of {group_size} on one node each "
-            f"(cluster.num_devices, cluster.group_size){more} but the Ray cluster has "
-            f"{_per_node_text(total, kind)}")
+    groups = (f"in groups of {group_size} on one node each (cluster.num_devices, "
+              "cluster.group_size)")
+    need = (f"{num_devices + replicas} {kind}s: {num_devices} {groups} and {replicas} for the "
+            "rollout (rollout.num_devices)") if replicas else f"{num_devices} {kind}s {groups}"
+    return f"needs {need} but the Ray cluster has {_per_node_text(total, kind)}"
 
 
 def _devices(kind: str, free: bool) -> dict[str, int]:
