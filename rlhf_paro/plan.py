@@ -25,7 +25,37 @@ after the update (phase ``sync``, a unit at a time, ``engine.unit_parameters``),
 generates without gathering: the same gathers of every unit at P's scope, so the same bytes
 and time, reported by P level under the actor's table. The predicted time is the sum of those
 (the models run one after another); generation's decoding is the same for every strategy and
-is left out.
+is left out of it: the step adds it ([Note: generation time]).
+
+[Note: generation time]
+Decoding is bound by memory, not arithmetic: a decoding step of an engine reads all its
+weights and the key/value cache of every sequence it decodes at once, and computes only
+2 x Psi FLOPs per sequence. So a step takes the longer of (weights + cache read) / its devices'
+``cluster.memory_gbps`` and 2 x Psi x sequences / its devices' ``cluster.tflops``; the cache
+read is a sequence's prompt bound plus half its decoded length, as its cache grows from the
+prompt to the end. ``vllm`` decodes at most ``rollout.max_num_seqs`` sequences at once, fewer
+when the cache of that many at their longest does not fit in its share of a CUDA device
+(``rollout.gpu_memory_utilization`` x ``cluster.memory_gb`` less the weights), and refills a
+finished sequence's place, so its decoding steps are its sequences' expected tokens over the
+sequences at once (``ppo.expected_response_length``). ``hf`` decodes padded batches of
+``rollout.micro_batch_size`` prompts x ``rollout.n`` that run until the response bound. The
+prompts' prefill is compute-bound: 2 x Psi FLOPs a prompt token. An engine spans
+``rollout.tensor_parallel_size`` devices (vllm) whose bandwidth and FLOPs add up; its all-reduces,
+the sampling and the engine's own overheads are left out. The engines are the training devices'
+(``rollout.num_devices=0``) or the rollout's own, each with its share of the step's samples.
+
+[Note: the rollout on devices of its own]
+With ``rollout.num_devices=D`` the engines live on D devices of their own: the training devices
+hold no engine (none of its memory in the actor's peaks; ``strategy=auto`` chooses with what is
+left), and the actor still gathers every unit at its P scope once per update, then each actor
+rank sends the weights to the replicas it serves (replica j by rank j mod N; the rollout's
+devices are counted after the training ones, in nodes of ``cluster.group_size``, so a replica
+on a training rank's node takes intra links, any other inter), at the links' bandwidths: the
+sync is that gather plus the busiest rank's transfer. The step follows ``ppo/pipeline.py``:
+``step_seconds`` over ``order(rollout.max_staleness)``, the synchronous order adding sync,
+generation and training, the K-step-off order the sync and the longer of the other two. The
+table over D splits the run's devices every way the conf can run, plans each split's
+strategies afresh on its training devices, and gives both orders.
 
 [Note: real tokens]
 A packed model (``models.packs``) computes on the real tokens of its sequences only
@@ -876,7 +906,67 @@ def _tokens_line(cfg: Config, plan: Plan) -> str:
             "compute by " + "; ".join(compute))
 
 
-def format_plan(cfg: Config, plan: Plan) -> str:
+def _step_lines(cfg: Config, plan: Plan) -> list[str]:
+    """The rollout's generation ([Note: generation time]) and the step in the order of its
+    stages (``ppo/pipeline.py``)."""
+    step = predict_step(cfg, plan)
+    if step is None:
+        return []
+    actor, c, r = plan.models["actor"], cfg.cluster, cfg.rollout
+    gen = generation(cfg, actor.num_params, actor.engine_weights, actor.kv_token_bytes)
+    where = (f"on {r.num_devices} device(s) of its own" if r.num_devices else
+             f"on the {c.num_devices} training devices")
+    bound = "memory-bound" if gen.memory_bound else "compute-bound"
+    lines = [f"generation ({r.engine}, {where}): {gen.engines} engine(s) of {gen.devices} "
+             f"device(s), {gen.sequences} sequences each, {gen.concurrent} at a time: "
+             f"{gen.steps} decoding steps of {gen.step_seconds * 1e3:.3g} ms ({bound}: "
+             f"{actor.engine_weights / GIB:.2f} GiB of weights and the cache read per step at "
+             f"cluster.memory_gbps={c.memory_gbps:g}) + prefill {gen.prefill_seconds:.3g} s = "
+             f"{gen.seconds:.4g} s"]
+    sync = f"sync {step.sync:.3g} s" + (f" (of which the transfer to {r.num_devices} "
+                                        f"replica(s) {step.transfer:.3g} s)" if r.num_devices
+                                        else "")
+    parts = (f"{sync} + max(generation {step.generate:.4g} s, training {step.train:.4g} s)"
+             if r.max_staleness else
+             f"{sync} + generation {step.generate:.4g} s + training {step.train:.4g} s")
+    lines.append(f"step ({step.order}, rollout.max_staleness={r.max_staleness}): {parts} = "
+                 f"{step.seconds:.4g} s predicted")
+    return lines
+
+
+def _splits_lines(cfg: Config, splits: tuple[list[Split], dict[int, str]]) -> list[str]:
+    """The table over the devices given to the rollout (``rollout_splits``)."""
+    rows, skipped = splits
+    total = cfg.cluster.num_devices + cfg.rollout.num_devices
+    k = max(1, cfg.rollout.max_staleness)
+    lines = ["", f"devices for the rollout, of {total}: D for the rollout, N for training (its "
+                 "strategies planned on N), seconds predicted per step",
+             f"  {'D':>4} {'N':>4} {'generate':>9} {'train':>9} {'sync':>7} {'step K=0':>9} "
+             f"{'step K=' + str(k):>9}"]
+    fastest = None
+    for row in rows:
+        if row.synchronous is None:
+            lines.append(f"  {row.rollout_devices:>4} {row.training_devices:>4}  no "
+                         "combination fits")
+            continue
+        s, o = row.synchronous, row.overlapped
+        best = min(s.seconds, o.seconds if o else math.inf)
+        if fastest is None or best < fastest[1]:
+            fastest = (row.rollout_devices, best)
+        lines.append(f"  {row.rollout_devices:>4} {row.training_devices:>4} {s.generate:9.4g} "
+                     f"{s.train:9.4g} {s.sync:7.3g} {s.seconds:9.4g} "
+                     + (f"{o.seconds:9.4g}" if o else f"{'-':>9}"))
+    if skipped:
+        first = next(iter(skipped))
+        lines.append(f"  D={', '.join(map(str, skipped))}: not runnable with this conf (D={first}: "
+                     f"{skipped[first]})")
+    if fastest is not None:
+        lines.append(f"  fastest: D={fastest[0]} ({fastest[1]:.4g} s per step)")
+    return lines
+
+
+def format_plan(cfg: Config, plan: Plan,
+                splits: tuple[list[Split], dict[int, str]] | None = None) -> str:
     c = cfg.cluster
     roles = tuple(plan.models)
     budget = "unlimited" if math.isinf(plan.budget_bytes) else (
@@ -892,7 +982,7 @@ def format_plan(cfg: Config, plan: Plan) -> str:
         f"mini-batch {cfg.ppo.mini_batch_size}, {cfg.ppo.ppo_epochs} epoch(s); models "
         f"{', '.join(roles)} (algorithm.adv_estimator={cfg.algorithm.adv_estimator}); traffic "
         "is bytes one device sends per PPO step, time is predicted per PPO step (generation's "
-        "decoding left out)",
+        "decoding apart: see step)",
         _tokens_line(cfg, plan),
         "P, G, OS, sum, peak and setup are device bytes under each model's offload; columns "
         + "/".join(OFFLOAD_COLUMNS.values()) + ": device bytes between the model's phases under "
@@ -991,12 +1081,22 @@ def format_plan(cfg: Config, plan: Plan) -> str:
                          f"{states / GIB:.1f} GiB of states per device: "
                          f"{'fits' if fits else 'does NOT fit'}; setup peak "
                          f"{setup / mem_scale:.2f} {mem_unit}: {during}")
+        lines += _step_lines(cfg, plan)
+    if splits is not None:
+        lines += _splits_lines(cfg, splits)
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     cli.main(sys.argv[1:] if argv is None else argv, prog="rlhf_paro.plan", about=_ABOUT,
-             prepare=_prepare, execute=lambda cfg, _: print(format_plan(cfg, make_plan(cfg))))
+             prepare=_prepare, execute=lambda cfg, _: print(_report(cfg)))
+
+
+def _report(cfg: Config) -> str:
+    from rlhf_paro.ppo.data import vocab_sizes
+
+    sizes = vocab_sizes(cfg)
+    return format_plan(cfg, make_plan(cfg, sizes), rollout_splits(cfg, sizes))
 
 
 # --help: the first paragraph of the module docstring.

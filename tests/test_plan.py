@@ -527,3 +527,59 @@ def test_the_planner_plans_vllm_where_vllm_is_not_installed(monkeypatch, capsys)
     out = capsys.readouterr().out
     assert "sync into the vllm engine once per PPO step" in out
     assert sys.modules["vllm"] is None
+
+
+# --- generation and the order of a step (rollout.num_devices, rollout.max_staleness) -------------
+# Round machine numbers, so that every prediction below is worked by hand: 1e9 parameters held
+# in 2e9 bytes, 1e6 bytes of key/value cache a token, 1000 GB/s of memory and 100 TFLOP/s.
+PARAMS, WEIGHTS, KV = 10 ** 9, 2 * 10 ** 9, 10 ** 6
+MACHINE = ["cluster.memory_gbps=1000", "cluster.tflops=100"]
+# ppo_tiny's cluster is 4 devices; 8 prompts x 2 samples, prompts of up to 8 tokens (its
+# ppo.max_prompt_len), responses of up to 8.
+SMALL = [*INLINE, *MACHINE, "ppo.rollout_batch_size=8", "rollout.n=2", "ppo.mini_batch_size=8",
+         "ppo.max_new_tokens=8", "critic.micro_batch_size=1", "actor.micro_batch_size=1"]
+
+
+def test_hf_generation_decodes_padded_batches_to_the_bound_reading_weights_and_cache():
+    from rlhf_paro.plan import generation
+
+    cfg = load([*SMALL, "rollout.micro_batch_size=1"])
+    assert cfg.prompt_bound()[1] == 8 and cfg.cluster.num_devices == 4
+    g = generation(cfg, PARAMS, WEIGHTS, KV)
+    # 16 samples over 4 engines: 4 each, decoded 1 prompt x 2 samples at a time, in 2 batches
+    # that each run the 8 tokens of the bound: 16 steps. A step reads the weights and 2
+    # sequences' cache at 8 + 8 / 2 = 12 tokens: 2e9 + 2 x 1e6 x 12 = 2.024e9 bytes at 1e12 B/s,
+    # 2.024 ms; its FLOPs, 2 x 1e9 x 2 = 4e9 at 1e14, 0.04 ms: memory-bound. Prefill: 4 x 8
+    # prompt tokens x 2e9 FLOPs at 1e14, 0.64 ms. In all 16 x 2.024 + 0.64 = 33.024 ms.
+    assert (g.engines, g.sequences, g.concurrent, g.steps) == (4, 4, 2, 16)
+    assert g.memory_bound
+    # Float sums of a few terms: relative error of a few ulps, far below 1e-12.
+    assert g.step_seconds == pytest.approx(2.024e-3, rel=1e-12)
+    assert g.prefill_seconds == pytest.approx(0.64e-3, rel=1e-12)
+    assert g.seconds == pytest.approx(33.024e-3, rel=1e-12)
+    # A slow enough device is bound by its FLOPs instead: at 0.001 TFLOP/s a step's 4e9 FLOPs
+    # take 4 s, the 2.024e9 bytes still 2.024 ms.
+    slow = generation(load([*SMALL, "rollout.micro_batch_size=1", "cluster.tflops=0.001"]),
+                      PARAMS, WEIGHTS, KV)
+    assert not slow.memory_bound and slow.step_seconds == pytest.approx(4.0, rel=1e-12)
+
+
+def test_vllm_generation_refills_its_batch_and_is_bounded_by_its_cache_share():
+    from rlhf_paro.plan import generation
+
+    base = [*SMALL, "rollout.engine=vllm", "rollout.num_devices=2", "rollout.max_num_seqs=3",
+            "ppo.expected_response_length=4"]
+    g = generation(load(base, engine_check=False), PARAMS, WEIGHTS, KV)
+    # 2 replicas of their own, 8 samples each, 3 at a time (max_num_seqs): continuous batching
+    # decodes 8 x 4 expected tokens in ceil(32 / 3) = 11 steps, each reading 2e9 + 3 x 1e6 x
+    # (8 + 4 / 2) = 2.03e9 bytes, 2.03 ms. Prefill: 8 x 8 x 2e9 / 1e14 = 1.28 ms.
+    assert (g.engines, g.sequences, g.concurrent, g.steps) == (2, 8, 3, 11)
+    assert g.seconds == pytest.approx(11 * 2.03e-3 + 1.28e-3, rel=1e-12)
+    # On a CUDA device of 4 GiB at gpu_memory_utilization=0.486 the engine has 0.486 x 4 x 2^30
+    # = 2087354105.9 bytes, 87354105.9 after the weights: the cache of 5 sequences at their
+    # longest (5 x 1e6 x 16 tokens = 8e7), not 6 (9.6e7); max_num_seqs=256 no longer binds,
+    # and the 32 tokens take ceil(32 / 5) = 7 steps.
+    cuda = load([*base, "rollout.max_num_seqs=256", "cluster.device=cuda", "cluster.memory_gb=4",
+                 "rollout.gpu_memory_utilization=0.486"], engine_check=False)
+    g = generation(cuda, PARAMS, WEIGHTS, KV)
+    assert (g.concurrent, g.steps) == (5, 7)
