@@ -717,16 +717,17 @@ def generation(cfg: Config, num_params: int, weights_bytes: int, kv_token_bytes:
                       memory_s >= compute_s, prefill)
 
 
-def transfer_seconds(cfg: Config, weights_bytes: int) -> tuple[float, float, float]:
+def transfer_seconds(cfg: Config, weights_bytes: float, node_size: int | None = None
+                     ) -> tuple[float, float, float]:
     """The weights' transfer to the replicas on the rollout's own devices, per update: the
-    intra and inter bytes of the busiest actor rank and its seconds (replica j is served by
-    actor rank j mod N; the devices are counted training ones first, then the rollout's, in
-    nodes of ``cluster.group_size``)."""
+    intra and inter bytes of the busiest actor rank and its seconds ([Note: the rollout on
+    devices of its own]); ``node_size``: devices a node (None: ``cluster.group_size``)."""
     c, replicas = cfg.cluster, cfg.rollout.num_devices
+    node = node_size or c.group_size
     worst = (0.0, 0.0, 0.0)
     for rank in range(min(c.num_devices, replicas)):
         served = range(rank, replicas, c.num_devices)
-        intra = sum((c.num_devices + j) // c.group_size == rank // c.group_size for j in served)
+        intra = sum((c.num_devices + j) // node == rank // node for j in served)
         inter = len(served) - intra
         sent = (intra * weights_bytes, inter * weights_bytes)
         seconds = sent[0] / (c.intra_gbps * GB) + sent[1] / (c.inter_gbps * GB)
@@ -745,11 +746,12 @@ class StepPrediction(NamedTuple):
     seconds: float
 
 
-def predict_step(cfg: Config, plan: Plan, max_staleness: int | None = None
-                 ) -> StepPrediction | None:
+def predict_step(cfg: Config, plan: Plan, max_staleness: int | None = None,
+                 node_size: int | None = None) -> StepPrediction | None:
     """The step with generation ([Note: generation time]) and the planned models, as
     ``pipeline.step_seconds`` reads ``pipeline.order(max_staleness)`` (None: the conf's
-    ``rollout.max_staleness``); None when no combination fits."""
+    ``rollout.max_staleness``); None when no combination fits. ``node_size``: as
+    ``transfer_seconds`` takes it."""
     from rlhf_paro.ppo import pipeline
 
     if plan.best is None:
@@ -757,7 +759,7 @@ def predict_step(cfg: Config, plan: Plan, max_staleness: int | None = None
     k = cfg.rollout.max_staleness if max_staleness is None else max_staleness
     actor = plan.models["actor"]
     gather = actor.gather[plan.best["actor"].strategy.params]
-    transfer = transfer_seconds(cfg, actor.engine_weights)[2]
+    transfer = transfer_seconds(cfg, actor.engine_weights, node_size)[2]
     gen = generation(cfg, actor.num_params, actor.engine_weights, actor.kv_token_bytes).seconds
     train = sum(ch.seconds for ch in plan.best.values()) - gather
     stages = pipeline.order(k)
@@ -782,7 +784,8 @@ def rollout_splits(cfg: Config, vocab_sizes: dict[str, int]
     chosen on the training devices, as ``strategy=auto`` would), at the conf's
     ``rollout.max_staleness`` (at least 1 where D > 0); and each split the conf cannot run,
     with the one-line reason. Training groups are as large as divides both N and the node
-    (``cluster.group_size``), so a node the rollout shares counts as smaller groups."""
+    (``cluster.group_size``), so a node the rollout shares counts as smaller groups; its
+    replicas there take intra links."""
     c, r = cfg.cluster, cfg.rollout
     total, k = c.num_devices + r.num_devices, max(1, r.max_staleness)
     rows, skipped = [], {}
@@ -797,8 +800,8 @@ def rollout_splits(cfg: Config, vocab_sizes: dict[str, int]
         except ConfigError as e:
             skipped[d] = str(e)
             continue
-        rows.append(Split(d, n, predict_step(split, plan, 0),
-                          predict_step(split, plan, k) if d else None))
+        rows.append(Split(d, n, predict_step(split, plan, 0, c.group_size),
+                          predict_step(split, plan, k, c.group_size) if d else None))
     return rows, skipped
 
 

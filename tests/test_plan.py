@@ -583,3 +583,84 @@ def test_vllm_generation_refills_its_batch_and_is_bounded_by_its_cache_share():
                  "rollout.gpu_memory_utilization=0.486"], engine_check=False)
     g = generation(cuda, PARAMS, WEIGHTS, KV)
     assert (g.concurrent, g.steps) == (5, 7)
+
+
+def test_the_transfer_is_the_busiest_actor_rank_s_weights_over_its_links():
+    from rlhf_paro.plan import transfer_seconds
+
+    cfg = load([*SMALL, "cluster.num_devices=2", "cluster.group_size=2", "rollout.num_devices=4",
+                "cluster.intra_gbps=100", "cluster.inter_gbps=10"])
+    # Training ranks 0, 1 on node 0; replicas 0-3 on devices 2-5, nodes 1 and 2. Rank 0 serves
+    # replicas 0 and 2 (j mod 2), rank 1 replicas 1 and 3: each sends the weights twice over
+    # inter links, 2 x 2e9 / 10e9 = 0.4 s.
+    assert transfer_seconds(cfg, WEIGHTS) == (0, 2 * WEIGHTS, pytest.approx(0.4, rel=1e-12))
+    # On nodes of 4 (a split of 8 devices, training on 2), replicas 0 and 1 (devices 2 and 3)
+    # share node 0 with the training ranks: rank 0 sends once intra, once inter (replica 2 on
+    # device 4), 2e9 / 100e9 + 2e9 / 10e9 = 0.22 s.
+    assert transfer_seconds(cfg, WEIGHTS, node_size=4) == (
+        WEIGHTS, WEIGHTS, pytest.approx(0.22, rel=1e-12))
+
+
+def test_the_step_follows_the_pipeline_s_order_synchronous_adds_k_steps_off_overlaps():
+    from rlhf_paro.plan import generation, predict_step, transfer_seconds
+
+    cfg = load([*SMALL, "rollout.num_devices=2", "rollout.max_staleness=1"])
+    plan = make_plan(cfg, vocab_sizes=VOCAB)
+    actor = plan.models["actor"]
+    overlapped, synchronous = predict_step(cfg, plan), predict_step(cfg, plan, 0)
+    gen = generation(cfg, actor.num_params, actor.engine_weights, actor.kv_token_bytes).seconds
+    gather = actor.gather[plan.best["actor"].strategy.params]
+    # The actor's fp32 weights (4 bytes each) to the 2 replicas, each served by its own rank
+    # across nodes (ppo_tiny: nodes of 2, 4 training devices).
+    transfer = actor.num_params * 4 / (cfg.cluster.inter_gbps * 1e9)
+    assert transfer_seconds(cfg, actor.engine_weights)[2] == pytest.approx(transfer, rel=1e-12)
+    train = sum(c.seconds for c in plan.best.values()) - gather
+    # Sums of a handful of floats: a few ulps apart at most.
+    assert overlapped.order == "1 step off" and synchronous.order == "synchronous"
+    assert overlapped.seconds == pytest.approx(gather + transfer + max(gen, train), rel=1e-12)
+    assert synchronous.seconds == pytest.approx(gather + transfer + gen + train, rel=1e-12)
+    assert overlapped.seconds < synchronous.seconds
+
+
+def test_rollout_devices_take_the_engine_off_the_training_devices_for_strategy_auto():
+    # [Note: the rollout on devices of its own] vLLM's share at gpu_memory_utilization=0.6 of
+    # 80 GiB is 48 GiB: with the four 7B models' states beside it on each of the 16 devices
+    # nothing fits; on 8 devices of its own, the 16 training devices hold only the models, and
+    # auto chooses as without an engine (the conf's NGG, NII, I, N).
+    from rlhf_paro.plan import choose_strategies
+
+    share = ["conf=ppo_llama7b", "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.6",
+             "actor.strategy=auto"]
+    colocated = load(share, engine_check=False)
+    with pytest.raises(ConfigError, match="actor.strategy: auto found no strategy"):
+        choose_strategies(colocated)
+    apart = load([*share, "rollout.num_devices=8"], engine_check=False)
+    plan = make_plan(apart)
+    assert plan.models["actor"].engine_bytes == 0
+    assert choose_strategies(apart) == {"actor": Strategy.parse("NGG"),
+                                        "critic": Strategy.parse("NII"),
+                                        "reward": Strategy.parse("I", frozen=True),
+                                        "ref": Strategy.parse("N", frozen=True)}
+
+
+def test_the_table_splits_the_devices_every_way_the_conf_runs(capsys):
+    from rlhf_paro.plan import rollout_splits
+
+    cfg = load(SMALL)
+    rows, skipped = rollout_splits(cfg, VOCAB)
+    # 4 devices: D = 0 (colocated), 2 (2 + 2), and not 1 or 3 (8 prompts over 3 devices).
+    assert [(r.rollout_devices, r.training_devices) for r in rows] == [(0, 4), (2, 2)]
+    assert set(skipped) == {1, 3}
+    assert skipped[1].startswith("ppo.rollout_batch_size: 8 must be a multiple of "
+                                 "cluster.num_devices=3")
+    colocated, apart = rows
+    assert colocated.overlapped is None and colocated.synchronous.transfer == 0
+    # D = 2 on 2 training devices of nodes of 2: the replicas sit on node 1, inter links.
+    assert apart.synchronous.transfer > 0
+    assert apart.overlapped.seconds == pytest.approx(
+        apart.synchronous.sync + max(apart.synchronous.generate, apart.synchronous.train),
+        rel=1e-12)
+    main(SMALL)
+    out = capsys.readouterr().out
+    assert "step (synchronous, rollout.max_staleness=0): sync " in out
+    assert "devices for the rollout, of 4" in out and "  D=1, 3: not runnable" in out
