@@ -909,7 +909,7 @@ def _tokens_line(cfg: Config, plan: Plan) -> str:
             "compute by " + "; ".join(compute))
 
 
-def _step_lines(cfg: Config, plan: Plan) -> list[str]:
+def _step_lines(cfg: Config, plan: Plan, mem_unit: str, mem_scale: float) -> list[str]:
     """The rollout's generation ([Note: generation time]) and the step in the order of its
     stages (``ppo/pipeline.py``)."""
     step = predict_step(cfg, plan)
@@ -923,7 +923,8 @@ def _step_lines(cfg: Config, plan: Plan) -> list[str]:
     lines = [f"generation ({r.engine}, {where}): {gen.engines} engine(s) of {gen.devices} "
              f"device(s), {gen.sequences} sequences each, {gen.concurrent} at a time: "
              f"{gen.steps} decoding steps of {gen.step_seconds * 1e3:.3g} ms ({bound}: "
-             f"{actor.engine_weights / GIB:.2f} GiB of weights and the cache read per step at "
+             f"{actor.engine_weights / mem_scale:.2f} {mem_unit} of weights and the cache read "
+             f"per step at "
              f"cluster.memory_gbps={c.memory_gbps:g}) + prefill {gen.prefill_seconds:.3g} s = "
              f"{gen.seconds:.4g} s"]
     sync = f"sync {step.sync:.3g} s" + (f" (of which the transfer to {r.num_devices} "
@@ -1084,7 +1085,7 @@ def format_plan(cfg: Config, plan: Plan,
                          f"{states / GIB:.1f} GiB of states per device: "
                          f"{'fits' if fits else 'does NOT fit'}; setup peak "
                          f"{setup / mem_scale:.2f} {mem_unit}: {during}")
-        lines += _step_lines(cfg, plan)
+        lines += _step_lines(cfg, plan, mem_unit, mem_scale)
     if splits is not None:
         lines += _splits_lines(cfg, splits)
     return "\n".join(lines)

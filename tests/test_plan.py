@@ -664,3 +664,28 @@ def test_the_table_splits_the_devices_every_way_the_conf_runs(capsys):
     out = capsys.readouterr().out
     assert "step (synchronous, rollout.max_staleness=0): sync " in out
     assert "devices for the rollout, of 4" in out and "  D=1, 3: not runnable" in out
+
+
+def test_llama7b_generation_reads_its_weights_and_as_much_cache_every_decoding_step(llama,
+                                                                                    llama_plan):
+    from rlhf_paro.plan import generation, predict_step
+
+    actor = llama_plan.models["actor"]
+    # bf16 weights: 2 x Psi bytes; a token's cache: a key and a value of 4096 in each of 32
+    # layers, 2 x 32 x 4096 x 2 = 524288 bytes (0.5 MiB).
+    assert (actor.engine_weights, actor.kv_token_bytes) == (2 * PSI, 524_288)
+    g = generation(llama, actor.num_params, actor.engine_weights, actor.kv_token_bytes)
+    # hf on the 16 devices: 64 sequences each, 16 prompts at a time (rollout.micro_batch_size,
+    # n = 1), 4 batches of 1024 steps. A step reads 13476831232 bytes of weights and 16
+    # sequences' cache at 1024 + 1024 / 2 tokens, 16 x 524288 x 1536 = 12884901888 bytes: at
+    # 1500 GB/s, 17.5745 ms; its FLOPs, 2 x Psi x 16 at 150 TFLOP/s, 1.44 ms. Prefill: 64 x 1024
+    # prompt tokens x 2 x Psi / 150e12 = 5.8881 s. In all 4096 x 17.5745 ms + 5.8881 s = 77.87 s.
+    assert (g.sequences, g.concurrent, g.steps, g.memory_bound) == (64, 16, 4096, True)
+    step = (2 * PSI + 12_884_901_888) / 1.5e12
+    prefill = 2 * PSI * 64 * 1024 / 150e12
+    assert g.seconds == pytest.approx(4096 * step + prefill, rel=1e-12)
+    # Synchronous: the conf's NGG actor gathers nothing (P = N), so the step adds generation to
+    # the four models' 142.1 s (the recommended combination's sum).
+    s = predict_step(llama, llama_plan)
+    assert s.sync == 0 and s.seconds == pytest.approx(
+        g.seconds + sum(c.seconds for c in llama_plan.best.values()), rel=1e-12)
