@@ -39,10 +39,12 @@ when the cache of that many at their longest does not fit in its share of a CUDA
 finished sequence's place, so its decoding steps are its sequences' expected tokens over the
 sequences at once (``ppo.expected_response_length``). ``hf`` decodes padded batches of
 ``rollout.micro_batch_size`` prompts x ``rollout.n`` that run until the response bound. The
-prompts' prefill is compute-bound: 2 x Psi FLOPs a prompt token. An engine spans
-``rollout.tensor_parallel_size`` devices (vllm) whose bandwidth and FLOPs add up; its all-reduces,
-the sampling and the engine's own overheads are left out. The engines are the training devices'
-(``rollout.num_devices=0``) or the rollout's own, each with its share of the step's samples.
+prefill is compute-bound: 2 x Psi FLOPs a prompt token, every sample's prompt (what prefix
+caching shares between a prompt's samples is left out). An engine spans
+``rollout.tensor_parallel_size`` devices (vllm) whose bandwidth and FLOPs add up; its
+all-reduces, the sampling and the engine's own overheads are left out. The engines are the
+training devices' (``rollout.num_devices=0``) or the rollout's own, each with its share of the
+step's samples.
 
 [Note: the rollout on devices of its own]
 With ``rollout.num_devices=D`` the engines live on D devices of their own: the training devices
