@@ -331,10 +331,13 @@ class ClusterConfig:
     inter_latency_us: float = 10.0  # us, the same between groups (see intra_latency_us)
     # Achieved TFLOP/s of one device on the models' arithmetic (A100 bf16: 312 peak).
     tflops: float = 150.0
+    # Achieved GB/s of one device's memory, for the planner's generation time: decoding a token
+    # reads the weights and the key/value cache (A100 80 GB: 2039 peak).
+    memory_gbps: float = 1500.0
 
     def __post_init__(self) -> None:
         for key in ("num_devices", "group_size", "nodes", "gpus_per_node", "memory_gb",
-                    "intra_gbps", "inter_gbps", "tflops"):
+                    "intra_gbps", "inter_gbps", "tflops", "memory_gbps"):
             _positive(key, getattr(self, key))
         for key in ("intra_latency_us", "inter_latency_us"):
             if getattr(self, key) < 0:

@@ -25,7 +25,39 @@ after the update (phase ``sync``, a unit at a time, ``engine.unit_parameters``),
 generates without gathering: the same gathers of every unit at P's scope, so the same bytes
 and time, reported by P level under the actor's table. The predicted time is the sum of those
 (the models run one after another); generation's decoding is the same for every strategy and
-is left out.
+is left out of it: the step adds it ([Note: generation time]).
+
+[Note: generation time]
+Decoding is bound by memory, not arithmetic: a decoding step of an engine reads all its
+weights and the key/value cache of every sequence it decodes at once, and computes only
+2 x Psi FLOPs per sequence. So a step takes the longer of (weights + cache read) / its devices'
+``cluster.memory_gbps`` and 2 x Psi x sequences / its devices' ``cluster.tflops``; the cache
+read is a sequence's prompt bound plus half its decoded length, as its cache grows from the
+prompt to the end. ``vllm`` decodes at most ``rollout.max_num_seqs`` sequences at once, fewer
+when the cache of that many at their longest does not fit in its share of a CUDA device
+(``rollout.gpu_memory_utilization`` x ``cluster.memory_gb`` less the weights), and refills a
+finished sequence's place, so its decoding steps are its sequences' expected tokens over the
+sequences at once (``ppo.expected_response_length``). ``hf`` decodes padded batches of
+``rollout.micro_batch_size`` prompts x ``rollout.n`` that run until the response bound. The
+prefill is compute-bound: 2 x Psi FLOPs a prompt token, every sample's prompt (what prefix
+caching shares between a prompt's samples is left out). An engine spans
+``rollout.tensor_parallel_size`` devices (vllm) whose bandwidth and FLOPs add up; its
+all-reduces, the sampling and the engine's own overheads are left out. The engines are the
+training devices' (``rollout.num_devices=0``) or the rollout's own, each with its share of the
+step's samples.
+
+[Note: the rollout on devices of its own]
+With ``rollout.num_devices=D`` the engines live on D devices of their own: the training devices
+hold no engine (none of its memory in the actor's peaks; ``strategy=auto`` chooses with what is
+left), and the actor still gathers every unit at its P scope once per update, then each actor
+rank sends the weights to the replicas it serves (replica j by rank j mod N; the rollout's
+devices are counted after the training ones, in nodes of ``cluster.group_size``, so a replica
+on a training rank's node takes intra links, any other inter), at the links' bandwidths: the
+sync is that gather plus the busiest rank's transfer. The step follows ``ppo/pipeline.py``:
+``step_seconds`` over ``order(rollout.max_staleness)``, the synchronous order adding sync,
+generation and training, the K-step-off order the sync and the longer of the other two. The
+table over D splits the run's devices every way the conf can run, plans each split's
+strategies afresh on its training devices, and gives both orders.
 
 [Note: real tokens]
 A packed model (``models.packs``) computes on the real tokens of its sequences only
@@ -201,7 +233,11 @@ class ModelPlan:
     # takes while it runs, in the actor's generation and setup peaks (0: not counted), and
     # the weights it holds in it.
     engine_bytes: float = 0.0
+    # The actor's: its weights as an engine holds them (LoRA merged), every unit's gather at
+    # each P level's scope (to generate on, or to sync), and a token's key/value cache.
     engine_weights: float = 0.0
+    gather: dict[Level, float] = field(default_factory=dict)
+    kv_token_bytes: int = 0
 
     def option(self, strategy: Strategy) -> Option:
         return next(o for o in self.options if o.strategy == strategy)
@@ -356,17 +392,22 @@ def _work(cfg: Config, role: str, units: list, vocab_size: int) -> tuple[_Work, 
                  _workload(cfg, role, units, vocab_size, hf, t.longest), budget), t
 
 
-def _kv_cache_bytes(cfg: Config, vocab_size: int) -> float:
-    """The actor's key/value cache while it generates all its samples at once, every row as
-    long as it may get (generation runs padded)."""
+def _kv_token_bytes(cfg: Config, vocab_size: int) -> int:
+    """The actor's key/value cache of one token: a key and a value per layer."""
     from rlhf_paro.models import hf_config
     from rlhf_paro.sharding.cost import bytes_per_element
 
     hf = hf_config("actor", cfg.actor, vocab_size)
     kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
     width = kv_heads * (hf.hidden_size // hf.num_attention_heads)
+    return 2 * hf.num_hidden_layers * width * bytes_per_element(cfg.actor.precision)
+
+
+def _kv_cache_bytes(cfg: Config, vocab_size: int) -> float:
+    """The actor's key/value cache while it generates all its samples at once, every row as
+    long as it may get (generation runs padded)."""
     positions = _samples_per_device(cfg) * cfg.longest_sequence()[1]
-    return 2 * hf.num_hidden_layers * width * positions * bytes_per_element(cfg.actor.precision)
+    return _kv_token_bytes(cfg, vocab_size) * positions
 
 
 def _timed(cfg: Config, role: str, strategy: Strategy, work: _Work, b: int,
@@ -434,25 +475,32 @@ def model_plan(cfg: Config, role: str, vocab_size: int) -> ModelPlan:
     optimizer_steps = _optimizer_steps(cfg)
     # Micro-batches per optimizer step: by sequences, or as many as a token budget makes.
     accum = cfg.grad_accum_steps(role) if work.budget is None else work.budget[1]
-    # The actor gathers once more per PPO step: to generate, or to sync its rollout engine.
-    syncs = int(role == "actor" and rollout.needs_sync(cfg.rollout.engine))
+    # The actor gathers once more per PPO step: to generate, or to sync its rollout engine (or
+    # the replicas on devices of their own, whatever their engine).
+    replicas = cfg.rollout.num_devices
+    syncs = int(role == "actor" and (rollout.needs_sync(cfg.rollout.engine) or replicas > 0))
     passes = _inference_passes(cfg, model_cfg.micro_batch_size) + (role == "actor") - syncs
     inference = {}  # P level -> per-step bytes of the inference forwards, shared by triples
-    sync = {}
+    sync, gather = {}, {}
     for level in Level:
+        if role == "actor":
+            gather[level] = gather_seconds(Strategy(level), work.time, Topology(n, m),
+                                           machine(cfg), algorithm)
         phases = traffic(Strategy(level), units, n, m, passes, precision, algorithm,
                          syncs=syncs)
         inference[level] = (sum(p.intra for p in phases.values()),
                             sum(p.inter for p in phases.values()))
         if syncs:
-            sync[level] = Sync(*phases[SYNC], gather_seconds(
-                Strategy(level), work.time, Topology(n, m), machine(cfg), algorithm))
-    weights, engine = 0, None  # the syncing engine's weights, and what it takes as it runs
-    if syncs:
+            sync[level] = Sync(*phases[SYNC], gather[level])
+    weights, engine = 0, None  # the engine's weights, and what a syncing one takes as it runs
+    if role == "actor":
         # The engine holds the plain model: a LoRA actor's adapters come merged into it.
         weights = (num_params - num_trainable if model_cfg.lora.enabled else num_params) * \
             bytes_per_element(precision)
+    if syncs:
         engine = _engine_bytes(cfg, weights, vocab_size)
+        if replicas:  # the engines live on the rollout's own devices: none on the actor's
+            engine = 0.0
     options = []
     offload, modes = cfg.offload(role), OFFLOAD_ALLOWED[role][0]
     for strategy in all_strategies() if trained else frozen_strategies():
@@ -474,9 +522,10 @@ def model_plan(cfg: Config, role: str, vocab_size: int) -> ModelPlan:
             setup, host_bytes=sum(v for k, v in held.items() if k not in DEVICE_KEYS),
             device_by_offload={mode: sum(p[k] for k in DEVICE_KEYS)
                                for mode, p in placed.items()}))
-    kv = _kv_cache_bytes(cfg, vocab_size) if role == "actor" else 0.0
+    kv = _kv_cache_bytes(cfg, vocab_size) if role == "actor" and not replicas else 0.0
     return ModelPlan(role, num_params, num_trainable, options, tokens, kv, sync, engine or 0.0,
-                     weights)
+                     weights, gather,
+                     _kv_token_bytes(cfg, vocab_size) if role == "actor" else 0)
 
 
 def _engine_bytes(cfg: Config, weights: int, vocab_size: int) -> float:
@@ -616,6 +665,148 @@ def resolve_auto(cfg: Config, vocab_sizes: dict[str, int] | None = None) -> Conf
     return resolved
 
 
+# --- generation and the order of a step ---------------------------------------------------------
+
+class Generation(NamedTuple):
+    """A rollout's predicted generation ([Note: generation time])."""
+
+    seconds: float
+    engines: int  # engines generating side by side
+    devices: int  # devices one engine spans (rollout.tensor_parallel_size for vllm)
+    sequences: int  # one engine's share of the step's samples
+    concurrent: int  # sequences one engine decodes at once
+    steps: int  # decoding steps of one engine
+    step_seconds: float  # one decoding step
+    memory_bound: bool  # whether reading weights and cache sets a step's time (not FLOPs)
+    prefill_seconds: float
+
+
+def generation(cfg: Config, num_params: int, weights_bytes: int, kv_token_bytes: int
+               ) -> Generation:
+    """[Note: generation time] of one step's rollout: on the rollout's own devices
+    (``rollout.num_devices``) or on the training devices; ``weights_bytes``: the engine's
+    copy, ``kv_token_bytes``: the key/value cache of one token."""
+    from rlhf_paro.rollout import vllm as vllm_engine
+
+    r, c = cfg.rollout, cfg.cluster
+    vllm = r.engine == vllm_engine.NAME
+    devices = r.num_devices or c.num_devices
+    span = r.tensor_parallel_size if vllm else 1
+    engines = max(1, devices // span)
+    samples = cfg.ppo.rollout_batch_size * r.n
+    sequences = math.ceil(samples / engines)
+    prompt, bound = cfg.prompt_bound()[1], cfg.response_bound()[1]
+    expected = cfg.ppo.expected_response_length or bound
+    if vllm:
+        concurrent = min(r.max_num_seqs, sequences)
+        if c.device == "cuda" and c.memory_gb is not None:  # sequences at their longest
+            room = r.gpu_memory_utilization * c.memory_gb * GIB * span - weights_bytes
+            concurrent = min(concurrent, max(1, int(room // (kv_token_bytes * (prompt + bound)))))
+        # Continuous batching refills a finished sequence's place: the engine's tokens over
+        # the sequences it decodes at once; each sequence's cache grows to its own length.
+        steps, decoded = math.ceil(sequences * expected / concurrent), expected
+    else:
+        prompts = r.micro_batch_size or math.ceil(cfg.ppo.rollout_batch_size / engines)
+        concurrent = min(sequences, prompts * r.n)
+        # hf decodes padded batches that run until their longest reaches the bound.
+        steps, decoded = math.ceil(sequences / concurrent) * bound, bound
+    read = weights_bytes + concurrent * kv_token_bytes * (prompt + decoded / 2)
+    memory_s = read / (span * c.memory_gbps * GB)
+    compute_s = 2 * num_params * concurrent / (span * c.tflops * 1e12)
+    prefill = 2 * num_params * sequences * prompt / (span * c.tflops * 1e12)
+    step = max(memory_s, compute_s)
+    return Generation(steps * step + prefill, engines, span, sequences, concurrent, steps, step,
+                      memory_s >= compute_s, prefill)
+
+
+def transfer_seconds(cfg: Config, weights_bytes: float, node_size: int | None = None
+                     ) -> tuple[float, float, float]:
+    """The weights' transfer to the replicas on the rollout's own devices, per update: the
+    intra and inter bytes of the busiest actor rank and its seconds ([Note: the rollout on
+    devices of its own]); ``node_size``: devices a node (None: ``cluster.group_size``)."""
+    c, replicas = cfg.cluster, cfg.rollout.num_devices
+    node = node_size or c.group_size
+    worst = (0.0, 0.0, 0.0)
+    for rank in range(min(c.num_devices, replicas)):
+        served = range(rank, replicas, c.num_devices)
+        intra = sum((c.num_devices + j) // node == rank // node for j in served)
+        inter = len(served) - intra
+        sent = (intra * weights_bytes, inter * weights_bytes)
+        seconds = sent[0] / (c.intra_gbps * GB) + sent[1] / (c.inter_gbps * GB)
+        worst = max(worst, (seconds, *sent))
+    return worst[1], worst[2], worst[0]
+
+
+class StepPrediction(NamedTuple):
+    """A step's predicted seconds by ``ppo/pipeline.py``'s order of its stages."""
+
+    order: str  # synchronous or K steps off
+    sync: float  # the actor's gather at P's scope, and the transfer to replicas
+    transfer: float  # of which the transfer
+    generate: float
+    train: float  # experience and training: the run's models, less the sync
+    seconds: float
+
+
+def predict_step(cfg: Config, plan: Plan, max_staleness: int | None = None,
+                 node_size: int | None = None) -> StepPrediction | None:
+    """The step with generation ([Note: generation time]) and the planned models, as
+    ``pipeline.step_seconds`` reads ``pipeline.order(max_staleness)`` (None: the conf's
+    ``rollout.max_staleness``); None when no combination fits. ``node_size``: as
+    ``transfer_seconds`` takes it."""
+    from rlhf_paro.ppo import pipeline
+
+    if plan.best is None:
+        return None
+    k = cfg.rollout.max_staleness if max_staleness is None else max_staleness
+    actor = plan.models["actor"]
+    gather = actor.gather[plan.best["actor"].strategy.params]
+    transfer = transfer_seconds(cfg, actor.engine_weights, node_size)[2]
+    gen = generation(cfg, actor.num_params, actor.engine_weights, actor.kv_token_bytes).seconds
+    train = sum(ch.seconds for ch in plan.best.values()) - gather
+    stages = pipeline.order(k)
+    name = "synchronous" if not pipeline.overlaps(stages) else f"{k} step{'s' * (k > 1)} off"
+    return StepPrediction(name, gather + transfer, transfer, gen, train,
+                          pipeline.step_seconds(stages, gather + transfer, gen, train))
+
+
+class Split(NamedTuple):
+    """One row of the table over the devices given to the rollout."""
+
+    rollout_devices: int  # D
+    training_devices: int  # N: the rest
+    synchronous: StepPrediction | None  # None: nothing fits
+    overlapped: StepPrediction | None  # K steps off (D > 0), or None
+
+
+def rollout_splits(cfg: Config, vocab_sizes: dict[str, int]
+                   ) -> tuple[list[Split], dict[int, str]]:
+    """The run's devices, ``cluster.num_devices + rollout.num_devices``, split every way into
+    D for the rollout and the rest for training, each split planned afresh (its strategies
+    chosen on the training devices, as ``strategy=auto`` would), at the conf's
+    ``rollout.max_staleness`` (at least 1 where D > 0); and each split the conf cannot run,
+    with the one-line reason. Training groups are as large as divides both N and the node
+    (``cluster.group_size``), so a node the rollout shares counts as smaller groups; its
+    replicas there take intra links."""
+    c, r = cfg.cluster, cfg.rollout
+    total, k = c.num_devices + r.num_devices, max(1, r.max_staleness)
+    rows, skipped = [], {}
+    for d in range(total):
+        n = total - d
+        try:
+            cluster = dataclasses.replace(c, num_devices=n, group_size=math.gcd(n, c.group_size),
+                                          nodes=None, gpus_per_node=None)
+            split = dataclasses.replace(cfg, cluster=cluster, rollout=dataclasses.replace(
+                r, num_devices=d, max_staleness=k if d else 0))
+            plan = make_plan(split, vocab_sizes)
+        except ConfigError as e:
+            skipped[d] = str(e)
+            continue
+        rows.append(Split(d, n, predict_step(split, plan, 0, c.group_size),
+                          predict_step(split, plan, k, c.group_size) if d else None))
+    return rows, skipped
+
+
 # --- report -------------------------------------------------------------------------------------
 
 def _time_key(seconds: float, memory_bytes: int) -> tuple[float, int]:
@@ -720,7 +911,68 @@ def _tokens_line(cfg: Config, plan: Plan) -> str:
             "compute by " + "; ".join(compute))
 
 
-def format_plan(cfg: Config, plan: Plan) -> str:
+def _step_lines(cfg: Config, plan: Plan, mem_unit: str, mem_scale: float) -> list[str]:
+    """The rollout's generation ([Note: generation time]) and the step in the order of its
+    stages (``ppo/pipeline.py``)."""
+    step = predict_step(cfg, plan)
+    if step is None:
+        return []
+    actor, c, r = plan.models["actor"], cfg.cluster, cfg.rollout
+    gen = generation(cfg, actor.num_params, actor.engine_weights, actor.kv_token_bytes)
+    where = (f"on {r.num_devices} device(s) of its own" if r.num_devices else
+             f"on the {c.num_devices} training devices")
+    bound = "memory-bound" if gen.memory_bound else "compute-bound"
+    lines = [f"generation ({r.engine}, {where}): {gen.engines} engine(s) of {gen.devices} "
+             f"device(s), {gen.sequences} sequences each, {gen.concurrent} at a time: "
+             f"{gen.steps} decoding steps of {gen.step_seconds * 1e3:.3g} ms ({bound}: "
+             f"{actor.engine_weights / mem_scale:.2f} {mem_unit} of weights and the cache read "
+             f"per step at "
+             f"cluster.memory_gbps={c.memory_gbps:g}) + prefill {gen.prefill_seconds:.3g} s = "
+             f"{gen.seconds:.4g} s"]
+    sync = f"sync {step.sync:.3g} s" + (f" (of which the transfer to {r.num_devices} "
+                                        f"replica(s) {step.transfer:.3g} s)" if r.num_devices
+                                        else "")
+    parts = (f"{sync} + max(generation {step.generate:.4g} s, training {step.train:.4g} s)"
+             if r.max_staleness else
+             f"{sync} + generation {step.generate:.4g} s + training {step.train:.4g} s")
+    lines.append(f"step ({step.order}, rollout.max_staleness={r.max_staleness}): {parts} = "
+                 f"{step.seconds:.4g} s predicted")
+    return lines
+
+
+def _splits_lines(cfg: Config, splits: tuple[list[Split], dict[int, str]]) -> list[str]:
+    """The table over the devices given to the rollout (``rollout_splits``)."""
+    rows, skipped = splits
+    total = cfg.cluster.num_devices + cfg.rollout.num_devices
+    k = max(1, cfg.rollout.max_staleness)
+    lines = ["", f"devices for the rollout, of {total}: D for the rollout, N for training (its "
+                 "strategies planned on N), seconds predicted per step",
+             f"  {'D':>4} {'N':>4} {'generate':>9} {'train':>9} {'sync':>7} {'step K=0':>9} "
+             f"{'step K=' + str(k):>9}"]
+    fastest = None
+    for row in rows:
+        if row.synchronous is None:
+            lines.append(f"  {row.rollout_devices:>4} {row.training_devices:>4}  no "
+                         "combination fits")
+            continue
+        s, o = row.synchronous, row.overlapped
+        best = min(s.seconds, o.seconds if o else math.inf)
+        if fastest is None or best < fastest[1]:
+            fastest = (row.rollout_devices, best)
+        lines.append(f"  {row.rollout_devices:>4} {row.training_devices:>4} {s.generate:9.4g} "
+                     f"{s.train:9.4g} {s.sync:7.3g} {s.seconds:9.4g} "
+                     + (f"{o.seconds:9.4g}" if o else f"{'-':>9}"))
+    if skipped:
+        first = next(iter(skipped))
+        lines.append(f"  D={', '.join(map(str, skipped))}: not runnable with this conf (D={first}: "
+                     f"{skipped[first]})")
+    if fastest is not None:
+        lines.append(f"  fastest: D={fastest[0]} ({fastest[1]:.4g} s per step)")
+    return lines
+
+
+def format_plan(cfg: Config, plan: Plan,
+                splits: tuple[list[Split], dict[int, str]] | None = None) -> str:
     c = cfg.cluster
     roles = tuple(plan.models)
     budget = "unlimited" if math.isinf(plan.budget_bytes) else (
@@ -736,7 +988,7 @@ def format_plan(cfg: Config, plan: Plan) -> str:
         f"mini-batch {cfg.ppo.mini_batch_size}, {cfg.ppo.ppo_epochs} epoch(s); models "
         f"{', '.join(roles)} (algorithm.adv_estimator={cfg.algorithm.adv_estimator}); traffic "
         "is bytes one device sends per PPO step, time is predicted per PPO step (generation's "
-        "decoding left out)",
+        "decoding apart: see step)",
         _tokens_line(cfg, plan),
         "P, G, OS, sum, peak and setup are device bytes under each model's offload; columns "
         + "/".join(OFFLOAD_COLUMNS.values()) + ": device bytes between the model's phases under "
@@ -835,12 +1087,22 @@ def format_plan(cfg: Config, plan: Plan) -> str:
                          f"{states / GIB:.1f} GiB of states per device: "
                          f"{'fits' if fits else 'does NOT fit'}; setup peak "
                          f"{setup / mem_scale:.2f} {mem_unit}: {during}")
+        lines += _step_lines(cfg, plan, mem_unit, mem_scale)
+    if splits is not None:
+        lines += _splits_lines(cfg, splits)
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     cli.main(sys.argv[1:] if argv is None else argv, prog="rlhf_paro.plan", about=_ABOUT,
-             prepare=_prepare, execute=lambda cfg, _: print(format_plan(cfg, make_plan(cfg))))
+             prepare=_prepare, execute=lambda cfg, _: print(_report(cfg)))
+
+
+def _report(cfg: Config) -> str:
+    from rlhf_paro.ppo.data import vocab_sizes
+
+    sizes = vocab_sizes(cfg)
+    return format_plan(cfg, make_plan(cfg, sizes), rollout_splits(cfg, sizes))
 
 
 # --help: the first paragraph of the module docstring.

@@ -527,3 +527,165 @@ def test_the_planner_plans_vllm_where_vllm_is_not_installed(monkeypatch, capsys)
     out = capsys.readouterr().out
     assert "sync into the vllm engine once per PPO step" in out
     assert sys.modules["vllm"] is None
+
+
+# --- generation and the order of a step (rollout.num_devices, rollout.max_staleness) -------------
+# Round machine numbers, so that every prediction below is worked by hand: 1e9 parameters held
+# in 2e9 bytes, 1e6 bytes of key/value cache a token, 1000 GB/s of memory and 100 TFLOP/s.
+PARAMS, WEIGHTS, KV = 10 ** 9, 2 * 10 ** 9, 10 ** 6
+MACHINE = ["cluster.memory_gbps=1000", "cluster.tflops=100"]
+# ppo_tiny's cluster is 4 devices; 8 prompts x 2 samples, prompts of up to 8 tokens (its
+# ppo.max_prompt_len), responses of up to 8.
+SMALL = [*INLINE, *MACHINE, "ppo.rollout_batch_size=8", "rollout.n=2", "ppo.mini_batch_size=8",
+         "ppo.max_new_tokens=8", "critic.micro_batch_size=1", "actor.micro_batch_size=1"]
+
+
+def test_hf_generation_decodes_padded_batches_to_the_bound_reading_weights_and_cache():
+    from rlhf_paro.plan import generation
+
+    cfg = load([*SMALL, "rollout.micro_batch_size=1"])
+    assert cfg.prompt_bound()[1] == 8 and cfg.cluster.num_devices == 4
+    g = generation(cfg, PARAMS, WEIGHTS, KV)
+    # 16 samples over 4 engines: 4 each, decoded 1 prompt x 2 samples at a time, in 2 batches
+    # that each run the 8 tokens of the bound: 16 steps. A step reads the weights and 2
+    # sequences' cache at 8 + 8 / 2 = 12 tokens: 2e9 + 2 x 1e6 x 12 = 2.024e9 bytes at 1e12 B/s,
+    # 2.024 ms; its FLOPs, 2 x 1e9 x 2 = 4e9 at 1e14, 0.04 ms: memory-bound. Prefill: 4 x 8
+    # prompt tokens x 2e9 FLOPs at 1e14, 0.64 ms. In all 16 x 2.024 + 0.64 = 33.024 ms.
+    assert (g.engines, g.sequences, g.concurrent, g.steps) == (4, 4, 2, 16)
+    assert g.memory_bound
+    # Float sums of a few terms: relative error of a few ulps, far below 1e-12.
+    assert g.step_seconds == pytest.approx(2.024e-3, rel=1e-12)
+    assert g.prefill_seconds == pytest.approx(0.64e-3, rel=1e-12)
+    assert g.seconds == pytest.approx(33.024e-3, rel=1e-12)
+    # A slow enough device is bound by its FLOPs instead: at 0.001 TFLOP/s a step's 4e9 FLOPs
+    # take 4 s, the 2.024e9 bytes still 2.024 ms.
+    slow = generation(load([*SMALL, "rollout.micro_batch_size=1", "cluster.tflops=0.001"]),
+                      PARAMS, WEIGHTS, KV)
+    assert not slow.memory_bound and slow.step_seconds == pytest.approx(4.0, rel=1e-12)
+
+
+def test_vllm_generation_refills_its_batch_and_is_bounded_by_its_cache_share():
+    from rlhf_paro.plan import generation
+
+    base = [*SMALL, "rollout.engine=vllm", "rollout.num_devices=2", "rollout.max_num_seqs=3",
+            "ppo.expected_response_length=4"]
+    g = generation(load(base, engine_check=False), PARAMS, WEIGHTS, KV)
+    # 2 replicas of their own, 8 samples each, 3 at a time (max_num_seqs): continuous batching
+    # decodes 8 x 4 expected tokens in ceil(32 / 3) = 11 steps, each reading 2e9 + 3 x 1e6 x
+    # (8 + 4 / 2) = 2.03e9 bytes, 2.03 ms. Prefill: 8 x 8 x 2e9 / 1e14 = 1.28 ms.
+    assert (g.engines, g.sequences, g.concurrent, g.steps) == (2, 8, 3, 11)
+    assert g.seconds == pytest.approx(11 * 2.03e-3 + 1.28e-3, rel=1e-12)
+    # On a CUDA device of 4 GiB at gpu_memory_utilization=0.486 the engine has 0.486 x 4 x 2^30
+    # = 2087354105.9 bytes, 87354105.9 after the weights: the cache of 5 sequences at their
+    # longest (5 x 1e6 x 16 tokens = 8e7), not 6 (9.6e7); max_num_seqs=256 no longer binds,
+    # and the 32 tokens take ceil(32 / 5) = 7 steps.
+    cuda = load([*base, "rollout.max_num_seqs=256", "cluster.device=cuda", "cluster.memory_gb=4",
+                 "rollout.gpu_memory_utilization=0.486"], engine_check=False)
+    g = generation(cuda, PARAMS, WEIGHTS, KV)
+    assert (g.concurrent, g.steps) == (5, 7)
+
+
+def test_the_transfer_is_the_busiest_actor_rank_s_weights_over_its_links():
+    from rlhf_paro.plan import transfer_seconds
+
+    cfg = load([*SMALL, "cluster.num_devices=2", "cluster.group_size=2", "rollout.num_devices=4",
+                "cluster.intra_gbps=100", "cluster.inter_gbps=10"])
+    # Training ranks 0, 1 on node 0; replicas 0-3 on devices 2-5, nodes 1 and 2. Rank 0 serves
+    # replicas 0 and 2 (j mod 2), rank 1 replicas 1 and 3: each sends the weights twice over
+    # inter links, 2 x 2e9 / 10e9 = 0.4 s.
+    assert transfer_seconds(cfg, WEIGHTS) == (0, 2 * WEIGHTS, pytest.approx(0.4, rel=1e-12))
+    # On nodes of 4 (a split of 8 devices, training on 2), replicas 0 and 1 (devices 2 and 3)
+    # share node 0 with the training ranks: rank 0 sends once intra, once inter (replica 2 on
+    # device 4), 2e9 / 100e9 + 2e9 / 10e9 = 0.22 s.
+    assert transfer_seconds(cfg, WEIGHTS, node_size=4) == (
+        WEIGHTS, WEIGHTS, pytest.approx(0.22, rel=1e-12))
+
+
+def test_the_step_follows_the_pipeline_s_order_synchronous_adds_k_steps_off_overlaps():
+    from rlhf_paro.plan import generation, predict_step, transfer_seconds
+
+    cfg = load([*SMALL, "rollout.num_devices=2", "rollout.max_staleness=1"])
+    plan = make_plan(cfg, vocab_sizes=VOCAB)
+    actor = plan.models["actor"]
+    overlapped, synchronous = predict_step(cfg, plan), predict_step(cfg, plan, 0)
+    gen = generation(cfg, actor.num_params, actor.engine_weights, actor.kv_token_bytes).seconds
+    gather = actor.gather[plan.best["actor"].strategy.params]
+    # The actor's fp32 weights (4 bytes each) to the 2 replicas, each served by its own rank
+    # across nodes (ppo_tiny: nodes of 2, 4 training devices).
+    transfer = actor.num_params * 4 / (cfg.cluster.inter_gbps * 1e9)
+    assert transfer_seconds(cfg, actor.engine_weights)[2] == pytest.approx(transfer, rel=1e-12)
+    train = sum(c.seconds for c in plan.best.values()) - gather
+    # Sums of a handful of floats: a few ulps apart at most.
+    assert overlapped.order == "1 step off" and synchronous.order == "synchronous"
+    assert overlapped.seconds == pytest.approx(gather + transfer + max(gen, train), rel=1e-12)
+    assert synchronous.seconds == pytest.approx(gather + transfer + gen + train, rel=1e-12)
+    assert overlapped.seconds < synchronous.seconds
+
+
+def test_rollout_devices_take_the_engine_off_the_training_devices_for_strategy_auto():
+    # [Note: the rollout on devices of its own] vLLM's share at gpu_memory_utilization=0.6 of
+    # 80 GiB is 48 GiB: with the four 7B models' states beside it on each of the 16 devices
+    # nothing fits; on 8 devices of its own, the 16 training devices hold only the models, and
+    # auto chooses as without an engine (the conf's NGG, NII, I, N).
+    from rlhf_paro.plan import choose_strategies
+
+    share = ["conf=ppo_llama7b", "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.6",
+             "actor.strategy=auto"]
+    colocated = load(share, engine_check=False)
+    with pytest.raises(ConfigError, match="actor.strategy: auto found no strategy"):
+        choose_strategies(colocated)
+    apart = load([*share, "rollout.num_devices=8"], engine_check=False)
+    plan = make_plan(apart)
+    assert plan.models["actor"].engine_bytes == 0
+    assert choose_strategies(apart) == {"actor": Strategy.parse("NGG"),
+                                        "critic": Strategy.parse("NII"),
+                                        "reward": Strategy.parse("I", frozen=True),
+                                        "ref": Strategy.parse("N", frozen=True)}
+
+
+def test_the_table_splits_the_devices_every_way_the_conf_runs(capsys):
+    from rlhf_paro.plan import rollout_splits
+
+    cfg = load(SMALL)
+    rows, skipped = rollout_splits(cfg, VOCAB)
+    # 4 devices: D = 0 (colocated), 2 (2 + 2), and not 1 or 3 (8 prompts over 3 devices).
+    assert [(r.rollout_devices, r.training_devices) for r in rows] == [(0, 4), (2, 2)]
+    assert set(skipped) == {1, 3}
+    assert skipped[1].startswith("ppo.rollout_batch_size: 8 must be a multiple of "
+                                 "cluster.num_devices=3")
+    colocated, apart = rows
+    assert colocated.overlapped is None and colocated.synchronous.transfer == 0
+    # D = 2 on 2 training devices of nodes of 2: the replicas sit on node 1, inter links.
+    assert apart.synchronous.transfer > 0
+    assert apart.overlapped.seconds == pytest.approx(
+        apart.synchronous.sync + max(apart.synchronous.generate, apart.synchronous.train),
+        rel=1e-12)
+    main(SMALL)
+    out = capsys.readouterr().out
+    assert "step (synchronous, rollout.max_staleness=0): sync " in out
+    assert "devices for the rollout, of 4" in out and "  D=1, 3: not runnable" in out
+
+
+def test_llama7b_generation_reads_its_weights_and_as_much_cache_every_decoding_step(llama,
+                                                                                    llama_plan):
+    from rlhf_paro.plan import generation, predict_step
+
+    actor = llama_plan.models["actor"]
+    # bf16 weights: 2 x Psi bytes; a token's cache: a key and a value of 4096 in each of 32
+    # layers, 2 x 32 x 4096 x 2 = 524288 bytes (0.5 MiB).
+    assert (actor.engine_weights, actor.kv_token_bytes) == (2 * PSI, 524_288)
+    g = generation(llama, actor.num_params, actor.engine_weights, actor.kv_token_bytes)
+    # hf on the 16 devices: 64 sequences each, 16 prompts at a time (rollout.micro_batch_size,
+    # n = 1), 4 batches of 1024 steps. A step reads 13476831232 bytes of weights and 16
+    # sequences' cache at 1024 + 1024 / 2 tokens, 16 x 524288 x 1536 = 12884901888 bytes: at
+    # 1500 GB/s, 17.5745 ms; its FLOPs, 2 x Psi x 16 at 150 TFLOP/s, 1.44 ms. Prefill: 64 x 1024
+    # prompt tokens x 2 x Psi / 150e12 = 5.8881 s. In all 4096 x 17.5745 ms + 5.8881 s = 77.87 s.
+    assert (g.sequences, g.concurrent, g.steps, g.memory_bound) == (64, 16, 4096, True)
+    step = (2 * PSI + 12_884_901_888) / 1.5e12
+    prefill = 2 * PSI * 64 * 1024 / 150e12
+    assert g.seconds == pytest.approx(4096 * step + prefill, rel=1e-12)
+    # Synchronous: the conf's NGG actor gathers nothing (P = N), so the step adds generation to
+    # the four models' 142.1 s (the recommended combination's sum).
+    s = predict_step(llama, llama_plan)
+    assert s.sync == 0 and s.seconds == pytest.approx(
+        g.seconds + sum(c.seconds for c in llama_plan.best.values()), rel=1e-12)
