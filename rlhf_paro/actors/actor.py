@@ -109,6 +109,10 @@ class ActorWorker(TrainedWorker):
         models of this rank) and sums for the driver."""
         self.rollout_engine.wake()
         self.sync_engine()
+        if self.generation is None:  # an engine given to this rank after setup (as tests do)
+            self.generation = Generation(self.cfg, self.rollout_engine, self.tokenizer,
+                                         self.device)
+        self.generation.engine = self.rollout_engine  # the one this rank generates with now
         with self.timed(GENERATE):
             batch, stats = self.generation(prompts, rows, greedy, step, self.rank)
         self.rollout_engine.sleep()
