@@ -6,12 +6,16 @@
 
 Speed (the default). GRPO (``conf=grpo_tiny``'s algorithm: 16 prompts x 4 samples a step, one
 optimizer step, the reference's KL in the loss) at a realistic length mix: a random Llama
-(--layers x --hidden, fp32) over a word-level tokenizer of about --vocab tokens, so that at
+(--layers x --hidden, fp32) over a word-level tokenizer of --vocab tokens (110), so that at
 temperature 1, with near-uniform logits, each step samples the <eos> with a chance of about
 1/--vocab and responses end by chance, about geometric, mean about 100 under the --budget of 256.
-Rollouts by --engine (vllm). Its prompts are the counting task's (a prompt file with the
-columns the score reads) and its reward is the task's score, by a reward function that first
-sleeps --slow-reward-s seconds per call (a batch), as an LLM judge or a code sandbox takes wall
+The learning rate is --lr (1e-6), small enough that the policy stays where it started: at the
+conf's 1e-3 the score (correct successors over the budget) pays longer responses, lengths grow by
+half in three steps, and a rollout one step stale would be shorter than a fresh one, which would
+flatter the asynchronous run; a benchmark of speed wants the same length mix in every step of every
+job. Rollouts by --engine (vllm). Its prompts are the counting task's (a prompt file with the
+columns the score reads) and its reward is the task's score, by a reward function that first sleeps
+--slow-reward-s seconds per call (a batch), as an LLM judge or a code sandbox takes wall
 time to answer. Contenders, two devices each:
 
   sync   colocated synchronous: cluster.num_devices=2, the engines in the actor's ranks
@@ -108,6 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=110,
                         help="speed: tokens of the word-level vocabulary (<eos> 1 of them)")
     parser.add_argument("--budget", type=int, default=256, help="speed: ppo.max_new_tokens")
+    parser.add_argument("--lr", type=float, default=1e-6,
+                        help="speed: actor.optim.lr, small so that the length mix stays")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
@@ -191,7 +197,8 @@ def speed_assets(args: argparse.Namespace, into: Path) -> list[str]:
             f"actor.tokenizer={into / 'tokenizer'}", f"data.train_files={into / 'prompts.jsonl'}",
             "data.val_files=null", "trainer.eval_every=0", f"ppo.max_prompt_len={prompt_len}",
             f"data.max_prompt_length={prompt_len}",
-            f"ppo.max_new_tokens={args.budget}", f"rollout.engine={args.engine}"]
+            f"ppo.max_new_tokens={args.budget}", f"rollout.engine={args.engine}",
+            f"actor.optim.lr={args.lr:g}"]
 
 
 def reward_file(seconds: float, into: Path) -> str:
