@@ -1,7 +1,7 @@
 """Asynchronous rollouts against the colocated synchronous run, at equal total devices.
 
     python scripts/bench_async.py                               # speed: 3 rounds of 8 steps
-    python scripts/bench_async.py --rounds 1 --steps 3 --warmup 2 --slow-reward-s 0
+    python scripts/bench_async.py --rounds 1 --steps 4 --warmup 2 --slow-reward-s 0
     python scripts/bench_async.py --curve --steps 50 --at 0,9,19,29,49 --seeds 0,1
 
 Speed (the default). GRPO (``conf=grpo_tiny``'s algorithm: 16 prompts x 4 samples a step, one
@@ -25,7 +25,9 @@ time to answer. Contenders, two devices each:
 
 each once per --slow-reward-s value. Every round runs every job once, in turn, as its own
 ``python -m rlhf_paro.train``, so slow drifts of the machine fall on all alike. The first
---warmup steps of every job are left out (start-up, and the pipeline filling); the table gives
+--warmup steps of every job are left out (start-up, and the pipeline filling), and so is its last
+step: the one-step-off run launches no rollout beyond the run's end, so its last step trains with
+nothing generating beside it, faster than any step before (the pipeline draining). The table gives
 the median over the other steps of all rounds of the step's wall time (``timing_s/step``) and
 its parts, samples/s as the samples of a step over that median, and each async job's ratio to
 the sync job with the same reward (> 1: async is faster). The parts say where the time goes:
@@ -71,6 +73,9 @@ CURVE_CONTENDERS = {
     "async": ["cluster.num_devices=1", "cluster.group_size=1", "rollout.num_devices=1",
               "rollout.max_staleness=1"],
 }
+# Steps at a job's end left out: the async contender's last max_staleness steps have no rollout
+# generating beside them.
+DRAIN = 1
 # Per-step metrics the speed table shows: (column, metric).
 PARTS = (("generate", "timing_s/generate"), ("wait", "timing_s/wait_rollout"),
          ("experience", "timing_s/make_experience"), ("train", "timing_s/train"),
@@ -129,9 +134,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.steps = 50 if args.curve else 8
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    if not args.curve and args.steps <= args.warmup:
-        parser.error(f"--steps ({args.steps}) must be more than --warmup ({args.warmup}): "
-                     "a job's first --warmup steps are left out")
+    if not args.curve and args.steps < args.warmup + DRAIN + 1:
+        parser.error(f"--steps ({args.steps}) must be at least --warmup ({args.warmup}) + "
+                     f"{DRAIN + 1}: a job's first --warmup steps and its last are left out")
     if args.curve and any(not 0 <= s < args.steps for s in args.at):
         parser.error(f"--at steps must be in 0..{args.steps - 1} (--steps {args.steps})")
     if any(s < 0 for s in args.slow_reward_s) or not args.slow_reward_s:
@@ -206,6 +211,11 @@ def reward_file(seconds: float, into: Path) -> str:
     path = into / f"reward_{seconds:g}.py".replace(".", "p", f"{seconds:g}".count("."))
     path.write_text(REWARD.format(seconds=seconds))
     return f"{path}:reward"
+
+
+def kept_rows(rows: list[dict], warmup: int) -> list[dict]:
+    """A job's rows without its first ``warmup`` and its last ``DRAIN``."""
+    return rows[warmup:len(rows) - DRAIN]
 
 
 def job_name(contender: str, slow_s: float) -> str:
@@ -289,13 +299,13 @@ def speed(args: argparse.Namespace) -> None:
                 rows = run_job([*shared, f"reward.function={rewards[slow]}",
                                 *CONTENDERS[contender], *args.overrides,
                                 f"trainer.steps={args.steps}"], out)
-                results.setdefault((contender, slow), []).extend(rows[args.warmup:])
+                results.setdefault((contender, slow), []).extend(kept_rows(rows, args.warmup))
     load = os.getloadavg()
     print(f"\nGRPO {PROMPTS} prompts x {SAMPLES}, a random Llama {args.layers} x {args.hidden} "
           f"over {args.vocab} tokens, budget {args.budget}, rollout.engine={args.engine}; "
-          f"median of {args.rounds} rounds x {args.steps - args.warmup} steps (first "
-          f"{args.warmup} left out); overrides: {' '.join(args.overrides) or '(none)'}; load "
-          f"average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; seconds per step\n")
+          f"median of {args.rounds} rounds x {args.steps - args.warmup - DRAIN} steps (first "
+          f"{args.warmup} and last {DRAIN} left out); overrides: "
+          f"{' '.join(args.overrides) or '(none)'}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; seconds per step\n")
     print(speed_table(results))
     print()
     print("\n".join(ratio_lines(results)))

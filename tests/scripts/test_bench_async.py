@@ -36,7 +36,7 @@ def test_ratio_is_sync_median_over_async_median_per_reward():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--steps", "2", "--warmup", "2"], "must be more than --warmup"),
+    (["--steps", "3", "--warmup", "2"], "must be at least --warmup (2) + 2"),
     (["--rounds", "0"], "--rounds must be at least 1"),
     (["--slow-reward-s", "-1"], "--slow-reward-s takes seconds >= 0"),
     (["--curve", "--steps", "10", "--at", "0,10"], "--at steps must be in 0..9"),
@@ -46,6 +46,11 @@ def test_bad_arguments_are_refused_in_one_line(argv, message, capsys):
         bench.parse_args(argv)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_job_keeps_its_steps_but_the_warmup_and_the_drained_last():
+    rows = [{"step": k} for k in range(6)]
+    assert [r["step"] for r in bench.kept_rows(rows, 2)] == [2, 3, 4]
 
 
 def test_the_steps_default_by_mode():
