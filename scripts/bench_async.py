@@ -305,7 +305,8 @@ def speed(args: argparse.Namespace) -> None:
           f"over {args.vocab} tokens, budget {args.budget}, rollout.engine={args.engine}; "
           f"median of {args.rounds} rounds x {args.steps - args.warmup - DRAIN} steps (first "
           f"{args.warmup} and last {DRAIN} left out); overrides: "
-          f"{' '.join(args.overrides) or '(none)'}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; seconds per step\n")
+          f"{' '.join(args.overrides) or '(none)'}; load average "
+          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; seconds per step\n")
     print(speed_table(results))
     print()
     print("\n".join(ratio_lines(results)))
