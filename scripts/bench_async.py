@@ -32,8 +32,9 @@ the median over the other steps of all rounds of the step's wall time (``timing_
 its parts, samples/s as the samples of a step over that median, and each async job's ratio to
 the sync job with the same reward (> 1: async is faster). The parts say where the time goes:
 ``timing_s/generate`` (launching and waiting for the rollout; for async the wait alone is
-``timing_s/wait_rollout``), ``make_experience``, ``train``, and the replicas' ``rollout/time_s``
-``generate``, ``sync`` and ``idle``.
+``timing_s/wait_rollout``), ``make_experience`` (which holds the wait for a reward scored
+ahead: collecting a rollout waits for its tokens only), ``train``, and the replicas'
+``rollout/time_s`` ``generate``, ``sync`` and ``idle``.
 
 Curve (--curve): ``conf=grpo_tiny`` for --steps steps, ``cluster.num_devices=1`` colocated and
 synchronous against ``rollout.num_devices=1 rollout.max_staleness=1``, once per --seeds seed:
