@@ -1,9 +1,9 @@
 """Flat buffers a pass asks for again and again, kept for the next one on a CPU device.
 
 [Note: a pool of gradient buffers]  (docs/design.md, "The engine in parts")
-Every micro-batch, a unit whose gradients leave the N level takes a zeroed flat buffer as large as
-the unit for autograd to add its gradients into, and a buffer of 1/n of it for the reduce-scatter's
-result; both are dropped once the reduction is added to the accumulator. On CUDA the caching
+Every micro-batch, a unit whose gradients leave the N level takes a flat buffer as large as the
+unit to copy its gradients into, and a buffer of 1/n of it for the reduce-scatter's result; both
+are dropped once the reduction is added to the accumulator. On CUDA the caching
 allocator keeps such blocks for the next request. On a CPU, torch allocates with malloc, which
 hands buffers of megabytes back to the kernel when they are freed (mmap, or a trimmed heap), so
 every micro-batch pays a page fault for every 4 KiB of every buffer, before the zeroing itself: on
@@ -35,9 +35,6 @@ class BufferPool:
         if kept:
             return kept.pop()
         return torch.empty(numel, dtype=dtype, device=self.device)
-
-    def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.empty(numel, dtype).zero_()
 
     def give(self, *buffers: torch.Tensor) -> None:
         """Buffers no one reads any more (taken from this pool or not), for the next request."""

@@ -166,8 +166,8 @@ class BoundaryStep:
 
     def _reduce_to_os(self, unit: Unit) -> torch.Tensor:
         """The globally summed gradient of this rank's OS shard, in fp32 (schedule, boundary)."""
-        if not self._reduce:  # G = OS = G: the accumulator already is the OS shard's sum
-            return unit.grad_acc.clone()
+        if not self._reduce:  # G = OS: the accumulator already is the OS shard's sum, and
+            return unit.grad_acc  # is zeroed after the step, so clipping may scale it in place
         self.start(unit)  # a no-op when the last backward started it
         pending, _, out = self._started.pop(unit)
         pending.wait()

@@ -10,12 +10,12 @@ This module wires them to the module's forward and autograd's backward.
                  flight, then start the next unit's gather (prefetch); wrap the unit's inputs so
                  that autograd tells us when the unit's backward is over
   post-forward   free P (P != N), and hook the outputs so backward can re-gather first
-  pre-backward   point the trained parameters' .grad at one flat buffer (_flat.py, [Note:
-                 gradients land in flat buffers]), gather P again (first hook on the unit's
-                 outputs); prefetch the unit before it
+  pre-backward   point the trained parameters' .grad at the fp32 accumulator when gradients
+                 stay at the N level (_flat.py, [Note: gradients land in flat buffers]), gather
+                 P again (first hook on the unit's outputs); prefetch the unit before it
   post-backward  (autograd reached the unit's inputs: every node that used its parameters has
-                 run, and AccumulateGrad nodes run first when ready) start reducing the flat
-                 gradient to the G level (the schedule's backward reduce-scatter, waited for
+                 run, and AccumulateGrad nodes run first when ready) copy the gradients into a
+                 flat buffer unless they are in the accumulator, start reducing it to the G level (the schedule's backward reduce-scatter, waited for
                  later: [Note: gradient reduction in flight]), free P
   end of backward  a queued autograd callback finishes units whose inputs needed no gradient
                  (the root, the first block of a LoRA model) and resets the pass state
@@ -306,13 +306,8 @@ class ShardedEngine:
         if unit.state not in (UnitState.READY, UnitState.ARMED):
             return
         unit.state = UnitState.BACKWARD
-        if unit.trainable is not None and self._boundary is not None:
-            # [Note: gradients land in flat buffers]
-            buf = unit.trainable
-            if self._direct_grads:
-                buf.attach_grads(unit.grad_acc, accumulator=True)
-            else:
-                buf.attach_grads(self._pool.zeros(buf.size, buf.full.dtype), accumulator=False)
+        if unit.trainable is not None and self._boundary is not None and self._direct_grads:
+            unit.trainable.attach_grads(unit.grad_acc)  # [Note: gradients land in flat buffers]
         self._gather_now(unit, BACKWARD)
         self._prefetch(unit, -1)
 
@@ -323,7 +318,7 @@ class ShardedEngine:
         unit.state = UnitState.DONE
         buf = unit.trainable
         if buf is not None and self._boundary is not None:
-            grad, added = buf.take_grad()
+            grad, added = buf.take_grad(self._pool.empty)
             if added and self._last_micro_batch:
                 self._accumulated(unit)
             elif not added:
