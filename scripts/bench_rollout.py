@@ -4,6 +4,8 @@
     python scripts/bench_rollout.py --rounds 5 --json rollout.json
     python scripts/bench_rollout.py --profile              # and where each engine's time goes
     python scripts/bench_rollout.py --sync                 # the weight sync under P = N, I, G
+    python scripts/bench_rollout.py --transfer             # the transfer to rollout replicas
+    python scripts/bench_rollout.py --transfer-store       # gloo against Ray's object store
 
 Both engines run in this process on one device (a gloo group of one rank), on the same random
 Llama (built from --seed, fp32) and the same random prompts of 4 to 16 tokens, left-padded as a
@@ -34,6 +36,24 @@ GROUP_SIZE and the rest from the environment:
 
     sudo python scripts/emulate_cluster.py --nodes 2 --gpus-per-node 2 --inter-rate 160MB -- \\
         python scripts/bench_rollout.py --sync
+
+``--transfer`` runs the same 4 ranks (or the emulated cluster's) as the actor, sharded as NGG,
+IGG and GGG in turn, and sends its weights to --replicas rollout replicas on devices of their own
+as a run does (``comm/transfer.py``: replica j served by actor rank j mod N, on a transfer group
+met on a store rank 0 holds): every rank gathers each unit at P (phase ``sync``), a rank that
+serves replicas broadcasts each weight to them (phase ``transfer``). Replica j lives on node
+--replica-nodes[j], as a thread of a rank process of that node (its transfer group is its own,
+bound to that process's address, so its bytes cross that node's links as a replica's process
+there would). Per P level: each rank's sync and transfer bytes, checked against the closed forms
+(``cost.traffic`` with ``syncs=1``; ``transfer.transfer_bytes``: the weights once per replica
+served, intra for a replica on the sender's node, inter otherwise), that every replica holds
+exactly the actor's weights, and the slowest rank's seconds (median of --sync-reps).
+
+``--transfer-store`` compares, on this machine's loopback, the two ways of moving the same
+model's weights from one sender to --replicas replica processes (Ray actors): a gloo broadcast
+of each weight on a transfer group, against one ``ray.put`` of all the weights by the sender and
+a ``ray.get`` by every replica; seconds until every replica holds them, median of --sync-reps,
+interleaved.
 """
 
 from __future__ import annotations
@@ -302,6 +322,228 @@ def sync_rank(rank: int, args: argparse.Namespace, port: int | None) -> None:
     rollout.close()
 
 
+def transfer_rank(rank: int, args: argparse.Namespace, port: int | None) -> None:
+    """One rank of ``--transfer``: rank 0 prints the table (and writes --json)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rlhf_paro import models
+    from rlhf_paro.comm import transfer
+    from rlhf_paro.comm.meter import SYNC, TRANSFER
+    from rlhf_paro.ppo.data import vocab_sizes
+    from rlhf_paro.sharding import cost
+    from rlhf_paro.sharding.layout import unit_sizes
+    from rlhf_paro.sharding.strategy import Strategy
+
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    if port is None:  # every rank a process of its own (emulate_cluster.py)
+        dist.init_process_group("gloo")
+        group_size = int(os.environ["GROUP_SIZE"])
+        host = os.environ["MASTER_ADDR"]
+    else:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=args.world)
+        group_size = args.group_size
+        host = "127.0.0.1"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    nodes = world // group_size
+    placed = args.replica_nodes or [j % nodes for j in range(args.replicas)]
+    if len(placed) != args.replicas or not all(0 <= n < nodes for n in placed):
+        raise SystemExit(f"error: --replica-nodes needs {args.replicas} nodes in 0..{nodes - 1}")
+    # The store the transfer groups meet on, held by rank 0 as the driver holds it in a run.
+    held = transfer.serve_store(host) if rank == 0 else None
+    store_port = torch.tensor([held[1] if held else 0])
+    dist.broadcast(store_port, 0)
+    store_port = int(store_port.item())
+    cfg = load(args, world, group_size, batch=1)
+    vocab = vocab_sizes(cfg)["actor"]
+    units = unit_sizes(models.build_model("actor", cfg.actor, vocab, meta=True))
+    served = transfer.served(rank, world, args.replicas)
+    same_node = [placed[j] == rank // group_size for j in served]
+    # The replicas this process hosts: those of its node, dealt to the node's ranks in turn.
+    hosted = [j for j in range(args.replicas) if placed[j] == rank // group_size
+              and [i for i in range(args.replicas) if placed[i] == placed[j]].index(j)
+              % group_size == rank % group_size]
+    pool = ThreadPoolExecutor(max(1, len(hosted)))
+
+    def replica_group(j: int) -> Any:
+        source = transfer.serving(j, world)
+        group = transfer.served(source, world, args.replicas)
+        return transfer.TransferGroup(host, store_port, f"transfer{source}/",
+                                      group.index(j) + 1, len(group) + 1, torch.device("cpu"))
+
+    # Every group's members join at once: a group forms only when all of them are there.
+    joined = [pool.submit(replica_group, j) for j in hosted]
+    sender = transfer.TransferGroup(host, store_port, f"transfer{rank}/", 0, len(served) + 1,
+                                    torch.device("cpu"), same_node=same_node) if served else None
+    replica_groups = [f.result() for f in joined]
+
+    def receive(group: Any, manifest: list) -> dict:
+        out = {}
+        for name, shape, dtype in manifest:
+            tensor = torch.empty(shape, dtype=dtype)
+            group.broadcast(tensor)
+            out[name] = tensor
+        return out
+
+    rows, failures = [], []
+    for strategy in SYNC_STRATEGIES:
+        engine = build_actor(cfg, strategy, group_size)
+        if sender is not None:
+            sender.meter = engine.meter
+        weights = {n: t.clone() for n, t in models.hf_weights(
+            engine.module, engine.unit_parameters(SYNC), 1.0)}
+        manifest = [(n, tuple(t.shape), t.dtype) for n, t in weights.items()]
+        gather_s, send_s, received = [], [], []
+        for _ in range(args.sync_reps + 1):  # the first warms up
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in engine.unit_parameters(SYNC):
+                pass
+            gather_s.append(slowest(time.perf_counter() - start))
+            engine.meter.reset()
+            dist.barrier()
+            start = time.perf_counter()
+            takes = [pool.submit(receive, g, manifest) for g in replica_groups]
+            for _, tensor in models.hf_weights(engine.module, engine.unit_parameters(SYNC), 1.0):
+                if sender is not None:
+                    sender.broadcast(tensor.contiguous())
+            received = [f.result() for f in takes]
+            send_s.append(slowest(time.perf_counter() - start))
+        sync = engine.meter.totals(phase=SYNC)
+        sent = engine.meter.totals(phase=TRANSFER)
+        closed_sync = cost.traffic(Strategy.parse(strategy), units, world, group_size, 1,
+                                   cfg.actor.precision, cfg.comm.algorithm, rank=rank,
+                                   syncs=1)["sync"]
+        size = sum(t.numel() * t.element_size() for t in weights.values())
+        closed_transfer = transfer.transfer_bytes(size // 4, 4, same_node)
+        exact = all(set(r) == set(weights) and all(torch.equal(r[n], weights[n]) for n in r)
+                    for r in received)
+        if (sync["intra_bytes"], sync["inter_bytes"]) != tuple(closed_sync):
+            failures.append(f"{strategy} rank {rank}: sync {sync} != closed form {closed_sync}")
+        if (sent["intra_bytes"], sent["inter_bytes"]) != tuple(closed_transfer):
+            failures.append(f"{strategy} rank {rank}: transfer {sent} != {closed_transfer}")
+        if not exact:
+            failures.append(f"{strategy}: a replica on rank {rank}'s process differs")
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, (sync["intra_bytes"], sync["inter_bytes"],
+                                          sent["intra_bytes"], sent["inter_bytes"]))
+        rows.append({"strategy": strategy, "bytes": per_rank, "weights_bytes": size,
+                     "gather_s": statistics.median(gather_s[1:]),
+                     "send_s": statistics.median(send_s[1:])})
+    everyone = [None] * world
+    dist.all_gather_object(everyone, failures)
+    if rank == 0:
+        params = models.count_parameters("actor", cfg.actor, vocab)[0]
+        print(f"transfer on {world} gloo ranks as {nodes} groups x {group_size} to "
+              f"{args.replicas} replicas on nodes {placed}; {params / 1e6:.2f}M parameters "
+              f"(fp32, {rows[0]['weights_bytes'] / 1e6:.1f} MB); median of {args.sync_reps} "
+              f"repetitions, the slowest rank of each")
+        print(transfer_table(rows))
+        problems = [f for fs in everyone for f in fs]
+        print("closed forms and replicas' weights: " + ("exact" if not problems else
+                                                        "MISMATCH\n" + "\n".join(problems)))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"transfer": rows}, f, indent=1)
+    pool.shutdown()
+    dist.barrier()  # rank 0's store serves until every group is done
+
+
+def transfer_table(rows: list[dict]) -> str:
+    lines = ["| P | rank | sync intra MB | sync inter MB | transfer intra MB | transfer inter MB "
+             "| gather s | sync + transfer s |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for rank, sent in enumerate(r["bytes"]):
+            times = (f"{r['gather_s']:.3f} | {r['send_s']:.3f}" if rank == 0 else " | ")
+            lines.append(f"| {r['strategy'][0]} | {rank} | "
+                         + " | ".join(f"{b / 1e6:.2f}" for b in sent) + f" | {times} |")
+    return "\n".join(lines)
+
+
+def transfer_store(args: argparse.Namespace) -> None:
+    """``--transfer-store``: a gloo broadcast against Ray's object store, on loopback."""
+    import ray
+
+    from rlhf_paro import models
+    from rlhf_paro.comm import transfer
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    cfg = load(args, 1, 1, batch=1)
+    from rlhf_paro.ppo.data import vocab_sizes
+
+    module = models.build_model("actor", cfg.actor, vocab_sizes(cfg)["actor"], seed=args.seed)
+    weights = {n: t.detach().contiguous() for n, t in models.hf_state_dict(
+        module, module.state_dict()).items()}
+    manifest = [(n, tuple(t.shape), t.dtype) for n, t in weights.items()]
+    size = sum(t.numel() * t.element_size() for t in weights.values())
+    ray.init(num_cpus=args.replicas + 1, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo"}})
+
+    @ray.remote(num_cpus=1)
+    class Replica:
+        def join(self, port: int, rank: int, size: int) -> None:
+            torch.set_num_threads(1)
+            self.group = transfer.TransferGroup("127.0.0.1", port, "transfer0/", rank, size,
+                                                torch.device("cpu"))
+
+        def gloo(self) -> int:
+            got = 0
+            for _, shape, dtype in manifest:
+                tensor = torch.empty(shape, dtype=dtype)
+                self.group.broadcast(tensor)
+                got += tensor.numel() * tensor.element_size()
+            return got
+
+        def store(self, refs: list) -> int:
+            got = ray.get(refs[0])  # the weights, copied out of the store into this process
+            return sum(t.numel() * t.element_size() for t in got.values())
+
+    store, port = transfer.serve_store("127.0.0.1")
+    replicas = [Replica.remote() for _ in range(args.replicas)]
+    joins = [r.join.remote(port, j + 1, args.replicas + 1) for j, r in enumerate(replicas)]
+    sender = transfer.TransferGroup("127.0.0.1", port, "transfer0/", 0, args.replicas + 1,
+                                    torch.device("cpu"), same_node=[True] * args.replicas)
+    ray.get(joins)
+
+    def gloo() -> float:
+        start = time.perf_counter()
+        calls = [r.gloo.remote() for r in replicas]
+        for tensor in weights.values():
+            sender.broadcast(tensor)
+        assert ray.get(calls) == [size] * args.replicas
+        return time.perf_counter() - start
+
+    def object_store() -> float:
+        start = time.perf_counter()
+        ref = ray.put(weights)
+        assert ray.get([r.store.remote([ref]) for r in replicas]) == [size] * args.replicas
+        del ref
+        return time.perf_counter() - start
+
+    ways = {"gloo broadcast": gloo, "ray object store": object_store}
+    seconds: dict[str, list[float]] = {w: [] for w in ways}
+    for i in range(args.sync_reps + 1):  # the first warms up; the order takes turns
+        for way in (list(ways) if i % 2 == 0 else list(reversed(ways))):
+            t = ways[way]()
+            if i:
+                seconds[way].append(t)
+    print(f"weights of {size / 1e6:.1f} MB (fp32) from one sender to {args.replicas} replica "
+          f"processes on loopback; median of {args.sync_reps} repetitions")
+    print("| way | s | MB/s per replica |\n|---|---|---|")
+    for way, values in seconds.items():
+        median = statistics.median(values)
+        print(f"| {way} | {median:.3f} | {size / median / 1e6:.0f} |")
+    ratio = statistics.median(seconds["ray object store"]) / statistics.median(
+        seconds["gloo broadcast"])
+    print(f"ray object store / gloo broadcast: {ratio:.2f}x the time")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"transfer_store": seconds, "bytes": size}, f, indent=1)
+    del store
+    ray.shutdown()
+
+
 def slowest(seconds: float) -> float:
     t = torch.tensor([seconds])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -346,15 +588,27 @@ def main() -> None:
     parser.add_argument("--sync-reps", type=int, default=3)
     parser.add_argument("--world", type=int, default=4, help="--sync: ranks")
     parser.add_argument("--group-size", type=int, default=2, help="--sync: ranks per group")
+    parser.add_argument("--transfer", action="store_true",
+                        help="time the weight transfer to rollout replicas instead")
+    parser.add_argument("--transfer-store", action="store_true",
+                        help="time a gloo broadcast against Ray's object store instead")
+    parser.add_argument("--replicas", type=int, default=3,
+                        help="--transfer, --transfer-store: rollout replicas")
+    parser.add_argument("--replica-nodes", type=ints, default=None,
+                        help="--transfer: the node of each replica (default: j mod nodes)")
     parser.add_argument("--json", help="also write the raw numbers here")
     args = parser.parse_args()
     if args.rounds < 1:
         raise SystemExit("error: --rounds must be at least 1")
-    if args.sync:
+    if args.transfer_store:
+        transfer_store(args)
+        return
+    if args.sync or args.transfer:
+        rank_fn = transfer_rank if args.transfer else sync_rank
         if "WORLD_SIZE" in os.environ:
-            sync_rank(int(os.environ["RANK"]), args, None)
+            rank_fn(int(os.environ["RANK"]), args, None)
         else:
-            torch.multiprocessing.spawn(sync_rank, args=(args, free_port()), nprocs=args.world)
+            torch.multiprocessing.spawn(rank_fn, args=(args, free_port()), nprocs=args.world)
         return
     result = generation(args)
     if args.json:
