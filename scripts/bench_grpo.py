@@ -3,6 +3,7 @@
     python scripts/bench_grpo.py --trl-python /path/to/venv/bin/python
     python scripts/bench_grpo.py --micro-batch 16,64 --rounds 3 --steps 20 --trl-python ...
     python scripts/bench_grpo.py --episodes --rounds 2 --steps 8 --trl-python ...
+    python scripts/bench_grpo.py --episodes --engines hf,vllm --trl-python ...
 
 Both train the demo's SFT actor (``conf=grpo_tiny``'s assets, made on first use) on the counting
 task with the same rule reward (the task score, ``rlhf_paro/ppo/task.py:counting_score``): 16
@@ -231,8 +232,9 @@ def ours(python: str, steps: int, micro: int, new_tokens: int, out: Path) -> dic
 
 
 def ours_episodes(python: str, steps: int, micro: int, new_tokens: int, out: Path,
-                  assets: dict) -> dict:
-    cmd = [python, "-m", "rlhf_paro.train", "conf=grpo_tiny", "cluster.num_devices=1",
+                  assets: dict, engine: str = "hf") -> dict:
+    cmd = [python, "-m", "rlhf_paro.train", "conf=grpo_tiny", f"rollout.engine={engine}",
+           "cluster.num_devices=1",
            "cluster.group_size=1", "algorithm.kl_coef=0", f"actor.micro_batch_size={micro}",
            f"ppo.rollout_batch_size={PROMPTS}", f"rollout.n={SAMPLES}",
            f"ppo.mini_batch_size={PROMPTS * SAMPLES}", f"ppo.max_new_tokens={new_tokens}",
@@ -327,6 +329,8 @@ def main() -> None:
     parser.add_argument("--episodes", action="store_true",
                         help="multi-turn episodes on a random Llama (the module's docstring)")
     parser.add_argument("--turns", type=int, default=3, help="actions per episode (--episodes)")
+    parser.add_argument("--engines", default="hf",
+                        help="--episodes: rlhf_paro's rollout engines, comma-separated (hf, vllm)")
     parser.add_argument("--trl-threads", type=int, default=None,
                         help="torch threads of the TRL job (default: torch's; each rlhf_paro "
                              "worker on a CPU runs one)")
@@ -341,6 +345,9 @@ def main() -> None:
     lengths: dict[tuple[str, int], list[float]] = {}
     generate: dict[tuple[str, int], list[float]] = {}  # --episodes: the rollout's s/step
     experience: dict[tuple[str, int], list[float]] = {}  # rlhf_paro's make_experience s/step
+    # rlhf_paro with each rollout engine asked for (rlhf_paro/vllm: rollout.engine=vllm), then TRL.
+    engines = args.engines.split(",") if args.episodes else ["hf"]
+    names = [f"rlhf_paro{'' if e == 'hf' else '/' + e}" for e in engines] + ["trl"]
     with tempfile.TemporaryDirectory() as tmp:
         if args.episodes:
             # 3e-3 rather than the demo conf's 1e-3: a random policy's score then rises clearly
@@ -351,13 +358,16 @@ def main() -> None:
         assets["threads"] = args.trl_threads
         for r in range(args.rounds):
             for micro in micros:
-                for name in ("rlhf_paro", "trl"):
+                for name in names:
                     out = Path(tmp) / f"{name}-{micro}-{r}"
                     start = time.perf_counter()
                     if args.episodes:
-                        job = trl_episodes if name == "trl" else ours_episodes
-                        python = args.trl_python if name == "trl" else sys.executable
-                        got = job(python, args.steps, micro, new_tokens, out, assets)
+                        if name == "trl":
+                            got = trl_episodes(args.trl_python, args.steps, micro, new_tokens,
+                                               out, assets)
+                        else:
+                            got = ours_episodes(sys.executable, args.steps, micro, new_tokens,
+                                                out, assets, name.partition("/")[2] or "hf")
                     elif name == "trl":
                         got = trl(args.trl_python, args.steps, micro, new_tokens, out, assets)
                         got["scores"] = [got["score"]]
@@ -377,7 +387,7 @@ def main() -> None:
             if args.episodes else f"{new_tokens} new tokens")
     print(f"\nGRPO, {PROMPTS} prompts x {SAMPLES}, {what}, world size 1; median over "
           f"{args.rounds} rounds x {args.steps - args.warmup} steps")
-    head = f"{'contender':<12}{'micro':>6}{'samples/s':>11}{'s/step':>9}"
+    head = f"{'contender':<16}{'micro':>6}{'samples/s':>11}{'s/step':>9}"
     if args.episodes:
         # Action tokens: per episode, mean over all steps; tokens/s: all the step's action tokens
         # over its median time; rollout: median s/step of the episodes' generation and
@@ -390,7 +400,7 @@ def main() -> None:
         step = statistics.median(ts)
         runs = scores[(name, micro)]
         last = statistics.mean(s[-1] for s in runs if s and s[-1] is not None)
-        line = f"{name:<12}{micro:>6}{PROMPTS * SAMPLES / step:>11.1f}{step:>9.4f}"
+        line = f"{name:<16}{micro:>6}{PROMPTS * SAMPLES / step:>11.1f}{step:>9.4f}"
         if args.episodes:
             first = statistics.mean(s[0] for s in runs)
             tokens = statistics.mean(lengths[(name, micro)])
@@ -400,14 +410,15 @@ def main() -> None:
         else:
             print(line + f"{last:>12.3f}")
     for micro in micros:
-        ratio = (statistics.median(times[("trl", micro)])
-                 / statistics.median(times[("rlhf_paro", micro)]))
-        print(f"micro-batch {micro}: rlhf_paro {ratio:.2f}x TRL's samples/s")
-        if experience.get(("rlhf_paro", micro)):
-            # The old log-probs' forward (and the advantages), which TRL skips when it updates
-            # once per rollout.
-            print(f"micro-batch {micro}: rlhf_paro's make_experience "
-                  f"{statistics.median(experience[('rlhf_paro', micro)]):.2f} s/step")
+        for name in names[:-1]:
+            ratio = (statistics.median(times[("trl", micro)])
+                     / statistics.median(times[(name, micro)]))
+            print(f"micro-batch {micro}: {name} {ratio:.2f}x TRL's samples/s")
+            if experience.get((name, micro)):
+                # The old log-probs' forward (and the advantages), which TRL skips when it
+                # updates once per rollout.
+                print(f"micro-batch {micro}: {name}'s make_experience "
+                      f"{statistics.median(experience[(name, micro)]):.2f} s/step")
 
 
 if __name__ == "__main__":
