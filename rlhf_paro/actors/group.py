@@ -313,10 +313,6 @@ class Placement:
             placement_group=self.groups[rank // self.group_size],
             placement_group_bundle_index=rank % self.group_size)
 
-    def local_ranks(self, rank: int) -> int:
-        """Ranks of the run on rank ``rank``'s node (the devices its cores are shared by)."""
-        return self.nodes.count(self.nodes[rank])
-
     def lost_node(self, rank: int) -> str | None:
         """'node ADDRESS (Ray node ID, ranks ...)' when Ray lost rank ``rank``'s node, else
         None."""
@@ -459,20 +455,12 @@ class ModelGroup:
         # The fraction of its bundle each rank takes (``bundle_share``; a rollout replica has
         # its device to itself).
         share = bundle_share(cfg) if share is None else share
-        # A CPU worker runs several threads in a phase it has a device's cores for (worker.py,
-        # [Note: threads of a CPU device]). OpenMP's threads spin while they wait for each
-        # other, which on a machine busier than its cores lets a parallel region wait for a
-        # descheduled thread: passive waiting, read as OpenMP starts in the process, unless
-        # the environment says otherwise.
-        env = {} if use_gpu else {
-            "env_vars": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}}
         self.workers = [
             remote_cls.options(
                 num_cpus=share,
                 num_gpus=share if use_gpu else 0,
                 scheduling_strategy=placement.strategy(rank),
-                runtime_env=env or None,
-            ).remote(cfg, role, rank, self.num_ranks, placement.local_ranks(rank))
+            ).remote(cfg, role, rank, self.num_ranks)
             for rank in range(self.num_ranks)
         ]
 

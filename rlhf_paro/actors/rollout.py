@@ -95,7 +95,6 @@ class RolloutWorker(Worker):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.threads = {}  # not per phase: a replica's one phase has its device alone (setup)
         self.tokenizer = rollout_tokenizer(self.cfg)
         self.generation: Generation | None = None  # built at setup
         self.transfer: TransferGroup | None = None  # its actor rank and it (setup)

@@ -39,9 +39,8 @@ import transformers
 from rlhf_paro import batching, models
 from rlhf_paro.actors import checkpoint
 from rlhf_paro.config import ConfigError
-from rlhf_paro.comm.meter import GENERATE, SYNC
-from rlhf_paro.metrics import INFERENCE, TRAIN, RankReport
-from rlhf_paro.ppo import algorithms, core, data
+from rlhf_paro.metrics import TRAIN, RankReport
+from rlhf_paro.ppo import core, data
 from rlhf_paro.rollout import RolloutBatch
 from rlhf_paro.sharding import Topology
 from rlhf_paro.sharding.contract import EngineOptions, ModelFactory, TrainEngine, build_engine
@@ -57,10 +56,7 @@ class Worker:
 
     trained = False  # TrainedWorker overrides: its engine gets an optimizer
 
-    def __init__(self, cfg: Any, role: str, rank: int, num_ranks: int,
-                 local_ranks: int | None = None) -> None:
-        """``local_ranks``: the ranks of the run on this worker's node, which share its cores
-        (None: one thread, as for a worker built outside a run)."""
+    def __init__(self, cfg: Any, role: str, rank: int, num_ranks: int) -> None:
         self.cfg = cfg
         self.role = role
         self.model_cfg = getattr(cfg, role)
@@ -68,15 +64,13 @@ class Worker:
         self.num_ranks = num_ranks
         # Ray hides the other GPUs of the node: the bundle's GPU is always device 0.
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        # Threads per phase on a CPU device ([Note: threads of a CPU device]); none on a GPU.
-        self.threads: dict[str, int] = {}
         if self.device.type == "cpu":
+            # The run's models share each CPU device and some phases run at once: one thread
+            # per worker. Threads sized to a device's cores per phase measured slower on the
+            # demo at cluster.num_devices=1 on 2 cores (461 samples/s against 568 with
+            # scripts/bench_ppo.py: generation 0.04 s a step against 0.02, training 0.05
+            # against 0.04): a second thread cost its small kernels more than it saved.
             torch.set_num_threads(1)
-            # vLLM's CPU backend binds the threads of the process it runs in to cores itself,
-            # and from then on ignores set_num_threads (warning at each call).
-            engine_binds = role in ("actor", "rollout") and cfg.rollout.engine == "vllm"
-            if local_ranks is not None and not engine_binds:
-                self.threads = phase_threads(cfg, available_cores() // local_ranks)
         self.engine: TrainEngine | None = None  # None: a reward function or server
         self.packed = False  # forwards on packed real tokens (set at setup from the model type)
         self._time_s: dict[str, float] = defaultdict(float)  # role phase -> seconds, this step
@@ -155,8 +149,6 @@ class Worker:
     @contextlib.contextmanager
     def timed(self, phase: str) -> Iterator[None]:
         """Time a role phase (``generate``, ``inference``, ``train``)."""
-        if self.threads and torch.get_num_threads() != self.threads.get(phase, 1):
-            torch.set_num_threads(self.threads.get(phase, 1))
         start = time.perf_counter()
         try:
             yield
@@ -382,24 +374,6 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
-def phase_threads(cfg: Any, cores: int) -> dict[str, int]:
-    """[Note: threads of a CPU device]
-    Torch threads of each model's workers per phase, on a device that owns ``cores`` cores (the
-    node's cores over the run's ranks on it). The run's models share the device and run some
-    phases at once: the actor generates alone; old log-probs, reference, values and reward
-    model scores run together; the actor and the critic train together. A phase's models split
-    the cores, so that no more threads run than the device has cores: one thread per worker
-    when the cores are fewer than the models (the default run's 4 devices on 2 cores), and a
-    run on one device of many cores uses them all where it can. Threads that outnumber the
-    cores wait on each other at every parallel region (OpenMP's), and the collectives wait for
-    the slowest rank."""
-    roles = algorithms.roles(cfg)
-    inference = [r for r in roles if r != "reward" or cfg.reward.runs_model]
-    share = {GENERATE: 1, SYNC: 1, INFERENCE: len(inference),
-             TRAIN: len(algorithms.trained_roles(cfg))}
-    return {phase: max(1, cores // n) for phase, n in share.items()}
 
 
 def engine_options(cfg: Any, role: str, trained: bool,

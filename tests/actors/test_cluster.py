@@ -167,7 +167,6 @@ def test_with_one_cpu_held_on_each_node_a_group_waits_rather_than_span_them(clus
                           for r in range(4)])
         assert ran_on == placement.nodes
         assert ran_on[0] == ran_on[1] and ran_on[2] == ran_on[3] and ran_on[0] != ran_on[2]
-        assert [placement.local_ranks(r) for r in range(4)] == [2, 2, 2, 2]
     finally:
         placement.remove()
 

@@ -116,25 +116,6 @@ def test_generation_counts_the_positions_its_engine_computes_on(engine, computed
     worker.generation = Generation(worker.cfg, worker.rollout_engine, None, torch.device("cpu"))
     worker.rank = 0
     worker.packed, worker._tokens, worker._real_tokens = True, 0, 0
-    worker._time_s, worker.threads = defaultdict(float), {}
+    worker._time_s = defaultdict(float)
     worker.generate(PromptBatch(mask, mask))
     assert (worker._tokens, worker._real_tokens) == (computed, 5)
-
-
-@pytest.mark.parametrize("argv, cores, expected", [
-    # PPO's four models: the actor generates alone, four infer together, two train together.
-    ([], 2, {"generate": 2, "sync": 2, "inference": 1, "train": 1}),
-    ([], 8, {"generate": 8, "sync": 8, "inference": 2, "train": 4}),
-    # GRPO: actor and reference infer together (a reward function computes next to nothing),
-    # the actor alone trains; without a KL there is no reference.
-    (["conf=grpo_tiny"], 2, {"generate": 2, "sync": 2, "inference": 1, "train": 2}),
-    (["conf=grpo_tiny", "algorithm.kl_coef=0"], 2,
-     {"generate": 2, "sync": 2, "inference": 2, "train": 2}),
-    # The default run's 4 devices on 2 cores: half a core each, one thread as before.
-    ([], 0, {"generate": 1, "sync": 1, "inference": 1, "train": 1}),
-])
-def test_a_phase_s_models_split_their_device_s_cores(argv, cores, expected):
-    from rlhf_paro.actors.worker import phase_threads
-    from rlhf_paro.compose import load_config
-
-    assert phase_threads(load_config(argv), cores) == expected
