@@ -244,8 +244,10 @@ def test_json_nested_100000_deep_or_not_http_is_a_400_and_the_server_lives_on(se
     deep = b"[" * 100_000 + b"]" * 100_000
     answer, _ = raw(served.port, head(length=len(deep)) + deep)
     status, said = status_of(answer)
-    assert status == 400 and said["error"] == (f"bad request: JSON nested deeper than "
-                                               f"{sys.getrecursionlimit()} levels"), said
+    # The limit is the server process's own recursion limit, which libraries imported into this
+    # test process may have raised: only its form is checked here.
+    assert status == 400 and re.fullmatch(r"bad request: JSON nested deeper than \d+ levels",
+                                          said["error"]), said
     answer, _ = raw(served.port, b"\x00\x01 not http\r\n\r\n")
     assert status_of(answer)[0] == 400
     answer, _ = raw(served.port, head(length=5) + b"{oops")
