@@ -147,20 +147,25 @@ def _error_line(run: Run) -> str:
     return ours[0]
 
 
+# The default run's four models on two devices in two groups of one (16 workers take twice the
+# start-up of 8, and a rank 1, I against G and N against G are all there with two).
+PAIR = ["cluster.num_devices=2", "cluster.group_size=1"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("trainer")
     cache = root / "cache"
-    straight = _train(root / "straight", "trainer.steps=4", "trainer.save_every=2",
+    straight = _train(root / "straight", *PAIR, "trainer.steps=4", "trainer.save_every=2",
                       cache=cache)
     assert straight.returncode == 0, straight.stderr
     step_2 = checkpoint.checkpoint_dir(straight.out, 2)
-    killed = _train(root / "killed", f"trainer.resume={step_2}", "trainer.steps=6",
+    killed = _train(root / "killed", *PAIR, f"trainer.resume={step_2}", "trainer.steps=6",
                     "trainer.save_every=2", cache=cache, kill_after_step=4)
-    finished = _train(root / "killed", "trainer.steps=6", "trainer.save_every=2",
+    finished = _train(root / "killed", *PAIR, "trainer.steps=6", "trainer.save_every=2",
                       "trainer.keep_checkpoints=1", "trainer.max_skipped_steps=1",
                       cache=cache, nan_loss="actor:1:5")
-    nan_stop = _train(root / "nan_stop", f"trainer.resume={step_2}", "trainer.steps=4",
+    nan_stop = _train(root / "nan_stop", *PAIR, f"trainer.resume={step_2}", "trainer.steps=4",
                       "trainer.save_every=1", "trainer.max_skipped_steps=0", cache=cache,
                       nan_loss="critic:0:2")
     return {"straight": straight, "killed": killed, "finished": finished, "nan_stop": nan_stop}
@@ -191,7 +196,7 @@ def test_a_killed_worker_stops_the_run_at_once_in_one_line_and_leaves_no_process
     assert killed.returncode == 1 and killed.exit_s < 30, (killed.exit_s, line)
     assert line.startswith("error: actor rank 1 died at step 5 (its process exited")
     assert f"; newest checkpoint: {newest}; resume with: python -m rlhf_paro.train " in line
-    assert line.endswith(f"trainer.output_dir={killed.out} trainer.steps=6 "
+    assert line.endswith(f"trainer.output_dir={killed.out} {' '.join(PAIR)} trainer.steps=6 "
                          "trainer.save_every=2 trainer.resume=auto")
     assert killed.left == [], killed.left
     assert [r["step"] for r in killed.rows] == [2, 3, 4]
@@ -230,7 +235,7 @@ def test_too_many_skipped_steps_stop_the_run_and_keep_the_last_checkpoint(runs):
 
 def test_a_resume_under_other_strategies_runs_on(runs, tmp_path):
     step_4 = checkpoint.checkpoint_dir(runs["straight"].out, 4)
-    other = _train(tmp_path / "other", f"trainer.resume={step_4}", "trainer.steps=6",
+    other = _train(tmp_path / "other", *PAIR, f"trainer.resume={step_4}", "trainer.steps=6",
                    "actor.strategy=GGG", "critic.strategy=NNG", "ref.strategy=N",
                    "reward.strategy=G", cache=runs["straight"].out.parent / "cache")
     assert other.returncode == 0, other.stderr

@@ -1,7 +1,7 @@
 """The multi-turn demo through the command line a user runs (``conf=grpo_agent_tiny``, small):
 its episodes' ``env/*`` metrics, and a resume that repeats the straight run's steps.
 
-    straight   4 steps on 2 ranks, a checkpoint every 2 steps, greedy games every 2
+    straight   4 steps on one rank, a checkpoint every 2 steps, greedy games every 2
     resumed    trainer.resume=<straight's step_2> in a directory of its own: steps 2 and 3 again
 """
 
@@ -15,8 +15,9 @@ from tests.test_trainer import Run, _compared, _train
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-# A small grpo_agent_tiny: 4 games x 4 episodes a step, two ranks, one optimizer step a step.
-SMALL = ["conf=grpo_agent_tiny", "cluster.num_devices=2", "cluster.group_size=1",
+# A small grpo_agent_tiny: 4 games x 4 episodes a step, one rank (a rank's games do not depend on
+# the others'), one optimizer step a step.
+SMALL = ["conf=grpo_agent_tiny", "cluster.num_devices=1", "cluster.group_size=1",
          "task.model.hidden_size=32", "task.model.intermediate_size=64", "task.sft_steps=20",
          "task.train_prompts=64", "task.val_prompts=8", "ppo.rollout_batch_size=4",
          "rollout.n=4", "ppo.mini_batch_size=16", "actor.micro_batch_size=4",

@@ -17,10 +17,10 @@ from tests.test_trainer import _compared, _error_line, _train
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-# The demo's GRPO on 2 ranks, 4 prompts x 4 samples a step; hidden 64 (heads of 32, which vLLM's
-# CPU attention needs); prompts of at most 8 tokens, so an episode has room in the demo model's
-# 64 positions.
-SMALL = ["conf=grpo_tiny", "cluster.num_devices=2", "cluster.group_size=1",
+# The demo's GRPO on one rank (what a rank sees of an episode does not depend on the others'),
+# 4 prompts x 4 samples a step; hidden 64 (heads of 32, which vLLM's CPU attention needs); prompts
+# of at most 8 tokens, so an episode has room in the demo model's 64 positions.
+SMALL = ["conf=grpo_tiny", "cluster.num_devices=1", "cluster.group_size=1",
          "task.model.hidden_size=64", "task.model.intermediate_size=128",
          "ppo.rollout_batch_size=4", "ppo.mini_batch_size=16", "actor.micro_batch_size=4",
          "ref.micro_batch_size=8", "trainer.eval_every=0", "data.max_prompt_length=8"]
@@ -99,8 +99,8 @@ def test_an_environment_past_its_timeout_stops_the_run_in_one_line(root):
                  cache=root / "cache")
     line = _error_line(run)
     assert run.returncode == 1, run.stderr
-    # Step 2 takes rows 8 to 11, two a rank, each 4 times (rollout.n): row 9's samples are
-    # 4 to 7 of rank 0, the first of which the line names.
+    # Step 2 takes rows 8 to 11, each 4 times (rollout.n): row 9's samples are 4 to 7, the
+    # first of which the line names.
     newest = checkpoint.checkpoint_dir(run.out, 2)
     assert line.startswith("error: Stuck.step took longer than env.timeout_s=2 at step 2, "
                            "sample 4 (turn 0); newest checkpoint: " + str(newest)), line
