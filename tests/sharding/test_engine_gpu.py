@@ -61,6 +61,7 @@ def test_single_gpu_offload_moves_the_state_off_the_device_and_measures_the_copi
     """offload=optimizer: the device holds P + G only (torch's allocation counters), the steps
     equal no offload to 1e-6; offload=params: parking frees the P shard's device bytes and
     bringing it back allocates them again; the copies' bandwidth is printed (pytest -s)."""
+    import gc
     import time
 
     from rlhf_paro.sharding import cost
@@ -69,13 +70,21 @@ def test_single_gpu_offload_moves_the_state_off_the_device_and_measures_the_copi
     ids = make_batches("base", 1)[:, 0].cuda()
     sizes = unit_sizes(build_model("base"))
     engines, allocated = {}, {}
-    for offload in ("none", "optimizer"):
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        engines[offload] = shard(build_model("base"), "IGG", Topology(1, 1), optim=OPTIM,
-                                 max_grad_norm=MAX_NORM, grad_accum_steps=ids.shape[1],
-                                 device="cuda", offload=offload)
-        allocated[offload] = torch.cuda.memory_allocated() - before
+    # Earlier tests' engines can sit in reference cycles: collected in the middle of a build,
+    # they made its allocation negative (-124 KiB seen on an H200). Collect them first and keep
+    # the collector off while the counters are read.
+    gc.collect()
+    gc.disable()
+    try:
+        for offload in ("none", "optimizer"):
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            engines[offload] = shard(build_model("base"), "IGG", Topology(1, 1), optim=OPTIM,
+                                     max_grad_norm=MAX_NORM, grad_accum_steps=ids.shape[1],
+                                     device="cuda", offload=offload)
+            allocated[offload] = torch.cuda.memory_allocated() - before
+    finally:
+        gc.enable()
     held = cost.offload_memory(engines["optimizer"].strategy, sizes, 1, 1, "fp32", "optimizer")
     assert engines["optimizer"].memory() == held
     assert all(m.is_pinned() for m in engines["optimizer"]._boundary.masters)
@@ -96,17 +105,22 @@ def test_single_gpu_offload_moves_the_state_off_the_device_and_measures_the_copi
     big = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).cuda()
     engine = shard(big, "GGG", Topology(1, 1), optim=OPTIM, offload="params")
     p_bytes = engine.memory()["params"]
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    start = time.perf_counter()
-    engine.offload_params()
-    torch.cuda.synchronize()
-    out_s = time.perf_counter() - start
-    freed = before - torch.cuda.memory_allocated()
-    start = time.perf_counter()
-    engine.onload_params()
-    torch.cuda.synchronize()
-    in_s = time.perf_counter() - start
+    gc.collect()  # the engines above, before the counters are read (see above)
+    gc.disable()
+    try:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        engine.offload_params()
+        torch.cuda.synchronize()
+        out_s = time.perf_counter() - start
+        freed = before - torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        engine.onload_params()
+        torch.cuda.synchronize()
+        in_s = time.perf_counter() - start
+    finally:
+        gc.enable()
     assert p_bytes <= freed <= p_bytes + 512 * len(engine.units)
     assert torch.cuda.memory_allocated() == before
     print(f"offload=params: {p_bytes / 2**20:.0f} MiB to host in {out_s * 1e3:.1f} ms "
