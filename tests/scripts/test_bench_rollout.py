@@ -18,17 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.scripts.test_emulate_cluster import _CAN_EMULATE
+from tests.scripts.test_emulate_cluster import _CAN_EMULATE, ROOT, SCRIPT, repo_environment
 
-ROOT = Path(__file__).resolve().parents[2]
 BENCH = [str(ROOT / "scripts" / "bench_rollout.py"), "--transfer", "--sync-reps", "1",
          "--layers", "2", "--hidden", "64", "--heads", "2", "--replicas", "3"]
 EXACT = "closed forms and replicas' weights: exact"
-
-
-def _environment() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
 
 
 def _check(done: subprocess.CompletedProcess, out: Path) -> None:
@@ -44,7 +38,7 @@ def _check(done: subprocess.CompletedProcess, out: Path) -> None:
         size = row["weights_bytes"]
         transfer = [(intra, inter) for _, _, intra, inter in row["bytes"]]
         assert transfer == [(size, 0), (0, size), (0, size), (0, 0)] and size > 0, row
-    assert all(s == (0, 0) for s in ((a, b) for a, b, _, _ in rows[0]["bytes"]))  # P = N
+    assert all(a == b == 0 for a, b, _, _ in rows[0]["bytes"])  # P = N: nothing gathered
     assert all(b == 0 and a > 0 for a, b, _, _ in rows[1]["bytes"])  # P = I: inside a group
     assert sum(b for _, b, _, _ in rows[2]["bytes"]) > 0  # P = G: across the groups too
 
@@ -54,7 +48,7 @@ def _check(done: subprocess.CompletedProcess, out: Path) -> None:
 def test_transfer_bytes_equal_the_closed_forms_on_loopback(tmp_path):
     out = tmp_path / "transfer.json"
     done = subprocess.run([sys.executable, *BENCH, "--json", str(out)], capture_output=True,
-                          text=True, env=_environment(), timeout=600)
+                          text=True, env=repo_environment(), timeout=600)
     _check(done, out)
 
 
@@ -64,8 +58,7 @@ def test_transfer_bytes_equal_the_closed_forms_on_two_emulated_nodes(tmp_path):
     out = tmp_path / "transfer.json"
     prefix = f"b{os.getpid()}"  # apart from any other emulation on this machine
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "emulate_cluster.py"), "--nodes", "2",
-         "--gpus-per-node", "2", "--inter-rate", "160MB", "--prefix", prefix, "--",
-         sys.executable, *BENCH, "--json", str(out)],
-        capture_output=True, text=True, env=_environment(), timeout=600)
+        [sys.executable, str(SCRIPT), "--nodes", "2", "--gpus-per-node", "2", "--inter-rate",
+         "160MB", "--prefix", prefix, "--", sys.executable, *BENCH, "--json", str(out)],
+        capture_output=True, text=True, env=repo_environment(), timeout=600)
     _check(done, out)

@@ -87,6 +87,13 @@ def test_a_bad_command_line_exits_2_with_one_line(argv, message, capsys):
     assert err == f"emulate_cluster: error: {message}\n"
 
 
+def repo_environment() -> dict[str, str]:
+    """This environment with the repository first on PYTHONPATH: the emulated nodes' processes
+    import this checkout's package wherever they start."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+
 _CAN_EMULATE = (hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("ip")
                 and shutil.which("tc") and importlib.util.find_spec("ray") is not None)
 
@@ -111,12 +118,10 @@ def test_on_two_emulated_nodes_the_ranks_of_a_group_share_a_node(tmp_path):
     program = tmp_path / "where.py"
     program.write_text(_WHERE)
     prefix = f"t{os.getpid()}"  # apart from any other emulation on this machine
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--nodes", "2", "--gpus-per-node", "2", "--inter-rate",
          "160MB", "--ray", "--prefix", prefix, "--", sys.executable, str(program)],
-        capture_output=True, text=True, env=env, timeout=300)
+        capture_output=True, text=True, env=repo_environment(), timeout=300)
     assert done.returncode == 3, done.stderr[-2000:]  # the command's own status
     line = next(l for l in done.stdout.splitlines() if l.startswith("ranks on"))
     ips = line.split()[2:6]

@@ -1,5 +1,9 @@
 """The engine on CUDA: buffers on the device, same numbers as the unsharded model there."""
 
+import contextlib
+import gc
+from typing import Iterator
+
 import pytest
 import torch
 
@@ -10,6 +14,19 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
+
+
+@contextlib.contextmanager
+def _no_collection() -> Iterator[None]:
+    """Torch's allocation counters read with no garbage collection in between: earlier tests'
+    engines in reference cycles, collected in the middle of a build, made its allocation negative
+    (-124 KiB seen on an H200). They are collected first, then the collector is off."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("strategy", ["NNN", "IGG", "GGG"])
@@ -61,7 +78,6 @@ def test_single_gpu_offload_moves_the_state_off_the_device_and_measures_the_copi
     """offload=optimizer: the device holds P + G only (torch's allocation counters), the steps
     equal no offload to 1e-6; offload=params: parking frees the P shard's device bytes and
     bringing it back allocates them again; the copies' bandwidth is printed (pytest -s)."""
-    import gc
     import time
 
     from rlhf_paro.sharding import cost
@@ -70,12 +86,7 @@ def test_single_gpu_offload_moves_the_state_off_the_device_and_measures_the_copi
     ids = make_batches("base", 1)[:, 0].cuda()
     sizes = unit_sizes(build_model("base"))
     engines, allocated = {}, {}
-    # Earlier tests' engines can sit in reference cycles: collected in the middle of a build,
-    # they made its allocation negative (-124 KiB seen on an H200). Collect them first and keep
-    # the collector off while the counters are read.
-    gc.collect()
-    gc.disable()
-    try:
+    with _no_collection():
         for offload in ("none", "optimizer"):
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
@@ -83,8 +94,6 @@ def test_single_gpu_offload_moves_the_state_off_the_device_and_measures_the_copi
                                      max_grad_norm=MAX_NORM, grad_accum_steps=ids.shape[1],
                                      device="cuda", offload=offload)
             allocated[offload] = torch.cuda.memory_allocated() - before
-    finally:
-        gc.enable()
     held = cost.offload_memory(engines["optimizer"].strategy, sizes, 1, 1, "fp32", "optimizer")
     assert engines["optimizer"].memory() == held
     assert all(m.is_pinned() for m in engines["optimizer"]._boundary.masters)
@@ -105,9 +114,7 @@ def test_single_gpu_offload_moves_the_state_off_the_device_and_measures_the_copi
     big = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).cuda()
     engine = shard(big, "GGG", Topology(1, 1), optim=OPTIM, offload="params")
     p_bytes = engine.memory()["params"]
-    gc.collect()  # the engines above, before the counters are read (see above)
-    gc.disable()
-    try:
+    with _no_collection():
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         start = time.perf_counter()
@@ -119,8 +126,6 @@ def test_single_gpu_offload_moves_the_state_off_the_device_and_measures_the_copi
         engine.onload_params()
         torch.cuda.synchronize()
         in_s = time.perf_counter() - start
-    finally:
-        gc.enable()
     assert p_bytes <= freed <= p_bytes + 512 * len(engine.units)
     assert torch.cuda.memory_allocated() == before
     print(f"offload=params: {p_bytes / 2**20:.0f} MiB to host in {out_s * 1e3:.1f} ms "
