@@ -334,10 +334,16 @@ class ClusterConfig:
     # Achieved GB/s of one device's memory, for the planner's generation time: decoding a token
     # reads the weights and the key/value cache (A100 80 GB: 2039 peak).
     memory_gbps: float = 1500.0
+    # Torch threads of each worker on a CPU device. None: per phase, the cores a device owns
+    # (this machine's cores / every device of the run, rollout devices included) shared by the
+    # models that compute at once in that phase (actor.generate alone; the forwards of the
+    # experience together; the actor's and critic's updates together). An integer: that many
+    # in every phase (1: one per worker, whatever the machine).
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         for key in ("num_devices", "group_size", "nodes", "gpus_per_node", "memory_gb",
-                    "intra_gbps", "inter_gbps", "tflops", "memory_gbps"):
+                    "intra_gbps", "inter_gbps", "tflops", "memory_gbps", "cpu_threads"):
             _positive(key, getattr(self, key))
         for key in ("intra_latency_us", "inter_latency_us"):
             if getattr(self, key) < 0:

@@ -219,8 +219,22 @@ print(json.dumps({"times": times, "scores": scores, "lengths": lengths, "generat
 """ % {"samples": PROMPTS * SAMPLES, "n": SAMPLES}
 
 
+def positions(new_tokens: int) -> list[str]:
+    """The demo actor's positions for responses of ``new_tokens``: the conf's where a prompt (up
+    to ``data.max_prompt_length``) and the response fit, else enough for both (a run refuses a
+    sequence longer than its model); the asset is made for them on first use."""
+    from rlhf_paro.compose import load_config
+
+    cfg = load_config(["conf=grpo_tiny", "actor.config={model_type: llama}",
+                       "data.train_files=null", "reward.function=null"])
+    longest = cfg.data.max_prompt_length + new_tokens
+    return [] if longest <= cfg.task.model["max_position_embeddings"] else \
+        [f"task.model.max_position_embeddings={longest}"]
+
+
 def ours(python: str, steps: int, micro: int, new_tokens: int, out: Path) -> dict:
-    cmd = [python, "-m", "rlhf_paro.train", "conf=grpo_tiny", "cluster.num_devices=1",
+    cmd = [python, "-m", "rlhf_paro.train", "conf=grpo_tiny", *positions(new_tokens),
+           "cluster.num_devices=1",
            "cluster.group_size=1", "algorithm.kl_coef=0", f"actor.micro_batch_size={micro}",
            f"ppo.rollout_batch_size={PROMPTS}", f"rollout.n={SAMPLES}",
            f"ppo.mini_batch_size={PROMPTS * SAMPLES}", f"ppo.max_new_tokens={new_tokens}",
@@ -315,7 +329,7 @@ def demo_assets(new_tokens: int) -> dict:
     register_demo_resolver()  # the conf names ${demo:score}, as the entry points resolve it
     # Only the task section and the learning rate are read: no model or file is looked at.
     cfg = load_config(["conf=grpo_tiny", "actor.config={model_type: llama}",
-                       "data.train_files=null"])
+                       "data.train_files=null", *positions(new_tokens)])
     return {"actor": demo.asset("actor", cfg.task, new_tokens),
             "train": demo.asset("train", cfg.task, new_tokens), "lr": cfg.actor.optim.lr}
 

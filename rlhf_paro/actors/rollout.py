@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from rlhf_paro import envs, models, rollout
-from rlhf_paro.actors.worker import Worker, available_cores, bind_gloo
+from rlhf_paro.actors.worker import Worker, bind_gloo
 from rlhf_paro.comm.transfer import TransferGroup
+from rlhf_paro.metrics import GENERATE
 from rlhf_paro.ppo.data import rollout_tokenizer, vocab_sizes
 from rlhf_paro.rollout import PromptBatch, RolloutBatch, episodes
 from rlhf_paro.rollout.hf import HFReplica, LocalWeights
@@ -109,10 +110,9 @@ class RolloutWorker(Worker):
         ``group_size``) and build the engine; returns this worker's process id."""
         if self.device.type == "cpu":
             bind_gloo(__import__("ray").util.get_node_ip_address())
-        # A replica owns its device alone: every core of its slot (a CPU bundle is one here).
+        # A replica owns its device alone: it generates as the actor does alone on its own.
         if self.device.type == "cpu":
-            torch.set_num_threads(max(1, available_cores() // max(
-                1, self.cfg.cluster.num_devices + self.cfg.rollout.num_devices)))
+            torch.set_num_threads(self._threads[GENERATE])
         self.transfer = TransferGroup(host, port, f"transfer{source}/", group_rank, group_size,
                                       self.device)
         self.manifest = manifest

@@ -39,8 +39,8 @@ import transformers
 from rlhf_paro import batching, models
 from rlhf_paro.actors import checkpoint
 from rlhf_paro.config import ConfigError
-from rlhf_paro.metrics import TRAIN, RankReport
-from rlhf_paro.ppo import core, data
+from rlhf_paro.metrics import GENERATE, INFERENCE, ROLE_PHASES, SYNC, TRAIN, RankReport
+from rlhf_paro.ppo import algorithms, core, data
 from rlhf_paro.rollout import RolloutBatch
 from rlhf_paro.sharding import Topology
 from rlhf_paro.sharding.contract import EngineOptions, ModelFactory, TrainEngine, build_engine
@@ -64,12 +64,9 @@ class Worker:
         self.num_ranks = num_ranks
         # Ray hides the other GPUs of the node: the bundle's GPU is always device 0.
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device.type == "cpu":
-            # The run's models share each CPU device and some phases run at once: one thread
-            # per worker. Threads sized to a device's cores per phase measured slower on the
-            # demo at cluster.num_devices=1 on 2 cores (461 samples/s against 568 with
-            # scripts/bench_ppo.py: generation 0.04 s a step against 0.02, training 0.05
-            # against 0.04): a second thread cost its small kernels more than it saved.
+        # Torch threads per role phase on a CPU device (``phase_threads``); 1 outside them.
+        self._threads = phase_threads(cfg, role) if self.device.type == "cpu" else {}
+        if self._threads:
             torch.set_num_threads(1)
         self.engine: TrainEngine | None = None  # None: a reward function or server
         self.packed = False  # forwards on packed real tokens (set at setup from the model type)
@@ -150,9 +147,14 @@ class Worker:
     def timed(self, phase: str) -> Iterator[None]:
         """Time a role phase (``generate``, ``inference``, ``train``)."""
         start = time.perf_counter()
+        threads = self._threads.get(phase, 1)
+        if threads > 1:
+            torch.set_num_threads(threads)
         try:
             yield
         finally:
+            if threads > 1:
+                torch.set_num_threads(1)
             self._time_s[phase] += time.perf_counter() - start
 
     def count_tokens(self, attention_mask: torch.Tensor, packed: bool | None = None) -> None:
@@ -374,6 +376,30 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def phase_threads(cfg: Any, role: str, cores: int | None = None) -> dict[str, int]:
+    """Torch threads of a CPU worker of ``role`` in each of its phases (``cluster.cpu_threads``).
+
+    Colocated models share each device, and a device owns ``cores`` / (every device of the
+    run) cores (``cores``: this process's, ``available_cores``). In each phase, the models that
+    compute at once split their device's cores: the actor generates and syncs alone; the
+    experience's forwards (the actor's old log-probs, the reference's, the critic's values, a
+    reward model's scores) run together, and so do the actor's and critic's updates; a rollout
+    replica (role ``rollout``) generates and takes the weights alone on a device of its own. Never
+    more threads than cores, so no phase oversubscribes a device (a spinning OpenMP team that
+    waits for a core it shares measured 10x slower forwards).
+    """
+    fixed = cfg.cluster.cpu_threads
+    phases = ROLE_PHASES.get(role, (GENERATE, SYNC))  # else a rollout replica's
+    if fixed is not None:
+        return dict.fromkeys(phases, fixed)
+    roles = algorithms.roles(cfg)
+    at_once = {GENERATE: 1, SYNC: 1, TRAIN: len(algorithms.trained_roles(cfg)),
+               INFERENCE: sum(1 for r in roles if r != "reward" or cfg.reward.runs_model)}
+    devices = cfg.cluster.num_devices + cfg.rollout.num_devices
+    per_device = max(1, (available_cores() if cores is None else cores) // devices)
+    return {phase: max(1, per_device // at_once[phase]) for phase in phases}
 
 
 def engine_options(cfg: Any, role: str, trained: bool,

@@ -9,6 +9,7 @@ import psutil
 import pytest
 
 from rlhf_paro.actors.worker import bind_gloo, interface_of
+from tests.confs import INLINE
 
 
 def _some_ipv4_interface() -> tuple[str, str]:
@@ -116,6 +117,60 @@ def test_generation_counts_the_positions_its_engine_computes_on(engine, computed
     worker.generation = Generation(worker.cfg, worker.rollout_engine, None, torch.device("cpu"))
     worker.rank = 0
     worker.packed, worker._tokens, worker._real_tokens = True, 0, 0
-    worker._time_s = defaultdict(float)
+    worker._time_s, worker._threads = defaultdict(float), {}
     worker.generate(PromptBatch(mask, mask))
     assert (worker._tokens, worker._real_tokens) == (computed, 5)
+
+
+@pytest.mark.parametrize("argv, cores, expected", [
+    # GRPO with a reward function on one device of 2 cores: the actor generates and trains on
+    # both; its old log-probs and the reference's share them.
+    (["conf=grpo_tiny", "cluster.num_devices=1", "cluster.group_size=1"], 2,
+     {"actor": {"generate": 2, "sync": 2, "inference": 1, "train": 2}, "ref": {"inference": 1}}),
+    # PPO's four models on one device of 8 cores: four forwards at once, two updates at once.
+    ([*INLINE, "cluster.num_devices=1", "cluster.group_size=1"], 8,
+     {"actor": {"generate": 8, "sync": 8, "inference": 2, "train": 4},
+      "critic": {"inference": 2, "train": 4}, "ref": {"inference": 2},
+      "reward": {"inference": 2}}),
+    # The default run's 4 devices on 2 cores: one thread each, as many workers as before.
+    (["conf=ppo_tiny"], 2, {role: dict.fromkeys(phases, 1) for role, phases in
+                            {"actor": ("generate", "sync", "inference", "train"),
+                             "critic": ("inference", "train"), "ref": ("inference",),
+                             "reward": ("inference",)}.items()}),
+    # A rollout device owns cores too: 8 over 1 + 1 devices.
+    (["conf=grpo_tiny", "cluster.num_devices=1", "cluster.group_size=1",
+      "rollout.num_devices=1", "ppo.rollout_batch_size=16"], 8,
+     {"actor": {"generate": 4, "sync": 4, "inference": 2, "train": 4}, "ref": {"inference": 2},
+      "rollout": {"generate": 4, "sync": 4}}),
+    # Given: that many in every phase, whatever the cores.
+    (["conf=grpo_tiny", "cluster.num_devices=1", "cluster.group_size=1",
+      "cluster.cpu_threads=3"], 2,
+     {"actor": dict.fromkeys(("generate", "sync", "inference", "train"), 3),
+      "ref": {"inference": 3}}),
+])
+def test_cpu_threads_split_a_devices_cores_among_the_models_that_compute_at_once(
+        argv, cores, expected):
+    from rlhf_paro.actors.worker import phase_threads
+    from rlhf_paro.ppo import algorithms
+    from tests.confs import load
+
+    cfg = load(argv)
+    roles = [role for role in algorithms.roles(cfg) if role != "reward" or cfg.reward.runs_model]
+    threads = {role: phase_threads(cfg, role, cores=cores)
+               for role in roles + ["rollout"] * (cfg.rollout.num_devices > 0)}
+    assert threads == expected
+    if cfg.cluster.cpu_threads is None:  # no phase asks a device for more threads than cores
+        per_device = max(1, cores // (cfg.cluster.num_devices + cfg.rollout.num_devices))
+        for phase in ("generate", "inference", "train"):
+            at_once = [t[phase] for role, t in threads.items() if phase in t
+                       and (phase != "generate" or role == "actor")]
+            assert sum(at_once) <= per_device or set(at_once) == {1}
+
+
+def test_cpu_threads_must_be_a_positive_integer():
+    from rlhf_paro.config import ConfigError
+    from tests.confs import load
+
+    for bad, says in (("0", "must be positive"), ("1.5", "expected an integer")):
+        with pytest.raises(ConfigError, match=f"cluster.cpu_threads: {says}"):
+            load(["conf=grpo_tiny", f"cluster.cpu_threads={bad}"])
