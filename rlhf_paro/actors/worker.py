@@ -394,9 +394,8 @@ def phase_threads(cfg: Any, role: str, cores: int | None = None) -> dict[str, in
     phases = ROLE_PHASES.get(role, (GENERATE, SYNC))  # else a rollout replica's
     if fixed is not None:
         return dict.fromkeys(phases, fixed)
-    roles = algorithms.roles(cfg)
     at_once = {GENERATE: 1, SYNC: 1, TRAIN: len(algorithms.trained_roles(cfg)),
-               INFERENCE: sum(1 for r in roles if r != "reward" or cfg.reward.runs_model)}
+               INFERENCE: sum(cfg.model(r).runs_model for r in algorithms.roles(cfg))}
     devices = cfg.cluster.num_devices + cfg.rollout.num_devices
     per_device = max(1, (available_cores() if cores is None else cores) // devices)
     return {phase: max(1, per_device // at_once[phase]) for phase in phases}

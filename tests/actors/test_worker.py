@@ -155,7 +155,7 @@ def test_cpu_threads_split_a_devices_cores_among_the_models_that_compute_at_once
     from tests.confs import load
 
     cfg = load(argv)
-    roles = [role for role in algorithms.roles(cfg) if role != "reward" or cfg.reward.runs_model]
+    roles = [role for role in algorithms.roles(cfg) if cfg.model(role).runs_model]
     threads = {role: phase_threads(cfg, role, cores=cores)
                for role in roles + ["rollout"] * (cfg.rollout.num_devices > 0)}
     assert threads == expected
