@@ -87,7 +87,8 @@ class _Launched:
     stats: list[Any] = dataclasses.field(default_factory=list)  # sums per generator (refs)
     rows: list[Any] | None = None  # the prompts' texts and columns, per slice
     dealt: bool = False  # ``rollouts`` and ``rows`` are the training ranks' already
-    scores: tuple[list[Any], list[Any]] | None = None  # (scores, their sums) started with it
+    # (scores, their sums, the reward's reports or None) started with it (``_score``)
+    scores: tuple[list[Any], list[Any], list[Any] | None] | None = None
     calls: list[Call] = dataclasses.field(default_factory=list)  # its calls, for a hang
 
 
@@ -103,6 +104,7 @@ class _StepContext:
     exp: dict[str, float] = dataclasses.field(default_factory=dict)
     mismatch: dict[str, float] = dataclasses.field(default_factory=dict)
     targets: list[Any] = dataclasses.field(default_factory=list)
+    reward_reports: list[Any] | None = None  # a modelless reward's, taken as it scored
     kl_coef: float = 0.0
     staleness: int = 0
 
@@ -543,14 +545,23 @@ class PPOTrainer:
         return parts[:num_ranks], (None if rows is None else parts[num_ranks:])
 
     def _score(self, rollouts: list[Any], rows: list[Any] | None, step: int
-               ) -> tuple[list[ray.ObjectRef], list[ray.ObjectRef]]:
+               ) -> tuple[list[ray.ObjectRef], list[ray.ObjectRef], list[ray.ObjectRef] | None]:
         """The reward's scores of a rollout and their sums (``RewardWorker.score``), refs per
-        rank."""
+        rank, and, for a reward that runs no model, its reports.
+
+        A reward without a model does nothing but score, so its report comes with the scoring:
+        a ``report`` call at the step's end would queue on the worker behind the score of the
+        rollout launched ahead, and the step would wait for that rollout's generation and
+        scoring (a slow reward's whole wait) before it could end."""
         reward = self.models["reward"]
         extra = () if rows is None else (rows,)
-        scores, sums = zip(*reward.call("score", rollouts, *extra, step=step, with_sums=True,
-                                        num_returns=2))
-        return list(scores), list(sums)
+        if self.cfg.reward.runs_model:
+            scores, sums = zip(*reward.call("score", rollouts, *extra, step=step, with_sums=True,
+                                            num_returns=2))
+            return list(scores), list(sums), None
+        scores, sums, reports = zip(*reward.call("score", rollouts, *extra, step=step,
+                                                 with_report=True, num_returns=3))
+        return list(scores), list(sums), list(reports)
 
     def _collect(self, step: int, now: _StepContext) -> None:
         """Wait for step ``step``'s rollout (``pipeline.COLLECT``) and, colocated, deal it to
@@ -586,7 +597,7 @@ class PPOTrainer:
             actor.call("old_logprobs")
         ref_logp = ref.call("logprobs", rollouts) if ref else absent
         values = critic.call("values", rollouts) if critic else absent
-        scores, sums = launched.scores or self._score(rollouts, rows, step)
+        scores, sums, now.reward_reports = launched.scores or self._score(rollouts, rows, step)
         kl_coef = self.kl_ctl.value
         targets, exp_stats = zip(*actor.call("make_experience", ref_logp, values, scores,
                                              kl_coef=kl_coef, num_returns=2))
@@ -610,7 +621,9 @@ class PPOTrainer:
 
     def _row(self, now: _StepContext) -> dict[str, float]:
         """The step's metrics row, from its context and every model's report."""
-        reports = self.wait(**{role: group.call("report") for role, group in self.models.items()})
+        taken = {} if now.reward_reports is None else {"reward": now.reward_reports}
+        reports = self.wait(**{role: taken.get(role) or group.call("report")
+                               for role, group in self.models.items()})
         row: dict[str, float] = {}
         for role, per_rank in reports.items():
             row.update(model_metrics(role, per_rank))

@@ -62,11 +62,13 @@ class RewardWorker(Worker):
 
     @torch.no_grad()
     def score(self, rollout: RolloutBatch, rows: dict[str, Any] | None = None, step: int = 0,
-              with_sums: bool = False) -> torch.Tensor | tuple[torch.Tensor, dict[str, float]]:
+              with_sums: bool = False, with_report: bool = False) -> Any:
         """(B,) reward of each sequence of this rank's rollout. ``rows``: the prompts' texts and
         columns (``{"texts", "columns"}``), needed by a function or another tokenizer; None for
         the task's own prompts. ``with_sums``: with this rollout's ``score_sums`` too, for a
-        caller whose next score may run before it asks for them (a rollout scored ahead)."""
+        caller whose next score may run before it asks for them (a rollout scored ahead).
+        ``with_report``: and this worker's ``report`` as of this scoring, for a caller that must
+        not wait for a ``report`` call queued behind a score of a rollout still generating."""
         prompts = responses = None
         if rows is not None:
             prompts, responses = rows["texts"], self._responses(rollout)
@@ -94,6 +96,8 @@ class RewardWorker(Worker):
         elif self.task is not None:
             self._score_sums = _score_sums(self.task.score(rollout.prompts, rollout.responses,
                                                            rollout.action_mask), {})
+        if with_report:
+            return out, self._score_sums, self.report()
         return (out, self._score_sums) if with_sums else out
 
     def _modelless(self, step: int, prompts: list[str], responses: list[str],

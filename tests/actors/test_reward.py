@@ -98,6 +98,23 @@ def test_a_server_reward_joins_no_group_and_sums_its_extras_for_the_metrics(asse
     assert (report.tokens, report.real_tokens) == (real, real)
 
 
+def test_a_score_with_its_report_hands_over_that_scoring_s_metering_once(assets, server,
+                                                                         monkeypatch):
+    # The driver takes a modelless reward's report from its score call: a report call of its
+    # own would queue behind the score of a rollout launched ahead. The scoring's time and
+    # tokens are in that report, and only there (the next report starts from nothing).
+    monkeypatch.setenv(TOKEN_ENV, "tok")
+    reward = RewardWorker(config(assets, server), "reward", 0, 1)
+    batch, rows = rollout(assets)
+    scores, sums, report = reward.score(batch, rows, step=1, with_report=True)
+    torch.testing.assert_close(scores, torch.tensor([2., 1., 3., 1.]))
+    assert sums["task_score"] == 7.0
+    real = 2 * len(RESPONSES) + sum(map(len, RESPONSES))
+    assert report.real_tokens == real and report.time_s["inference"] > 0
+    after = reward.report()
+    assert (after.real_tokens, after.time_s) == (0, {})
+
+
 def test_the_score_function_gives_task_score_and_its_extras_win_a_shared_name(assets, server,
                                                                               monkeypatch):
     monkeypatch.setenv(TOKEN_ENV, "tok")
