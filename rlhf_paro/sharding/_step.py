@@ -2,7 +2,7 @@
 the global norm, AdamW on the OS shards, bring the new parameters back to the P level.
 
 [Note: exactness]  (docs/design.md, "Exactness")
-Gradients are summed over ranks and divided by N once the step's sum is whole (engine.py,
+Gradients are summed over ranks and divided by N once, on the OS shard (engine.py,
 [Note: one division by N]), and the loss by s in ``backward``, so the accumulated gradient is
 the mean over the N*s micro-batches, as in the unsharded reference fed
 the whole global batch. The squared norm is summed over this rank's OS shard and all-reduced
@@ -154,25 +154,31 @@ class BoundaryStep:
         if not self._reduce or unit in self._started:
             return
         c = self._reduce[0]
-        # In place for an all-reduce in fp32: the accumulator is zeroed after the step anyway.
+        # The input is scratch: in fp32 it is the accumulator, which the step zeroes anyway,
+        # else a rounded copy. So an all-reduce sums in place, and a ring reduce-scatter keeps
+        # its partial sums in it (``overwrite``) instead of in a zeroed copy of the gradient.
         tensor = unit.grad_acc.to(self.reduce_dtype)
         if c.op == "all_reduce":
             out = tensor
             pending = self.comm.all_reduce(tensor, c.scope, c.phase, async_op=True)
         else:  # the reduce-scatter of a level change
             out = tensor.new_empty(tensor.numel() // self.comm.size(c.scope))
-            pending = self.comm.reduce_scatter(out, tensor, c.scope, c.phase, async_op=True)
+            pending = self.comm.reduce_scatter(out, tensor, c.scope, c.phase, async_op=True,
+                                               overwrite=True)
         self._started[unit] = (pending, tensor, out)
 
     def _reduce_to_os(self, unit: Unit) -> torch.Tensor:
         """The globally summed gradient of this rank's OS shard, in fp32 (schedule, boundary)."""
+        n = self.comm.topo.num_ranks  # engine.py, [Note: one division by N]
         if not self._reduce:  # G = OS: the accumulator already is the OS shard's sum, and
-            return unit.grad_acc  # is zeroed after the step, so clipping may scale it in place
+            return unit.grad_acc.div_(n)  # is zeroed after the step, so it may be scaled in place
         self.start(unit)  # a no-op when the last backward started it
         pending, _, out = self._started.pop(unit)
         pending.wait()
         out = run(self._reduce[1:], out, self.comm)
-        return out.to(torch.float32, copy=True)
+        # A fresh tensor, or the fp32 accumulator (reduced in place, zeroed after the step), or
+        # a copy where the reduction ran in bf16: scratch either way.
+        return out.to(torch.float32).div_(n)
 
     def _refresh(self, unit: Unit, master: torch.Tensor) -> None:
         """Bring the updated OS shard back to the P level (schedule, update)."""

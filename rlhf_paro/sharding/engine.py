@@ -89,12 +89,13 @@ from rlhf_paro.sharding.strategy import Level, Strategy
 REDUCTIONS_IN_FLIGHT = 2
 
 # [Note: one division by N]  (docs/design.md, "Exactness")
-# The mean over the N ranks is the accumulated sum divided by N once, when a unit's accumulator
-# holds the whole step (``_accumulated``): every path into an accumulator adds undivided
-# gradients (autograd's direct additions, a reduce-scatter's sums, a gradient added in place).
-# Dividing each micro-batch's unsharded gradient before its reduction instead cost a pass over
-# the whole unit per micro-batch, where this costs a pass over the G-level accumulator per step.
-# For N a power of two the two are the same bits (a division by 2^k is exact); otherwise they
+# The mean over the N ranks is the step's sum divided by N once, on this rank's OS shard after
+# the boundary's reduction (``BoundaryStep._reduce_to_os``): every path into an accumulator adds
+# undivided gradients (autograd's direct additions, a reduce-scatter's sums, a gradient added in
+# place), and the boundary reduces undivided sums. Dividing each micro-batch's unsharded
+# gradient cost a pass over the whole unit per micro-batch, and dividing the accumulator a pass
+# over the G level per step (the whole unit for G = N); the OS shard is the smallest of the
+# three. For N a power of two all are the same bits (a division by 2^k is exact); otherwise they
 # differ by the rounding of one division, far inside the reference's 1e-6.
 
 # [Note: the boundary starts in the last backward]
@@ -322,8 +323,8 @@ class ShardedEngine:
             if added and self._last_micro_batch:
                 self._accumulated(unit)
             elif not added:
-                # Accumulators hold undivided sums, divided once the step's is whole
-                # (``_accumulated``, [Note: one division by N]); a gradient that missed a direct
+                # Accumulators hold undivided sums, divided on the OS shard in the step
+                # ([Note: one division by N]); a gradient that missed a direct
                 # accumulator (its unit's backward began without ``_pre_backward``, as under a
                 # reentrant checkpoint that runs the module hooks inside it) joins it undivided.
                 reduced = grad.to(self.reduce_dtype)
@@ -382,10 +383,9 @@ class ShardedEngine:
         self._pool.give(reduction.grad, reduction.out)
 
     def _accumulated(self, unit: Unit) -> None:
-        """The unit's accumulator holds this step's whole sum: the mean over ranks once divided
-        by N ([Note: one division by N]); start its boundary reduction ([Note: the boundary
-        starts in the last backward])."""
-        unit.grad_acc.div_(self.topo.num_ranks)
+        """The unit's accumulator holds this step's whole sum (undivided: [Note: one division
+        by N]): start its boundary reduction ([Note: the boundary starts in the last
+        backward])."""
         self._boundary.start(unit)
 
     def _end_of_backward(self) -> None:
