@@ -319,7 +319,11 @@ def sync_rank(rank: int, args: argparse.Namespace, port: int | None) -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"sync": rows}, f, indent=1)
-    rollout.close()
+    # Torn down before the exit, as in transfer_rank (vLLM's teardown may have taken the
+    # default group down already).
+    del rollout
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def transfer_rank(rank: int, args: argparse.Namespace, port: int | None) -> None:
@@ -448,6 +452,10 @@ def transfer_rank(rank: int, args: argparse.Namespace, port: int | None) -> None
                 json.dump({"transfer": rows}, f, indent=1)
     pool.shutdown()
     dist.barrier()  # rank 0's store serves until every group is done
+    # Torn down before the interpreter exits: gloo groups left to the exit's destructors can
+    # abort a rank ("terminate called without an active exception") after its work is done.
+    del sender, replica_groups
+    dist.destroy_process_group()
 
 
 def transfer_table(rows: list[dict]) -> str:
