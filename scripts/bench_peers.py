@@ -68,6 +68,12 @@ second interpreter; no ``@``: the working tree).
 ``--json FILE`` writes every step time and the pair ratios (``scripts/check_peers.py`` reads
 them). ``--slow-collectives-ms MS`` is for testing that check: every collective of the PaRO
 engine sleeps MS first, an engine slowed on purpose (the peers' are untouched).
+``--free-collectives`` measures the opposite end: every collective of the PaRO engine does only
+this rank's own part and sends nothing, so our step takes what it would if moving bytes between
+ranks cost nothing. Our results are wrong then (each rank trains on its own gradient), so the
+losses are not comparable; the ratios are the floor that no transport or algorithm can go below
+on this machine, and the distance from them to the ratios of a normal run is what our
+communication costs there.
 
 Runs on --world local ranks by default, or as one rank of a launched job (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT in the environment, and GROUP_SIZE = M as ``emulate_cluster.py`` sets
@@ -193,6 +199,53 @@ def _slow_collectives(ms: float) -> None:
             time.sleep(ms / 1e3)
             return _run(self, *args, **kwargs)
         setattr(Communicator, name, slowed)
+
+
+def _free_collectives() -> None:
+    """Every collective of the PaRO engine does only this rank's own part, without a message:
+    an all-gather copies the rank's shard to its place in the output (the other places keep
+    what they held), a reduce-scatter keeps the rank's own chunk of its unreduced buffer, an
+    all-reduce leaves the buffer as it is. Nothing is metered. The peers' collectives are
+    untouched; the dry run (cost model) keeps its own."""
+    from rlhf_paro.comm.collectives import Communicator, Pending
+
+    def done() -> Pending:
+        pending = Pending(None, lambda: None)
+        pending.wait()
+        return pending
+
+    def own(comm: Any, scope: str, chunk: int, total: int) -> slice:
+        """This rank's chunk of a scope's buffer: its place in the scope's order, clipped to a
+        buffer short of a padded tail."""
+        topo = comm.topo
+        index = {"world": topo.chunk_index(), "intra": topo.local_index,
+                 "inter": topo.group_index}[scope]
+        lo = min(index * chunk, total)
+        return slice(lo, min(lo + chunk, total))
+
+    def all_gather(self: Any, out: torch.Tensor, shard: torch.Tensor, scope: str, phase: str,
+                   async_op: bool = False) -> Pending:
+        flat = out.view(-1)
+        place = own(self, scope, shard.numel(), flat.numel())
+        flat[place].copy_(shard.reshape(-1)[:place.stop - place.start])
+        return done()
+
+    def reduce_scatter(self: Any, out: torch.Tensor, full: torch.Tensor, scope: str,
+                       phase: str, async_op: bool = False, overwrite: bool = False) -> Pending:
+        flat, mine = full.reshape(-1), out.view(-1)
+        place = own(self, scope, mine.numel(), flat.numel())
+        kept = place.stop - place.start
+        mine[:kept].copy_(flat[place])
+        mine[kept:].zero_()
+        return done()
+
+    def all_reduce(self: Any, buf: torch.Tensor, scope: str, phase: str,
+                   async_op: bool = False) -> Pending:
+        return done()
+
+    Communicator.all_gather = all_gather
+    Communicator.reduce_scatter = reduce_scatter
+    Communicator.all_reduce = all_reduce
 
 
 class FSDP2:
@@ -328,13 +381,16 @@ def pair_rows(jobs: list[Job], results: dict[str, dict[str, dict[str, Any]]]
 
 
 def _settings(args: argparse.Namespace, ranks: int, groups: int, group_size: int) -> str:
-    slowed = (f"; every PaRO collective slowed by {args.slow_collectives_ms:g} ms"
-              if args.slow_collectives_ms else "")
+    changed = (f"; every PaRO collective slowed by {args.slow_collectives_ms:g} ms"
+               if args.slow_collectives_ms else "")
+    if args.free_collectives:
+        changed = ("; PaRO's collectives free (--free-collectives: no message, our losses "
+                   "wrong, our times a floor)")
     return (f"{ranks} gloo ranks as {groups} groups x {group_size}, comm={args.comm}, fp32, "
             f"s={args.micro} micro-batches of {args.batch} x {args.seq} tokens, "
             f"hidden={args.hidden} layers={args.layers} vocab={args.vocab}; median of "
             f"{args.rounds} rounds x {args.steps} steps (wall: slowest rank per step; CPU: user "
-            f"+ system of all ranks per step){slowed}")
+            f"+ system of all ranks per step){changed}")
 
 
 def _report(settings: str, jobs: list[Job], results: dict[str, dict[str, dict[str, Any]]],
@@ -418,6 +474,8 @@ def bench(args: argparse.Namespace, group_size: int) -> None:
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated")
     if args.slow_collectives_ms:
         _slow_collectives(args.slow_collectives_ms)
+    if args.free_collectives:
+        _free_collectives()
     topo = Topology.from_process_group(group_size=group_size)
     world_mesh = init_device_mesh("cpu", (topo.num_ranks,))
     gen = torch.Generator().manual_seed(topo.rank)
@@ -484,6 +542,8 @@ def _job_command(job: Job, args: argparse.Namespace, source: Path | None, rounds
                "--rounds", str(rounds), "--first-round", str(first_round)]
     for key in _JOB_OPTIONS:
         command += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    if args.free_collectives:
+        command.append("--free-collectives")
     if out is not None:
         command += ["--job-out", str(out)]
     if args.profile and out is None:
@@ -562,6 +622,9 @@ def main() -> None:
     parser.add_argument("--json", metavar="FILE", help="write every step and the ratios here")
     parser.add_argument("--slow-collectives-ms", type=float, default=0.0, metavar="MS",
                         help="testing: every PaRO collective sleeps MS first")
+    parser.add_argument("--free-collectives", action="store_true",
+                        help="every PaRO collective does only this rank's part and sends "
+                             "nothing: our step's floor (our losses are wrong)")
     # A job's own (run_jobs): its first round's number, for the rotation, and its results file.
     parser.add_argument("--first-round", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--job-out", help=argparse.SUPPRESS)
@@ -580,6 +643,8 @@ def main() -> None:
         parser.error("--rounds 0 times nothing; give --profile PAIR or some rounds")
     if args.slow_collectives_ms < 0:
         parser.error(f"--slow-collectives-ms must be >= 0, got {args.slow_collectives_ms:g}")
+    if args.slow_collectives_ms and args.free_collectives:
+        parser.error("--slow-collectives-ms and --free-collectives exclude each other; give one")
     if pythons or any(revision for _, revision in contenders):
         if "RANK" in os.environ:
             parser.error("NAME@REV and --python run jobs of local ranks of their own; not as "

@@ -1,5 +1,6 @@
 """scripts/check_peers.py: its decision on made-up ratios (pure), and, on 4 gloo ranks, that it
-flags an engine slowed on purpose (bench_peers' --slow-collectives-ms)."""
+flags an engine slowed on purpose (bench_peers' --slow-collectives-ms); and bench_peers'
+--free-collectives, the other end: our collectives send nothing, the peer's run as they are."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "check_peers.py"
+BENCH = ROOT / "scripts" / "bench_peers.py"
 _spec = importlib.util.spec_from_file_location("check_peers", SCRIPT)
 check = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(check)
@@ -110,11 +112,15 @@ TINY = ["--contenders", "fsdp_gradop", "--rounds", "1", "--steps", "2", "--warmu
         "--hidden", "64", "--layers", "2", "--seq", "32", "--vocab", "512"]
 
 
-def _check_peers(*argv: str) -> subprocess.CompletedProcess:
+def _script(script: Path, *argv: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    return subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True,
                           env=env, timeout=600)
+
+
+def _check_peers(*argv: str) -> subprocess.CompletedProcess:
+    return _script(SCRIPT, *argv)
 
 
 @pytest.mark.slow
@@ -139,3 +145,27 @@ def test_an_engine_slowed_on_purpose_is_flagged_as_worse(tmp_path):
                 if line.startswith("fsdp_gradop ") and " wall " in line)
     assert line.endswith("worse")
     assert "moved beyond the band: fsdp_gradop wall worse" in slowed.stdout
+
+
+def test_free_and_slowed_collectives_exclude_each_other():
+    done = _script(BENCH, "--free-collectives", "--slow-collectives-ms", "5")
+    assert done.returncode == 2
+    assert "--slow-collectives-ms and --free-collectives exclude each other" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_free_collectives_move_no_byte_and_change_only_our_training(tmp_path):
+    out = tmp_path / "free.json"
+    done = _script(BENCH, *TINY, "--free-collectives", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "PaRO's collectives free" in done.stdout
+    runs = json.loads(out.read_text())["runs"][""]
+    # NGG reduce-scatters every micro-batch and all-gathers its parameters every step: in a
+    # normal run it meters megabytes on both kinds of link.
+    assert runs["NGG"]["sent"] == [0.0, 0.0]
+    # Normally both sides of the pair end on the same loss to the last bit (the same training).
+    # Here each of our ranks stepped on its own micro-batches' gradient alone, from the first
+    # update on: after two updates the loss is off by about 1e-2 on this model.
+    assert abs(runs["NGG"]["loss"] - runs["fsdp_gradop"]["loss"]) > 1e-3
