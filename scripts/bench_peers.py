@@ -323,6 +323,7 @@ def _steps(engine: Any, ids: torch.Tensor, count: int) -> dict[str, Any]:
     times: list[float] = []
     user: list[float] = []
     system: list[float] = []
+    loss = None  # --warmup 0: no step, no loss
     for _ in range(count):
         if engine.meter is not None:
             engine.meter.reset()
@@ -350,7 +351,8 @@ def _steps(engine: Any, ids: torch.Tensor, count: int) -> dict[str, Any]:
         traffic = torch.tensor([t["intra_bytes"], t["inter_bytes"]], dtype=torch.float64)
         dist.all_reduce(traffic)
         sent = (traffic / dist.get_world_size()).tolist()
-    return dict(times=times, user=user, system=system, sent=sent, loss=loss.item())
+    return dict(times=times, user=user, system=system, sent=sent,
+                loss=None if loss is None else loss.item())
 
 
 def _label(run: str) -> str:
