@@ -111,9 +111,17 @@ def _train(out: Path, *args: str, cache: Path, nan_loss: str | None = None,
             watched.append("signalled during the save")
     stdout, stderr = proc.communicate(timeout=900)
     exit_s = time.monotonic() - start
-    time.sleep(2)  # what a shutdown stops has had time to go
-    return Run(out, proc.returncode, stdout, stderr, _rows(out), exit_s, _marked(mark),
+    return Run(out, proc.returncode, stdout, stderr, _rows(out), exit_s, _left(mark),
                sorted(set(watched)))
+
+
+def _left(mark: str, grace_s: float = 2.0) -> list[str]:
+    """The run's processes still alive ``grace_s`` after its driver exited (what a shutdown
+    stops has that long to go); sooner when none is left."""
+    deadline = time.monotonic() + grace_s
+    while (found := _marked(mark)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return found
 
 
 def _rows(out: Path) -> list[dict]:
