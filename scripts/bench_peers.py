@@ -207,12 +207,7 @@ def _free_collectives() -> None:
     what they held), a reduce-scatter keeps the rank's own chunk of its unreduced buffer, an
     all-reduce leaves the buffer as it is. Nothing is metered. The peers' collectives are
     untouched; the dry run (cost model) keeps its own."""
-    from rlhf_paro.comm.collectives import Communicator, Pending
-
-    def done() -> Pending:
-        pending = Pending(None, lambda: None)
-        pending.wait()
-        return pending
+    from rlhf_paro.comm.collectives import Communicator, Pending, _done
 
     def own(comm: Any, scope: str, chunk: int, total: int) -> slice:
         """This rank's chunk of a scope's buffer: its place in the scope's order, clipped to a
@@ -228,7 +223,7 @@ def _free_collectives() -> None:
         flat = out.view(-1)
         place = own(self, scope, shard.numel(), flat.numel())
         flat[place].copy_(shard.reshape(-1)[:place.stop - place.start])
-        return done()
+        return _done()
 
     def reduce_scatter(self: Any, out: torch.Tensor, full: torch.Tensor, scope: str,
                        phase: str, async_op: bool = False, overwrite: bool = False) -> Pending:
@@ -237,11 +232,11 @@ def _free_collectives() -> None:
         kept = place.stop - place.start
         mine[:kept].copy_(flat[place])
         mine[kept:].zero_()
-        return done()
+        return _done()
 
     def all_reduce(self: Any, buf: torch.Tensor, scope: str, phase: str,
                    async_op: bool = False) -> Pending:
-        return done()
+        return _done()
 
     Communicator.all_gather = all_gather
     Communicator.reduce_scatter = reduce_scatter
@@ -383,9 +378,10 @@ def pair_rows(jobs: list[Job], results: dict[str, dict[str, dict[str, Any]]]
 
 
 def _settings(args: argparse.Namespace, ranks: int, groups: int, group_size: int) -> str:
-    changed = (f"; every PaRO collective slowed by {args.slow_collectives_ms:g} ms"
-               if args.slow_collectives_ms else "")
-    if args.free_collectives:
+    changed = ""  # --slow-collectives-ms and --free-collectives exclude each other (main)
+    if args.slow_collectives_ms:
+        changed = f"; every PaRO collective slowed by {args.slow_collectives_ms:g} ms"
+    elif args.free_collectives:
         changed = ("; PaRO's collectives free (--free-collectives: no message, our losses "
                    "wrong, our times a floor)")
     return (f"{ranks} gloo ranks as {groups} groups x {group_size}, comm={args.comm}, fp32, "
