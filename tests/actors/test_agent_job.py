@@ -11,7 +11,7 @@ import pytest
 
 from rlhf_paro.actors import checkpoint
 from rlhf_paro.metrics import required_keys
-from tests.test_trainer import Run, _compared, _train
+from tests.conftest import Run, compared, train
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -30,11 +30,11 @@ MAX_TURNS = 5  # the conf's env.max_turns
 def runs(tmp_path_factory) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("agent")
     cache = root / "cache"
-    straight = _train(root / "straight", *SMALL, "trainer.steps=4", cache=cache)
+    straight = train(root / "straight", *SMALL, "trainer.steps=4", cache=cache)
     assert straight.returncode == 0, straight.stderr
-    resumed = _train(root / "resumed", *SMALL, "trainer.steps=4",
-                     f"trainer.resume={checkpoint.checkpoint_dir(root / 'straight', 2)}",
-                     cache=cache)
+    resumed = train(root / "resumed", *SMALL, "trainer.steps=4",
+                    f"trainer.resume={checkpoint.checkpoint_dir(root / 'straight', 2)}",
+                    cache=cache)
     return {"straight": straight, "resumed": resumed}
 
 
@@ -79,6 +79,6 @@ def test_a_resumed_agent_run_repeats_the_straight_runs_steps(runs):
     assert [r["step"] for r in resumed.rows] == [2, 3]
     for got in resumed.rows:
         expected = straight.rows[got["step"]]
-        assert set(_compared(got)) == set(_compared(expected)) and "ppo/kl" in _compared(got)
-        assert _compared(got) == pytest.approx(_compared(expected), rel=1e-6, abs=0), got["step"]
+        assert set(compared(got)) == set(compared(expected)) and "ppo/kl" in compared(got)
+        assert compared(got) == pytest.approx(compared(expected), rel=1e-6, abs=0), got["step"]
         assert _env(got) == _env(expected) and _env(got), got["step"]

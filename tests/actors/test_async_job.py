@@ -16,7 +16,7 @@ import json
 import pytest
 
 from rlhf_paro.actors import checkpoint
-from tests.test_trainer import _compared, _error_line, _train
+from tests.conftest import compared, error_line, train
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -31,7 +31,7 @@ def _same(expected: list[dict], got: list[dict], steps: range) -> None:
     # The same tokens from the same per-step random streams, the same arithmetic in the same
     # order: tests/test_trainer.py's fp32 bound, 1e-6 relative.
     for step in steps:
-        want, have = _compared(expected[step]), _compared(got[step])
+        want, have = compared(expected[step]), compared(got[step])
         assert set(have) == set(want) and "ppo/task_score" in have
         assert have == pytest.approx(want, rel=1e-6, abs=0), step
 
@@ -47,9 +47,9 @@ def test_a_replica_of_its_own_repeats_the_colocated_run(root, algorithm):
         "cluster.num_devices=1", "cluster.group_size=1", "ppo.rollout_batch_size=8",
         "ppo.mini_batch_size=8", "trainer.eval_every=0"]
     cache = root / "cache"
-    colocated = _train(root / f"{algorithm}-colocated", *args, "trainer.steps=2", cache=cache)
-    replica = _train(root / f"{algorithm}-replica", *args, *REPLICA, "trainer.steps=2",
-                     cache=cache)
+    colocated = train(root / f"{algorithm}-colocated", *args, "trainer.steps=2", cache=cache)
+    replica = train(root / f"{algorithm}-replica", *args, *REPLICA, "trainer.steps=2",
+                    cache=cache)
     assert colocated.returncode == 0, colocated.stderr
     assert replica.returncode == 0, replica.stderr
     _same(colocated.rows, replica.rows, range(2))
@@ -65,10 +65,10 @@ def test_a_replica_of_its_own_repeats_the_colocated_run(root, algorithm):
 def off(root):
     cache = root / "cache"
     args = [*GRPO, *REPLICA, "rollout.max_staleness=1", "trainer.save_every=2"]
-    straight = _train(root / "off", *args, "trainer.steps=4", cache=cache)
-    resumed = _train(root / "resumed", *args, "trainer.steps=4",
-                     f"trainer.resume={checkpoint.checkpoint_dir(root / 'off', 2)}", cache=cache)
-    again = _train(root / "again", *args, "trainer.steps=2", cache=cache)
+    straight = train(root / "off", *args, "trainer.steps=4", cache=cache)
+    resumed = train(root / "resumed", *args, "trainer.steps=4",
+                    f"trainer.resume={checkpoint.checkpoint_dir(root / 'off', 2)}", cache=cache)
+    again = train(root / "again", *args, "trainer.steps=2", cache=cache)
     return straight, resumed, again
 
 
@@ -98,16 +98,16 @@ def test_a_resumed_run_repeats_the_straight_run_with_the_rollout_launched_ahead(
 
 
 def test_a_dead_replica_is_one_line_naming_it(root):
-    run = _train(root / "killed", *GRPO, *REPLICA, "rollout.max_staleness=1", "trainer.steps=6",
-                 cache=root / "cache", kill_role=("rollout", 0), kill_after_step=1)
-    line = _error_line(run)
+    run = train(root / "killed", *GRPO, *REPLICA, "rollout.max_staleness=1", "trainer.steps=6",
+                cache=root / "cache", kill_role=("rollout", 0), kill_after_step=1)
+    line = error_line(run)
     assert run.returncode == 1 and run.left == [], (run.stderr, run.left)
     assert line.startswith("error: rollout rank 0 died at step "), line
 
 
 def test_more_rollout_devices_than_the_cluster_has_is_one_line(root):
-    run = _train(root / "crowded", *GRPO, "rollout.num_devices=4", "ray.num_cpus=2",
-                 "trainer.steps=1", cache=root / "cache")
-    line = _error_line(run)
+    run = train(root / "crowded", *GRPO, "rollout.num_devices=4", "ray.num_cpus=2",
+                "trainer.steps=1", cache=root / "cache")
+    line = error_line(run)
     assert run.returncode == 2, run.stderr
     assert line.startswith("error: rollout.num_devices: needs 5 CPUs: 1 in groups of 1"), line

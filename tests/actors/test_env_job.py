@@ -13,7 +13,7 @@ import pytest
 
 from rlhf_paro.actors import checkpoint
 from rlhf_paro.rollout import vllm as vllm_engine
-from tests.test_trainer import _compared, _error_line, _train
+from tests.conftest import compared, error_line, train
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -68,13 +68,13 @@ def test_a_one_turn_episode_repeats_the_single_turn_run_row_for_row(root, engine
     if engine == "vllm" and not vllm_engine.installed():
         pytest.skip('needs the vllm extra: pip install -e ".[vllm]"')
     cache, args = root / "cache", [*SMALL, f"rollout.engine={engine}", "trainer.steps=2"]
-    single = _train(root / f"single-{engine}", *args, cache=cache)
-    episodes = _train(root / f"episodes-{engine}", *args, f"env.function={root}/envs.py:OneStep",
-                      "env.reward=env", cache=cache)
+    single = train(root / f"single-{engine}", *args, cache=cache)
+    episodes = train(root / f"episodes-{engine}", *args, f"env.function={root}/envs.py:OneStep",
+                     "env.reward=env", cache=cache)
     assert single.returncode == 0, single.stderr
     assert episodes.returncode == 0, episodes.stderr
     for step in range(2):
-        expected, got = _compared(single.rows[step]), _compared(episodes.rows[step])
+        expected, got = compared(single.rows[step]), compared(episodes.rows[step])
         assert set(got) == set(expected) and "ppo/task_score" in got
         # The same tokens sampled by the same random streams, the same scores: the same fp32
         # arithmetic in the same order (tests/test_trainer.py's bound, 1e-6 relative).
@@ -93,11 +93,11 @@ def test_an_environment_past_its_timeout_stops_the_run_in_one_line(root):
     prompts.write_text("".join(json.dumps({"prompt": "a b c", "num_symbols": 16,
                                            "response_len": 8, "stall": i == 9}) + "\n"
                                for i in range(16)))
-    run = _train(root / "stuck", *SMALL, "trainer.steps=4", "trainer.save_every=2",
-                 f"data.train_files={prompts}", "data.shuffle=false",
-                 f"env.function={root}/envs.py:Stuck", "env.reward=env", "env.timeout_s=2",
-                 cache=root / "cache")
-    line = _error_line(run)
+    run = train(root / "stuck", *SMALL, "trainer.steps=4", "trainer.save_every=2",
+                f"data.train_files={prompts}", "data.shuffle=false",
+                f"env.function={root}/envs.py:Stuck", "env.reward=env", "env.timeout_s=2",
+                cache=root / "cache")
+    line = error_line(run)
     assert run.returncode == 1, run.stderr
     # Step 2 takes rows 8 to 11, each 4 times (rollout.n): row 9's samples are 4 to 7, the
     # first of which the line names.

@@ -25,7 +25,7 @@ import pytest
 from rlhf_paro.actors import checkpoint
 from rlhf_paro.metrics import required_keys
 from tests.confs import load
-from tests.test_trainer import MARK, Run, _compared, _error_line, _train
+from tests.conftest import Run, compared, error_line, marked, train
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -44,17 +44,17 @@ TOKEN_ENV = "RLHF_PARO_TEST_REWARD_TOKEN"
 def runs(tmp_path_factory) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("grpo")
     cache = root / "cache"
-    straight = _train(root / "straight", *SMALL, "trainer.steps=4", cache=cache,
-                      watch=_critic_processes)
+    straight = train(root / "straight", *SMALL, "trainer.steps=4", cache=cache,
+                     watch=_critic_processes)
     assert straight.returncode == 0, straight.stderr
-    killed = _train(root / "killed", *SMALL, "trainer.steps=6", "trainer.keep_checkpoints=3",
-                    cache=cache, kill_after_step=1)
-    resumed = _train(root / "killed", *SMALL, "trainer.steps=4",
-                     f"trainer.resume={checkpoint.checkpoint_dir(root / 'killed', 2)}",
-                     cache=cache)
+    killed = train(root / "killed", *SMALL, "trainer.steps=6", "trainer.keep_checkpoints=3",
+                   cache=cache, kill_after_step=1)
+    resumed = train(root / "killed", *SMALL, "trainer.steps=4",
+                    f"trainer.resume={checkpoint.checkpoint_dir(root / 'killed', 2)}",
+                    cache=cache)
     # The conf's reward function (the demo's score), served over HTTP on loopback.
     spec = load([*SMALL, f"task.cache_dir={cache}"]).reward.function
-    os.environ[TOKEN_ENV] = "grpo-test-token"  # the run's processes inherit it
+    os.environ[TOKEN_ENV] = "grpo-test-token"  # the run's processes (its private Ray) inherit it
     with subprocess.Popen([sys.executable, "-m", "rlhf_paro.reward_server", spec, "--port", "0",
                            "--token-env", TOKEN_ENV], stdout=subprocess.PIPE, text=True) as proc:
         try:
@@ -62,8 +62,9 @@ def runs(tmp_path_factory) -> dict[str, Run]:
             url = re.search(r" at (http://127\.0\.0\.1:\d+/score),",
                             proc.stdout.readline() if ready else "")
             assert url, proc.poll()
-            served = _train(root / "served", *SMALL, "trainer.steps=2", f"reward.url={url[1]}",
-                            f"reward.token_env={TOKEN_ENV}", cache=cache)
+            served = train(root / "served", *SMALL, "trainer.steps=2", f"reward.url={url[1]}",
+                           f"reward.token_env={TOKEN_ENV}", cache=cache,
+                           private=True)  # its reward workers read the token where they run
         finally:
             proc.kill()
             os.environ.pop(TOKEN_ENV)
@@ -73,9 +74,7 @@ def runs(tmp_path_factory) -> dict[str, Run]:
 def _critic_processes(mark: str) -> list[str]:
     """Processes of the run whose command line names a critic worker (Ray titles each worker
     process after its actor class)."""
-    from tests.test_trainer import _marked
-
-    return [cmd for cmd in _marked(mark) if "Critic" in cmd]
+    return [cmd for cmd in marked(mark) if "Critic" in cmd]
 
 
 def test_three_models_run_and_no_critic_worker_ever_exists(runs):
@@ -107,7 +106,7 @@ def test_a_killed_grpo_run_resumes_exactly(runs):
     # The same arithmetic in the same order as the straight run: the fp32 bound of
     # tests/test_trainer.py (1e-6 relative).
     for step in range(4):
-        expected, got = _compared(straight.rows[step]), _compared(resumed.rows[step])
+        expected, got = compared(straight.rows[step]), compared(resumed.rows[step])
         assert set(got) == set(expected) and "ppo/kl" in got
         assert got == pytest.approx(expected, rel=1e-6, abs=0), step
 
@@ -118,7 +117,7 @@ def test_a_reward_server_gives_the_run_of_the_same_function_in_process(runs):
     assert [r["step"] for r in served.rows] == [0, 1]
     # Same seed, same scores: the same arithmetic as the in-process function's run.
     for step in range(2):
-        expected, got = _compared(straight.rows[step]), _compared(served.rows[step])
+        expected, got = compared(straight.rows[step]), compared(served.rows[step])
         assert got == pytest.approx(expected, rel=1e-6, abs=0), step
 
 
@@ -131,9 +130,9 @@ def test_a_reward_function_that_kills_its_worker_is_named_with_the_step(tmp_path
     fns = root / "leaving.py"
     fns.write_text("import os\n\n\ndef score(prompts, responses, **columns):\n    os._exit(3)\n")
     spec = f"{fns}:score"
-    run = _train(root / "run", *SMALL, "cluster.num_devices=1", "trainer.steps=1",
-                 f"reward.function={spec}", cache=root / "cache")
+    run = train(root / "run", *SMALL, "cluster.num_devices=1", "trainer.steps=1",
+                f"reward.function={spec}", cache=root / "cache")
     assert run.returncode == 1 and run.left == []
-    assert _error_line(run).startswith(
+    assert error_line(run).startswith(
         f"error: reward rank 0 died at step 0 running reward function {spec} (its process "
         "exited: killed, out of memory or crashed); no checkpoint yet")

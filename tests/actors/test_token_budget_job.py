@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.actors.test_grpo_job import SMALL
-from tests.test_trainer import _train
+from tests.conftest import train
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -20,9 +20,9 @@ SHORT = [*SMALL, "data.max_prompt_length=8", "trainer.steps=2", "trainer.save_ev
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("budget")
-    by_rows = _train(root / "rows", *SHORT, cache=root / "cache")
-    by_tokens = _train(root / "tokens", *SHORT, "actor.max_tokens_per_micro_batch=16",
-                       cache=root / "cache")
+    by_rows = train(root / "rows", *SHORT, cache=root / "cache")
+    by_tokens = train(root / "tokens", *SHORT, "actor.max_tokens_per_micro_batch=16",
+                      cache=root / "cache")
     for run in (by_rows, by_tokens):
         assert run.returncode == 0, run.stderr
     return by_rows.rows, by_tokens.rows

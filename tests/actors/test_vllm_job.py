@@ -16,7 +16,7 @@ from rlhf_paro.metrics import required_keys
 from rlhf_paro.rollout import vllm
 from tests.actors.test_grpo_job import ROLES
 from tests.actors.test_grpo_job import SMALL as GRPO
-from tests.test_trainer import Run, _compared, _train
+from tests.conftest import Run, compared, train
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow,
               pytest.mark.skipif(not vllm.installed(),
@@ -32,11 +32,11 @@ SMALL = [*GRPO, "cluster.group_size=2", "task.model.hidden_size=64",
 def runs(tmp_path_factory) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("vllm")
     cache = root / "cache"
-    straight = _train(root / "straight", *SMALL, "trainer.steps=4", cache=cache)
+    straight = train(root / "straight", *SMALL, "trainer.steps=4", cache=cache)
     assert straight.returncode == 0, straight.stderr
-    resumed = _train(root / "resumed", *SMALL, "trainer.steps=4",
-                     f"trainer.resume={checkpoint.checkpoint_dir(root / 'straight', 2)}",
-                     cache=cache)
+    resumed = train(root / "resumed", *SMALL, "trainer.steps=4",
+                    f"trainer.resume={checkpoint.checkpoint_dir(root / 'straight', 2)}",
+                    cache=cache)
     return {"straight": straight, "resumed": resumed}
 
 
@@ -62,6 +62,6 @@ def test_a_resumed_vllm_run_repeats_the_straight_runs_steps(runs):
     assert resumed.returncode == 0, resumed.stderr
     assert [r["step"] for r in resumed.rows] == [2, 3]
     for got in resumed.rows:
-        expected = _compared(straight.rows[got["step"]])
-        assert set(_compared(got)) == set(expected) and "ppo/kl" in expected
-        assert _compared(got) == pytest.approx(expected, rel=1e-6, abs=0), got["step"]
+        expected = compared(straight.rows[got["step"]])
+        assert set(compared(got)) == set(expected) and "ppo/kl" in expected
+        assert compared(got) == pytest.approx(expected, rel=1e-6, abs=0), got["step"]
