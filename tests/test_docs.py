@@ -61,6 +61,23 @@ def test_every_cited_design_section_is_a_heading_of_design_md():
     assert not missing, f"sections cited but not in docs/design.md: {missing}"
 
 
+# Citations of the README's and docs/benchmarks.md's sections, as (file, pattern).
+GUIDES = {ROOT / "README.md": re.compile(r'README,?\s+"([^"]+)"'),
+          ROOT / "docs" / "benchmarks.md": re.compile(r'benchmarks\.md,?\s+"([^"]+)"')}
+
+
+def test_every_cited_readme_or_benchmarks_section_is_a_heading_there():
+    # Sections move between the README and docs/benchmarks.md: a citation may name a heading
+    # whole or up to its colon ("The demo" for "The demo: conf=grpo_agent_tiny").
+    for guide, pattern in GUIDES.items():
+        headings = {m.group(1).strip() for m in re.finditer(r"^#+ (.+)$", guide.read_text(), re.M)}
+        named = headings | {heading.partition(":")[0] for heading in headings}
+        cited = _citations(pattern)
+        assert cited, f"no citation of {guide.name} found"
+        missing = [(file, section) for file, section in cited if section not in named]
+        assert not missing, f"sections cited but not headings of {guide.name}: {missing}"
+
+
 def test_every_cited_note_is_kept_somewhere():
     kept = {title for path in _files() for title in NOTE_KEPT.findall(path.read_text())}
     cited = _citations(NOTE_CITE)
