@@ -67,6 +67,26 @@ class NoStep:
         return None
 
 not_a_class = 3
+
+def add(a: int, b: int) -> int:
+    """Add.
+
+    Args:
+        a: x
+        b: y
+    """
+    return a + b
+
+def lookup(word: str) -> str:
+    """Look up.
+
+    Args:
+        word: the word
+    """
+    return word
+
+def score(prompts, responses, **kwargs):
+    return [0.0] * len(prompts)
 '''
 
 
@@ -155,6 +175,17 @@ def test_an_environment_scores_unless_told_the_reward_section_does(jobs, files, 
     assert not reward_wins.reward.env_score and reward_wins.reward.runs_model
     # The episode's budget: the actor's positions when null.
     assert first.env.max_total_tokens == 64
+
+
+def test_the_readmes_tool_list_is_one_value_and_a_sweep_of_tool_lists_still_sweeps(
+        jobs, files, tokenizer_dir):
+    # env.tools=file.py:add,lookup was refused as a sweep of "file.py:add" and "lookup".
+    module = files / "envs.py"
+    common = ["data.apply_chat_template=true", f"reward.function={module}:score"]
+    train.main(_argv(files, f"env.tools={module}:add,lookup", *common))
+    assert jobs[-1].env.tools == f"{module}:add,lookup"
+    train.main(["-m", *_argv(files, f"env.tools={module}:add,lookup,{module}:lookup", *common)])
+    assert [c.env.tools for c in jobs[1:]] == [f"{module}:add,lookup", f"{module}:lookup"]
 
 
 def test_env_keys_check_themselves():
