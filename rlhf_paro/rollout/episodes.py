@@ -84,7 +84,8 @@ def run(engine: Rollout, prompts: PromptBatch, rows: Sequence[dict[str, Any]],
     for i, (episode, obs) in enumerate(zip(episodes, first)):
         if obs is None:
             continue
-        ids = observations.encode(obs, budget.max_total_tokens - episode.length - 1)
+        ids = _encoded(observations, obs, budget.max_total_tokens - episode.length - 1,
+                       f"{runner.name}.reset", where(i))
         if ids is None:
             raise EnvError(f"{runner.name}.reset's observation ({len(str(obs))} characters) "
                            "leaves no room for an action within env.max_total_tokens="
@@ -132,8 +133,10 @@ def run(engine: Rollout, prompts: PromptBatch, rows: Sequence[dict[str, Any]],
                 if episode.turns == budget.max_turns:
                     episode.ended = MAX_TURNS
                     continue
-                ids = [] if result.observation is None else observations.encode(
-                    result.observation, budget.max_total_tokens - episode.length - 1)
+                ids = [] if result.observation is None else _encoded(
+                    observations, result.observation,
+                    budget.max_total_tokens - episode.length - 1, f"{runner.name}.step",
+                    f"{where(i)} (turn {turn})")
                 if ids is None or episode.length + len(ids) >= budget.max_total_tokens:
                     episode.ended = MAX_TOKENS  # no room for another action after it
                     dropped += ids is None
@@ -155,6 +158,15 @@ def run(engine: Rollout, prompts: PromptBatch, rows: Sequence[dict[str, Any]],
         "tool_errors": float(sum(getattr(env, "tool_errors", 0) for env in envs)),
     }
     return assemble(episodes, pad_token_id, sampling.greedy), stats
+
+
+def _encoded(observations: Observations, observation: Any, limit: int, what: str, where: str
+             ) -> list[int] | None:
+    """``observations.encode``, its error naming the environment's call and the sample."""
+    try:
+        return observations.encode(observation, limit)
+    except EnvError as err:
+        raise EnvError(f"{what}'s observation {where}: {err}") from None
 
 
 def assemble(episodes: Sequence[Episode], pad_token_id: int, greedy: bool) -> RolloutBatch:

@@ -586,6 +586,13 @@ def test_a_score_past_float32_is_the_environments_error(files, name, says):
         _episodes(files, name)
 
 
+def test_chat_messages_without_a_chat_template_name_the_environment_and_the_sample(files):
+    with pytest.raises(EnvError, match=r"^Chat.step's observation at sample \d \(turn 0\): an "
+                                       r"observation of chat messages needs "
+                                       r"data.apply_chat_template=true"):
+        _episodes(files, "Chat")
+
+
 def test_observation_text_is_text_unless_the_environment_says_it_holds_special_tokens():
     tok = bpe_tokenizer()
     eos = tok.eos_token_id
