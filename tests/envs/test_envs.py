@@ -670,7 +670,8 @@ def test_fuzz_tool_calls_and_observations_each_step_answers_within_its_bound():
         assert reward == 0.0 and (obs is None) == done, (k, text[:80])
         if obs is not None:
             assert all(m["role"] == "tool" and isinstance(m["content"], str) for m in obs)
-            assert all(m["content"].encode("utf-8") for m in obs)
+            for m in obs:
+                m["content"].encode("utf-8")  # raises on a lone surrogate
             ids = observations.encode(obs, 4096)
             assert ids is None or len(ids) <= 4096
         assert time.monotonic() - start < timeout_s, (k, text[:80])
