@@ -750,7 +750,8 @@ def env_metrics(sums: dict[str, float]) -> dict[str, float]:
         "env/truncated_fraction_max_total_tokens": tokens / episodes,
         "env/step_time_s": sums["env_step_time_s"] / max(sums["env_steps"], 1.0),
         "env/observation_tokens": sums["env_observation_tokens"] / episodes,
-        "env/dropped_observations": sums["env_dropped_observations"] / episodes,
+        # (absent from the sums of a rollout launched ahead by an older version, then resumed)
+        "env/dropped_observations": sums.get("env_dropped_observations", 0.0) / episodes,
         "env/action_tokens": sums["env_action_tokens"] / episodes,
         "env/tool_calls": sums["env_tool_calls"] / episodes,
         "env/tool_errors": sums["env_tool_errors"] / episodes,
