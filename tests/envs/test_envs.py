@@ -675,3 +675,16 @@ def test_fuzz_tool_calls_and_observations_each_step_answers_within_its_bound():
             ids = observations.encode(obs, 4096)
             assert ids is None or len(ids) <= 4096
         assert time.monotonic() - start < timeout_s, (k, text[:80])
+
+
+def test_dropped_observations_are_a_metric_per_episode_and_zero_for_an_older_rollouts_sums():
+    from rlhf_paro.trainer import env_metrics
+
+    sums = {f"env_{k}": 0.0 for k in ("truncated_max_turns", "truncated_max_total_tokens",
+                                      "turns", "step_time_s", "steps", "observation_tokens",
+                                      "action_tokens", "tool_calls", "tool_errors")}
+    sums["env_episodes"] = 4.0
+    # A rollout launched ahead and saved by a version that did not count them: a KeyError.
+    assert env_metrics(sums)["env/dropped_observations"] == 0.0
+    assert env_metrics({**sums, "env_dropped_observations": 2.0})[
+        "env/dropped_observations"] == 0.5
