@@ -29,9 +29,9 @@ import yaml
 from omegaconf import OmegaConf
 
 from rlhf_paro.compose import (
-    available_confs, load_config, parse_overrides, register_resolver, split_sweep,
+    available_confs, load_config, parse_overrides, register_resolver, sweep_values,
 )
-from rlhf_paro.config import FILE_LIST_KEYS, Config, ConfigError, cli_errors
+from rlhf_paro.config import Config, ConfigError, cli_errors
 
 OVERRIDES = """\
 overrides, applied in order (values are YAML: 3, 1e-5, abc, [a, b], {a: 1}, null):
@@ -119,8 +119,8 @@ def _jobs(args: list[str]) -> list[Job]:
     choices = []
     for arg in args:
         head, sep, text = arg.partition("=")
-        sweep = sep and not arg.startswith("~") and head.lstrip("+") not in FILE_LIST_KEYS
-        values = split_sweep(text) if sweep else [text]
+        sweep = sep and not arg.startswith("~")
+        values = sweep_values(head.lstrip("+").strip(), text) if sweep else [text]
         choices.append([(arg, False)] if len(values) == 1 else
                        [(f"{head}={value}", True) for value in values])
     return [Job(",".join(a for a, swept in combo if swept), [a for a, _ in combo])

@@ -202,6 +202,24 @@ def split_sweep(text: str) -> list[str]:
     return values + [text[start:]]
 
 
+def sweep_values(key: str, text: str) -> list[str]:
+    """The values that ``key=text`` sweeps over (one: no sweep). A file list's commas are its
+    own; so are those of ``env.tools=file.py:a,b``, where a value without a ``:`` is one more
+    function of the file before it (``a.py:f,g,b.py:h`` sweeps over two sets of tools)."""
+    if key in FILE_LIST_KEYS:
+        return [text]
+    values = split_sweep(text)
+    if key != "env.tools":
+        return values
+    joined: list[str] = []
+    for value in values:
+        if joined and ":" not in value:
+            joined[-1] += "," + value
+        else:
+            joined.append(value)
+    return joined
+
+
 def parse_overrides(argv: list[str]) -> tuple[str, list[Override]]:
     """``conf=NAME`` and the overrides of a command line -> (conf name, overrides in order)."""
     conf = DEFAULT_CONF
@@ -220,7 +238,7 @@ def parse_overrides(argv: list[str]) -> tuple[str, list[Override]]:
                 raise ConfigError(key, "selects the conf; allowed: conf=NAME or conf=path.yaml")
             conf = text.strip()
             continue
-        if op != "~" and len(split_sweep(text)) > 1 and key not in FILE_LIST_KEYS:
+        if op != "~" and len(sweep_values(key, text)) > 1:
             raise ConfigError(key, f"{text!r} is a sweep; allowed: -m to run one job per value, "
                                    f"a list [{text}], or a quoted string '{text}'")
         overrides.append(Override(op, key, None if op == "~" else _parse_value(key, text)))

@@ -534,6 +534,9 @@ class EnvConfig:
     max_total_tokens: int | None = None
     timeout_s: float = 60.0  # seconds one reset() or step() may take before the run stops
     num_workers: int = 8  # environment calls (reset, step) a rank runs at once, in threads
+    # Whether an observation's text may hold the tokenizer's special tokens (<|im_end|> read as
+    # the control token); false: they are plain text, as chat templates treat tool output.
+    observation_special_tokens: bool = False
     # What scores an episode: env (the sum of its step rewards) or reward (the reward section's
     # function, model or server scores the finished trajectory); null: env, unless the reward
     # section names a source, which is ambiguous and refused.
@@ -561,7 +564,8 @@ class EnvConfig:
                                            f"{self.timeout_s}")
         if not self.enabled:
             defaults = EnvConfig.__dataclass_fields__
-            for key in ("max_turns", "max_total_tokens", "timeout_s", "num_workers", "reward"):
+            for key in ("max_turns", "max_total_tokens", "timeout_s", "num_workers", "reward",
+                        "observation_special_tokens"):
                 if getattr(self, key) != defaults[key].default:
                     raise ConfigError(key, "sets an environment's episodes; allowed only with "
                                            "env.function or env.tools")

@@ -735,10 +735,10 @@ def _sum(dicts: list[dict[str, float]]) -> dict[str, float]:
 
 def env_metrics(sums: dict[str, float]) -> dict[str, float]:
     """``env/*`` of a step's episodes from the actor ranks' ``env_*`` sums (``episodes.run``):
-    per episode its turns, observation and action tokens, tool calls and tool errors; the
-    fraction of episodes cut short by ``env.max_turns`` or ``env.max_total_tokens`` (each, and
-    both as ``env/truncated_fraction``); the mean seconds of one environment step. None without
-    an environment."""
+    per episode its turns, observation and action tokens, observations dropped for the budget,
+    tool calls and tool errors; the fraction of episodes cut short by ``env.max_turns`` or
+    ``env.max_total_tokens`` (each, and both as ``env/truncated_fraction``); the mean seconds of
+    one environment step. None without an environment."""
     episodes = sums.get("env_episodes")
     if not episodes:
         return {}
@@ -750,6 +750,8 @@ def env_metrics(sums: dict[str, float]) -> dict[str, float]:
         "env/truncated_fraction_max_total_tokens": tokens / episodes,
         "env/step_time_s": sums["env_step_time_s"] / max(sums["env_steps"], 1.0),
         "env/observation_tokens": sums["env_observation_tokens"] / episodes,
+        # (absent from the sums of a rollout launched ahead by an older version, then resumed)
+        "env/dropped_observations": sums.get("env_dropped_observations", 0.0) / episodes,
         "env/action_tokens": sums["env_action_tokens"] / episodes,
         "env/tool_calls": sums["env_tool_calls"] / episodes,
         "env/tool_errors": sums["env_tool_errors"] / episodes,

@@ -190,6 +190,12 @@ def check(directory: str | Path) -> dict[str, dict[str, Any]]:
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise DamagedCheckpoint(directory,
                                 f"unreadable {MANIFEST} ({type(err).__name__})") from None
+    # Any JSON parses: a manifest of another shape is as damaged as one cut short.
+    if not isinstance(listed, dict) or not all(
+            isinstance(entry, dict) and type(entry.get("bytes")) is int
+            and isinstance(entry.get("sha256"), str) for entry in listed.values()):
+        raise DamagedCheckpoint(directory, f"malformed {MANIFEST} (its files are not name -> "
+                                           "{bytes, sha256})")
     for name, entry in listed.items():
         path = directory / name
         if not path.is_file():

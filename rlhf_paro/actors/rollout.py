@@ -46,7 +46,8 @@ class Generation:
             self.env_runner = envs.EnvRunner(factory, name, cfg.env.num_workers,
                                              cfg.env.timeout_s)
             self.observations = envs.Observations(
-                tokenizer, cfg.data.apply_chat_template, envs.tool_schemas(cfg))
+                tokenizer, cfg.data.apply_chat_template, envs.tool_schemas(cfg),
+                cfg.env.observation_special_tokens)
 
     @torch.no_grad()
     def __call__(self, prompts: PromptBatch, rows: dict[str, Any] | None, greedy: bool,

@@ -13,11 +13,14 @@ messages (a ``{"role": "tool" | "user", "content": ...}`` dict or a list of them
 the tokenizer's chat template (``data.apply_chat_template=true``). A ``reset`` that takes a
 ``seed`` keyword (gymnasium's convention) gets one drawn from the run's seed, the step and the
 sample, so a resumed run meets the same episodes. ``env.tools`` builds ``envs.tools.ToolEnv``
-instead.
+instead. An observation's text is tokenised as text (a ``<|im_end|>`` in it is characters, not
+the control token) unless ``env.observation_special_tokens=true``, and only as far as the
+episode's budget: one too long for the room left is dropped without being tokenised whole.
 
-An environment that raises, returns something else, or takes longer than ``env.timeout_s`` for
-one call stops the run with ``EnvError``: one line naming the environment, the step, the sample
-and what went wrong.
+An environment that raises (``sys.exit`` and ``KeyboardInterrupt`` included: in its thread they
+are the environment's, never a Ctrl-C of the run), returns something else (an observation that
+is not valid Unicode too), or takes longer than ``env.timeout_s`` for one call stops the run with
+``EnvError``: one line naming the environment, the step, the sample and what went wrong.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import math
 import numbers
 import threading
 import time
+import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Sequence
@@ -72,16 +76,27 @@ def check_step(value: Any, name: str, where: str) -> StepResult:
 
 
 def check_observation(observation: Any, what: str, where: str) -> None:
-    """``EnvError`` unless ``observation`` is None, text, a message dict or a list of them."""
-    if observation is None or isinstance(observation, str):
+    """``EnvError`` unless ``observation`` is None, text, a message dict or a list of them, all
+    of its text valid Unicode (a lone surrogate has no UTF-8, which the tokenizer needs)."""
+    if observation is None:
         return
     messages = [observation] if isinstance(observation, dict) else observation
-    if isinstance(messages, list) and messages and all(
+    if isinstance(observation, str):
+        texts = [observation]
+    elif isinstance(messages, list) and messages and all(
             isinstance(m, dict) and isinstance(m.get("role"), str)
             and isinstance(m.get("content"), str) for m in messages):
-        return
-    raise EnvError(f"{what} returned the observation {str(observation)[:60]!r} {where}; allowed: "
-                   'None, text, or chat messages {"role": ..., "content": ...}')
+        texts = [m["content"] for m in messages]
+    else:
+        raise EnvError(f"{what} returned the observation {str(observation)[:60]!r} {where}; "
+                       'allowed: None, text, or chat messages {"role": ..., "content": ...}')
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise EnvError(f"{what} returned an observation with {err.object[err.start]!r} at "
+                           f"character {err.start} {where}; allowed: text without lone "
+                           "surrogates (valid Unicode)") from None
 
 
 def load(cfg: Config) -> tuple[Callable[..., Any], str]:
@@ -122,7 +137,9 @@ def check_factory(cfg: Config, row: dict[str, Any]) -> None:
         raise ConfigError("env.function", f"{name}(**row) refuses the prompt rows' columns "
                           f"{', '.join(sorted(row))} ({_one_line(err)}); allowed: a class "
                           "whose constructor takes those columns (or **row)") from None
-    except Exception as err:  # the user's constructor: anything it raises is its own
+    except KeyboardInterrupt:  # here, in the driver's own thread: a Ctrl-C
+        raise
+    except BaseException as err:  # the user's constructor: anything it raises, sys.exit too
         raise ConfigError("env.function", f"{name}(**row) raised on the first prompt row "
                                           f"({_one_line(err)})") from None
     for method in ("reset", "step"):
@@ -160,6 +177,9 @@ class EnvRunner:
 
     A call past its deadline cannot be killed in a thread: the runner raises ``EnvError`` and the
     run stops (its process is ended by the trainer), which leaves the last checkpoint intact.
+    Signals reach a process's main thread only, so whatever a call raises, ``SystemExit`` and
+    ``KeyboardInterrupt`` included, is its environment's; a Ctrl-C or SIGTERM of the run meets
+    the runner waiting in the main thread and stops it as before.
     """
 
     def __init__(self, factory: Callable[..., Any], name: str, num_workers: int,
@@ -178,12 +198,12 @@ class EnvRunner:
         def build(i: int) -> tuple[Any, Any]:
             try:
                 env = self.factory(**rows[i])
-            except Exception as err:
+            except BaseException as err:  # in a thread: the environment's own
                 raise EnvError(f"{self.name}(**row) raised {where(i)} ({_one_line(err)})"
                                ) from None
             try:
                 obs = env.reset(seed=seeds[i]) if takes_seed(env.reset) else env.reset()
-            except Exception as err:
+            except BaseException as err:  # in a thread: the environment's own
                 raise EnvError(f"{self.name}.reset raised {where(i)} ({_one_line(err)})"
                                ) from None
             check_observation(obs, f"{self.name}.reset", where(i))
@@ -199,7 +219,7 @@ class EnvRunner:
         def one(i: int) -> StepResult:
             try:
                 value = envs[i].step(actions[i])
-            except Exception as err:
+            except BaseException as err:  # in a thread: the environment's own
                 raise EnvError(f"{self.name}.step raised {where(i)} ({_one_line(err)})"
                                ) from None
             return check_step(value, self.name, where(i))
@@ -217,7 +237,7 @@ class EnvRunner:
         def one(i: int) -> None:
             try:
                 envs[i].close()
-            except Exception as err:
+            except BaseException as err:  # in a thread: the environment's own
                 raise EnvError(f"{self.name}.close raised {where(i)} ({_one_line(err)})"
                                ) from None
 
@@ -272,22 +292,49 @@ class Observations:
     """Observations as the token ids appended to an episode's context: text as the tokenizer
     encodes it without special tokens, chat messages as the chat template renders them after an
     assistant turn (what the template puts between the end of the model's turn and the start
-    of its next one, generation prompt included)."""
+    of its next one, generation prompt included).
 
-    def __init__(self, tokenizer: Any, chat: bool, tools: list[dict] | None = None) -> None:
+    The observation's own text is tokenised as text: a ``<|im_end|>`` an environment returns is
+    its characters, not the control token the model ends its turns with (how chat templates
+    treat tool output), unless ``special_tokens`` (``env.observation_special_tokens``) says the
+    environment writes the tokenizer's special tokens on purpose."""
+
+    def __init__(self, tokenizer: Any, chat: bool, tools: list[dict] | None = None,
+                 special_tokens: bool = False) -> None:
         self.tokenizer = tokenizer
         self.chat = chat
         self.tools = tools
+        self.special_tokens = special_tokens
+        # No token stands for more characters than the longest entry of the vocabulary (a
+        # byte-level entry holds one character per byte): text of more than n times that many
+        # characters has more than n tokens, known before any of it is tokenised.
+        self.token_chars = max(map(len, tokenizer.get_vocab()), default=1)
 
-    def encode(self, observation: Any) -> list[int]:
+    def encode(self, observation: Any, limit: int) -> list[int] | None:
+        """The observation's token ids, or None when they are more than ``limit``: text too long
+        for ``limit`` tokens is never tokenised, so a huge observation costs the work of the
+        budget, not of its size."""
         if isinstance(observation, str) and not self.chat:
-            return list(self.tokenizer(observation, add_special_tokens=False)["input_ids"])
+            if len(observation) > limit * self.token_chars:
+                return None
+            ids = self._ids(observation, self.special_tokens)
+            return ids if len(ids) <= limit else None
         messages = ([{"role": "user", "content": observation}] if isinstance(observation, str)
                     else [observation] if isinstance(observation, dict) else list(observation))
         if not self.chat:
             raise EnvError("an observation of chat messages needs data.apply_chat_template=true "
                            "(the tokenizer's chat template renders them)")
-        return self._rendered(messages)
+        if sum(len(m["content"]) for m in messages) > limit * self.token_chars:
+            return None
+        ids = self._rendered(messages)
+        return ids if len(ids) <= limit else None
+
+    def _ids(self, text: str, special: bool) -> list[int]:
+        """``text``'s ids; ``special``: the tokenizer's special tokens in it are those tokens."""
+        if not text:
+            return []
+        return list(self.tokenizer(text, add_special_tokens=False,
+                                   split_special_tokens=not special)["input_ids"])
 
     def _rendered(self, messages: list[dict[str, Any]]) -> list[int]:
         # The template renders whole conversations: the observation's tokens are what a
@@ -304,4 +351,51 @@ class Observations:
             raise EnvError("the chat template renders the conversation before an observation "
                            "differently once the observation follows it; allowed: a template "
                            "that appends turns")
-        return list(tok(after[cut:], add_special_tokens=False)["input_ids"])
+        if self.special_tokens:
+            return self._ids(after[cut:], True)
+        # The template's own text (its special tokens) and the messages' contents (text) apart:
+        # rendered again with a mark in place of each content, the template's text is what lies
+        # around the marks.
+        marks = [uuid.uuid4().hex for _ in messages]
+        marked = render(base + [{**m, "content": k} for m, k in zip(messages, marks)], True)
+        pieces, contents, pos = [], [], cut
+        for mark, message in zip(marks, messages):
+            at = marked.find(mark, pos)
+            if at >= 0:  # (a template may leave a role's content out)
+                pieces.append(marked[pos:at])
+                contents.append(message["content"])
+                pos = at + len(mark)
+        pieces.append(marked[pos:])
+        text = after[cut:]
+        if _interleaved(pieces, contents) != text:  # the template changes a content (trim, tojson)
+            contents = _between(text, pieces)
+            if contents is None:
+                raise EnvError("the chat template renders an observation's content in a way that "
+                               "cannot be told apart from its own text; allowed: "
+                               "env.observation_special_tokens=true (the rendered text "
+                               "tokenised whole, special tokens included)")
+        ids = self._ids(pieces[0], True)
+        for content, piece in zip(contents, pieces[1:]):
+            ids += self._ids(content, False) + self._ids(piece, True)
+        return ids
+
+
+def _interleaved(pieces: list[str], contents: list[str]) -> str:
+    return pieces[0] + "".join(c + p for c, p in zip(contents, pieces[1:]))
+
+
+def _between(text: str, pieces: list[str]) -> list[str] | None:
+    """The texts that ``text`` holds between ``pieces`` in order (None: it does not hold them
+    so): how a template rendered the contents the pieces surround."""
+    first, last = pieces[0], pieces[-1]
+    if len(pieces) < 2 or not text.startswith(first) or not text.endswith(last) or \
+            len(text) < len(first) + len(last):
+        return None
+    pos, end, out = len(first), len(text) - len(last), []
+    for piece in pieces[1:-1]:
+        at = text.find(piece, pos, end)
+        if at < 0:
+            return None
+        out.append(text[pos:at])
+        pos = at + len(piece)
+    return out + [text[pos:end]]

@@ -7,20 +7,25 @@ Each function's signature and docstring (a Google-style ``Args:`` section, what 
 Qwen2.5/Hermes-style templates: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
 one block per call. Each call's result comes back as a ``{"role": "tool", ...}`` message; a
 turn that calls no tool is the agent's answer and ends the episode. A malformed call (not JSON,
-an unknown tool, arguments the function refuses, a tool that raises) is an observation the agent
-sees, never a crash. The episode's reward is the reward section's (a tool only answers).
+JSON nested too deep to parse, an unknown tool, arguments the function refuses, a tool that
+raises, a result that JSON cannot encode) is an observation the agent sees, never a crash:
+whatever the policy can write, it will. A tool that would end the process (``sys.exit``,
+``KeyboardInterrupt``) stops the run in one line naming it. The episode's reward is the reward
+section's (a tool only answers).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, Callable
 
 from rlhf_paro.config import ConfigError
 
-TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-OPEN_TAG = "<tool_call>"
+OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
+
+
+class ToolExit(Exception):
+    """A tool raised what would end the process; ``str()`` names the tool, in one line."""
 
 
 def load_tools(spec: str) -> dict[str, Callable[..., Any]]:
@@ -58,27 +63,44 @@ def schemas(functions: dict[str, Callable[..., Any]]) -> list[dict[str, Any]]:
 def parse_tool_calls(text: str) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
     """(calls as (name, arguments), problems of malformed ones) in a turn's text."""
     calls, problems = [], []
-    for body in TOOL_CALL.findall(text):
+    bodies, unclosed = _bodies(text)
+    for body in bodies:
         try:
             call = json.loads(body)
         except ValueError as err:
             problems.append(f"the tool call is not JSON ({str(err).splitlines()[0]})")
             continue
+        except RecursionError:
+            problems.append("the tool call's JSON is nested too deep to read")
+            continue
         arguments = call.get("arguments", {}) if isinstance(call, dict) else None
         if isinstance(arguments, str):  # some templates emit the arguments as a JSON string
             try:
                 arguments = json.loads(arguments)
-            except ValueError:
+            except (ValueError, RecursionError):
                 arguments = None
         if not (isinstance(call, dict) and isinstance(call.get("name"), str)
                 and isinstance(arguments, dict)):
             problems.append('a tool call needs {"name": "...", "arguments": {...}}')
             continue
         calls.append((call["name"], arguments))
-    unclosed = text.count(OPEN_TAG) - len(TOOL_CALL.findall(text))
-    if unclosed > 0:
+    if unclosed:
         problems.append("a <tool_call> is not closed by </tool_call>")
     return calls, problems
+
+
+def _bodies(text: str) -> tuple[list[str], bool]:
+    """(the texts between each <tool_call> and the </tool_call> after it, whether one is left
+    open), in one pass over ``text``: a turn of many opening tags costs its length, not its
+    square."""
+    bodies, pos = [], 0
+    while (start := text.find(OPEN_TAG, pos)) >= 0:
+        end = text.find(CLOSE_TAG, start + len(OPEN_TAG))
+        if end < 0:
+            return bodies, True
+        bodies.append(text[start + len(OPEN_TAG):end])
+        pos = end + len(CLOSE_TAG)
+    return bodies, False
 
 
 class ToolEnv:
@@ -109,17 +131,26 @@ class ToolEnv:
                 continue
             try:
                 result = function(**arguments)
-            except Exception as err:  # the tool's own failure is the agent's to see
+                content = result if isinstance(result, str) else json.dumps(result, default=str)
+            except Exception as err:  # the tool's own failure (or its result's) is the agent's
                 detail = str(err).splitlines()[0] if str(err) else ""
                 messages.append(self._error(f"{type(err).__name__}: {detail}", name))
                 continue
-            content = result if isinstance(result, str) else json.dumps(result, default=str)
-            messages.append({"role": "tool", "name": name, "content": content})
+            except BaseException as err:  # sys.exit, KeyboardInterrupt: not the agent's to see
+                detail = str(err).splitlines()[0] if str(err) else ""
+                raise ToolExit(f"the tool {name} raised {type(err).__name__}"
+                               + (f": {detail}" if detail else "")) from None
+            messages.append(_message(content, name))
         return messages, 0.0, False
 
     def _error(self, problem: str, name: str | None = None) -> dict[str, str]:
         self.tool_errors += 1
-        message = {"role": "tool", "content": f"error: {problem}"}
-        if name is not None:
-            message["name"] = name
-        return message
+        return _message(f"error: {problem}", name)
+
+
+def _message(content: str, name: str | None) -> dict[str, str]:
+    """A tool message; a lone surrogate (a JSON escape the model wrote, echoed) becomes "?":
+    what the model wrote must not stop the run as text without UTF-8."""
+    content = content.encode("utf-8", "replace").decode("utf-8")
+    return {"role": "tool", "content": content} if name is None else {
+        "role": "tool", "name": name, "content": content}

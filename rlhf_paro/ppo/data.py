@@ -30,6 +30,7 @@ from typing import Any, Iterator
 import torch
 
 from rlhf_paro.config import ROLES, Config, ConfigError, data_files
+from rlhf_paro.ppo.rewards import ARGUMENTS
 
 
 def tokenizer_dir(cfg: Config) -> str | None:
@@ -255,6 +256,11 @@ def load_prompts(cfg: Config, tokenizer: Any, split: str = "train",
         raise ConfigError("data.apply_chat_template", "the actor's tokenizer has no chat "
                                                       "template; allowed: false")
     others = [c for c in columns if c != data.prompt_key]
+    taken = [c for c in others if c in ARGUMENTS]
+    if taken:
+        raise ConfigError(key, f"{files[0]!r} has a column {taken[0]!r}, the name of a reward "
+                               "function's own argument (name(prompts, responses, **columns)); "
+                               f"allowed: columns named other than {', '.join(ARGUMENTS)}")
     out = PromptSet([], [], {c: [] for c in others})
     tools = None
     if cfg.env.tools is not None:

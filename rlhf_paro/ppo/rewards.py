@@ -30,6 +30,10 @@ from typing import Any, Callable
 
 from rlhf_paro.config import ConfigError, check_function_spec
 
+# The function's own arguments: a column of these names would be passed twice (a TypeError
+# blaming the function, or a reward server's 500), so the prompt files may not have one.
+ARGUMENTS = ("prompts", "responses")
+
 RewardFunction = Callable[..., Any]
 
 # A reward server gets this many attempts when it cannot be reached or answers 5xx; the wait

@@ -16,12 +16,15 @@ observation, if any), then the response: actions and observations in order, all 
 of each episode's step rewards. An episode ends when its environment says done, after
 ``env.max_turns`` actions (truncated), or when its context would pass ``env.max_total_tokens``
 (truncated): an action is cut at the budget and not stepped, an observation that leaves no room
-for a next action is dropped. So every row ends with an action.
+for a next action is dropped, never tokenised past the budget (``Observations.encode``). So every
+row ends with an action. An episode's score that float32 cannot hold (step rewards summing past
+3.4e38) is its environment's error, named, before any model sees it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -31,6 +34,7 @@ from rlhf_paro.envs import EnvError, EnvRunner, Observations
 from rlhf_paro.rollout.base import Rollout, Sampling
 from rlhf_paro.rollout.batch import PromptBatch, RolloutBatch
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # the largest score a rollout carries
 # Why an episode ended: its environment said done, or a budget cut it short.
 DONE, MAX_TURNS, MAX_TOKENS = "done", "max_turns", "max_total_tokens"
 
@@ -70,20 +74,21 @@ def run(engine: Rollout, prompts: PromptBatch, rows: Sequence[dict[str, Any]],
     """The episodes of ``prompts`` (one per row, its environment built from ``rows[i]`` and
     reset with ``seeds[i]``) as a rollout, and sums over them for the driver: ``episodes``,
     ``turns``, ``truncated_max_turns``, ``truncated_max_total_tokens``, ``steps``,
-    ``step_time_s``, ``observation_tokens``, ``action_tokens``, ``tool_calls``,
-    ``tool_errors``. ``where(i)`` names sample i in error lines."""
+    ``step_time_s``, ``observation_tokens``, ``dropped_observations``, ``action_tokens``,
+    ``tool_calls``, ``tool_errors``. ``where(i)`` names sample i in error lines."""
     runner.calls = type(runner.calls)()
     envs, first = runner.start(rows, seeds, where)
     episodes = [Episode(ids[mask.bool()].tolist())
                 for ids, mask in zip(prompts.input_ids, prompts.attention_mask)]
-    observed = 0
+    observed = dropped = 0
     for i, (episode, obs) in enumerate(zip(episodes, first)):
         if obs is None:
             continue
-        ids = observations.encode(obs)
-        if episode.length + len(ids) >= budget.max_total_tokens:
-            raise EnvError(f"{runner.name}.reset's observation of {len(ids)} tokens leaves no "
-                           f"room for an action within env.max_total_tokens="
+        ids = _encoded(observations, obs, budget.max_total_tokens - episode.length - 1,
+                       f"{runner.name}.reset", where(i))
+        if ids is None:
+            raise EnvError(f"{runner.name}.reset's observation ({len(str(obs))} characters) "
+                           "leaves no room for an action within env.max_total_tokens="
                            f"{budget.max_total_tokens} {where(i)}")
         episode.prompt += ids
         observed += len(ids)
@@ -118,16 +123,23 @@ def run(engine: Rollout, prompts: PromptBatch, rows: Sequence[dict[str, Any]],
             for i, result in zip(stepping, results):
                 episode = episodes[i]
                 episode.score += result.reward
+                if not math.isfinite(episode.score) or abs(episode.score) > FLOAT32_MAX:
+                    raise EnvError(f"{runner.name}.step's rewards sum to {episode.score:g} "
+                                   f"{where(i)} (turn {turn}); allowed: step rewards whose sum "
+                                   "an episode's score (float32) holds")
                 if result.done:
                     episode.ended = DONE
                     continue
                 if episode.turns == budget.max_turns:
                     episode.ended = MAX_TURNS
                     continue
-                ids = [] if result.observation is None else observations.encode(
-                    result.observation)
-                if episode.length + len(ids) >= budget.max_total_tokens:
+                ids = [] if result.observation is None else _encoded(
+                    observations, result.observation,
+                    budget.max_total_tokens - episode.length - 1, f"{runner.name}.step",
+                    f"{where(i)} (turn {turn})")
+                if ids is None or episode.length + len(ids) >= budget.max_total_tokens:
                     episode.ended = MAX_TOKENS  # no room for another action after it
+                    dropped += ids is None
                     continue
                 episode.add(ids, False)
                 observed += len(ids)
@@ -140,11 +152,21 @@ def run(engine: Rollout, prompts: PromptBatch, rows: Sequence[dict[str, Any]],
         "steps": float(runner.calls.steps),
         "step_time_s": runner.calls.step_time_s,
         "observation_tokens": float(observed),
+        "dropped_observations": float(dropped),
         "action_tokens": float(sum(sum(e.actions) for e in episodes)),
         "tool_calls": float(sum(getattr(env, "tool_calls", 0) for env in envs)),
         "tool_errors": float(sum(getattr(env, "tool_errors", 0) for env in envs)),
     }
     return assemble(episodes, pad_token_id, sampling.greedy), stats
+
+
+def _encoded(observations: Observations, observation: Any, limit: int, what: str, where: str
+             ) -> list[int] | None:
+    """``observations.encode``, its error naming the environment's call and the sample."""
+    try:
+        return observations.encode(observation, limit)
+    except EnvError as err:
+        raise EnvError(f"{what}'s observation {where}: {err}") from None
 
 
 def assemble(episodes: Sequence[Episode], pad_token_id: int, greedy: bool) -> RolloutBatch:

@@ -49,13 +49,20 @@ def test_saving_a_step_again_replaces_it(tmp_path):
     (lambda p: (p / "actor" / "rank_00000.bin").unlink(), "rank_00000.bin is missing"),
     (lambda p: (p / "actor" / "rank_00000.bin").write_bytes(b"cut"), "has 3 bytes"),
     (lambda p: (p / MANIFEST).write_text("{"), "unreadable manifest.json"),
+    # JSON of another shape: an AttributeError traceback on .items() before it was refused.
+    (lambda p: (p / MANIFEST).write_text('{"step": 2, "files": ["a"]}'),
+     "malformed manifest.json"),
+    (lambda p: (p / MANIFEST).write_text('{"step": 2, "files": {"a": {"bytes": "3"}}}'),
+     "malformed manifest.json"),
+    (lambda p: (p / MANIFEST).write_text('{"step": 2, "files": {"a": 3}}'),
+     "malformed manifest.json"),
 ])
 def test_a_checkpoint_that_does_not_match_its_manifest_is_refused_in_one_line(
         tmp_path, damage, problem):
     _save(tmp_path, 2)
     path = checkpoint.newest(tmp_path)
     damage(path)
-    with pytest.raises(ConfigError, match=problem) as info:
+    with pytest.raises(checkpoint.DamagedCheckpoint, match=problem) as info:  # resume skips it
         checkpoint.check(path)
     assert str(info.value).startswith("trainer.resume: checkpoint ") and "\n" not in str(info.value)
 

@@ -5,6 +5,8 @@
                  row, on hf and on vllm: the multi-turn path adds nothing to a one-turn episode
     timeout      an environment whose step outlasts env.timeout_s at step 2 stops the run in one
                  line naming it, the step and the sample, its step_2 checkpoint intact
+    sys.exit     an environment that calls sys.exit() in a step at step 2 does the same (it read
+                 as the actor rank's death)
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ SMALL = ["conf=grpo_tiny", "cluster.num_devices=1", "cluster.group_size=1",
          "ppo.rollout_batch_size=4", "ppo.mini_batch_size=16", "actor.micro_batch_size=4",
          "ref.micro_batch_size=8", "trainer.eval_every=0", "data.max_prompt_length=8"]
 ONE_STEP = '''
+import sys
 import time
 
 from rlhf_paro.ppo.task import counting_score
@@ -53,6 +56,15 @@ class Stuck(OneStep):
         if self.columns["stall"][0]:
             time.sleep(60)
         return super().step(action)
+
+
+class Exits(Stuck):
+    """Calls sys.exit() in the steps of one prompt's samples."""
+
+    def step(self, action):
+        if self.columns["stall"][0]:
+            sys.exit(3)
+        return OneStep.step(self, action)
 '''
 
 
@@ -84,7 +96,11 @@ def test_a_one_turn_episode_repeats_the_single_turn_run_row_for_row(root, engine
         assert row["env/action_tokens"] == row["ppo/response_length"]
 
 
-def test_an_environment_past_its_timeout_stops_the_run_in_one_line(root):
+@pytest.mark.parametrize("name, says", [
+    ("Stuck", "Stuck.step took longer than env.timeout_s=2 at step 2, sample 4 (turn 0)"),
+    ("Exits", "Exits.step raised at step 2, sample 4 (turn 0) (SystemExit: 3)"),
+])
+def test_an_environment_past_its_timeout_or_exiting_stops_the_run_in_one_line(root, name, says):
     # Rows of the demo's prompts carry no "stall" column: the environment stalls through a
     # column made by a prompt file of its own.
     import json
@@ -93,17 +109,16 @@ def test_an_environment_past_its_timeout_stops_the_run_in_one_line(root):
     prompts.write_text("".join(json.dumps({"prompt": "a b c", "num_symbols": 16,
                                            "response_len": 8, "stall": i == 9}) + "\n"
                                for i in range(16)))
-    run = train(root / "stuck", *SMALL, "trainer.steps=4", "trainer.save_every=2",
+    run = train(root / name, *SMALL, "trainer.steps=4", "trainer.save_every=2",
                 f"data.train_files={prompts}", "data.shuffle=false",
-                f"env.function={root}/envs.py:Stuck", "env.reward=env", "env.timeout_s=2",
+                f"env.function={root}/envs.py:{name}", "env.reward=env", "env.timeout_s=2",
                 cache=root / "cache")
     line = error_line(run)
     assert run.returncode == 1, run.stderr
     # Step 2 takes rows 8 to 11, each 4 times (rollout.n): row 9's samples are 4 to 7, the
     # first of which the line names.
     newest = checkpoint.checkpoint_dir(run.out, 2)
-    assert line.startswith("error: Stuck.step took longer than env.timeout_s=2 at step 2, "
-                           "sample 4 (turn 0); newest checkpoint: " + str(newest)), line
+    assert line.startswith(f"error: {says}; newest checkpoint: {newest}"), line
     assert checkpoint.newest(run.out) == newest
     checkpoint.check(newest)  # complete: every file its manifest lists, of its size
     assert [r["step"] for r in run.rows] == [0, 1]

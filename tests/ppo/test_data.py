@@ -104,6 +104,22 @@ def test_files_of_string_prompts_and_chat_prompts_go_together(assets, tmp_path):
         data.load_prompts(cfg, data.actor_tokenizer(cfg))
 
 
+@pytest.mark.parametrize("column", ["prompts", "responses"])
+def test_a_column_named_as_a_reward_functions_argument_is_refused_before_the_run(
+        assets, tmp_path, column):
+    # A column "prompts" made the reward server answer 500; "responses" failed at step 0 with a
+    # TypeError blaming the reward function (the argument passed twice).
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "count : a", column: 1}) + "\n")
+    cfg = config(assets, f"data.train_files={rows}")
+    with pytest.raises(ConfigError, match=rf"^data.train_files: '.*rows.jsonl' has a column "
+                                          rf"'{column}', the name of a reward function's own "
+                                          r"argument \(name\(prompts, responses, \*\*columns\)\); "
+                                          r"allowed: columns named other than prompts, "
+                                          r"responses$"):
+        data.load_prompts(cfg, data.actor_tokenizer(cfg))
+
+
 def test_long_prompts_are_skipped_and_counted(assets, capsys):
     cfg = config(assets, "data.max_prompt_length=5")
     tokenizer = data.actor_tokenizer(cfg)
