@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 from rlhf_paro.compose import (
     available_confs, load_config, parse_overrides, register_resolver, split_sweep,
 )
-from rlhf_paro.config import FILE_LIST_KEYS, Config, ConfigError, cli_errors
+from rlhf_paro.config import FILE_LIST_KEYS, Config, ConfigError, NothingToRun, cli_errors
 
 OVERRIDES = """\
 overrides, applied in order (values are YAML: 3, 1e-5, abc, [a, b], {a: 1}, null):
@@ -56,8 +56,9 @@ def main(argv: list[str], *, prog: str, about: str, prepare: Callable[[Config, s
     """Run ``prog``'s command line: ``prepare(cfg, conf)`` checks one job and returns the
     config to run (raising ``ConfigError`` for a user's mistake), ``execute(cfg, job_argv)``
     runs it; ``job_argv`` is the command line of that job alone (a multirun job's values and
-    output directory). ``--help`` and ``--cfg job`` stop before ``prepare``: they make and
-    write nothing."""
+    output directory). A job whose ``prepare`` raises ``NothingToRun`` is skipped, its line
+    printed. ``--help`` and ``--cfg job`` stop before ``prepare``: they make and write
+    nothing."""
     register_demo_resolver()
     with cli_errors():
         show_help, show_cfg, multirun, args = _options(argv)
@@ -74,13 +75,26 @@ def main(argv: list[str], *, prog: str, about: str, prepare: Callable[[Config, s
                 header = f"# job {k}: {job.name or 'nothing swept'}\n" if multirun else ""
                 print(header + OmegaConf.to_yaml(cfg.to_dict()), end="")
             return
-        ready = [prepare(cfg, parse_overrides(job.argv)[0]) for job, cfg in zip(jobs, configs)]
+        ready = [_prepared(prepare, cfg, job) for job, cfg in zip(jobs, configs)]
         for k, (job, cfg) in enumerate(zip(jobs, ready)):
+            if cfg is None:
+                continue
             job_argv = job.argv
             if multirun:
                 print(f"[{prog}] job {k}: {job.name or 'nothing swept'}", flush=True)
                 job_argv = [*job.argv, f"trainer.output_dir={cfg.trainer.output_dir}"]
             execute(cfg, job_argv)
+
+
+def _prepared(prepare: Callable[[Config, str], Config], cfg: Config, job: Job
+              ) -> Config | None:
+    """``prepare``'s config for ``job``, or None (its one line printed) when it has nothing
+    to do (``NothingToRun``)."""
+    try:
+        return prepare(cfg, parse_overrides(job.argv)[0])
+    except NothingToRun as done:
+        print(done, flush=True)
+        return None
 
 
 def register_demo_resolver() -> None:

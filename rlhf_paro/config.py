@@ -72,6 +72,11 @@ class ConfigError(ValueError):
         return ConfigError(_join(prefix, self.key), self.problem)
 
 
+class NothingToRun(Exception):
+    """Not a mistake: a job that has nothing left to do (a finished run asked for no more
+    steps); ``str()`` is the one line the entry point prints before it goes on, exit 0."""
+
+
 def _join(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix and key else prefix or key
 
