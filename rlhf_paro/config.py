@@ -629,8 +629,9 @@ class TrainerConfig:
     output_dir: str = "outputs/run"  # metrics.jsonl, the dashboard and the wandb run land here
     # Write a checkpoint every this many steps to <output_dir>/checkpoints/step_<k>/ (0: never).
     save_every: int = 0
-    # auto: go on from the newest complete checkpoint in output_dir (none there: a fresh start);
-    # none: start fresh; or the path of a checkpoint directory (step_<k>), even of another run.
+    # auto: go on from the newest complete checkpoint in output_dir (none there: a fresh start)
+    # when output_dir holds the same run (its definition.yaml; another run is refused, a finished
+    # one said so); none: start fresh; or the path of a checkpoint directory, even another run's.
     resume: str = "auto"
     keep_checkpoints: int = 2  # newest complete checkpoints kept, older ones deleted (0: all)
     # Stop the run when a trained model skips more than this many optimizer steps in a row
