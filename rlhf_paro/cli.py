@@ -75,7 +75,13 @@ def main(argv: list[str], *, prog: str, about: str, prepare: Callable[[Config, s
                 header = f"# job {k}: {job.name or 'nothing swept'}\n" if multirun else ""
                 print(header + OmegaConf.to_yaml(cfg.to_dict()), end="")
             return
-        ready = [_prepared(prepare, cfg, job) for job, cfg in zip(jobs, configs)]
+        ready: list[Config | None] = []
+        for job, cfg in zip(jobs, configs):
+            try:
+                ready.append(prepare(cfg, parse_overrides(job.argv)[0]))
+            except NothingToRun as done:  # said in its line, and skipped
+                print(done, flush=True)
+                ready.append(None)
         for k, (job, cfg) in enumerate(zip(jobs, ready)):
             if cfg is None:
                 continue
@@ -84,17 +90,6 @@ def main(argv: list[str], *, prog: str, about: str, prepare: Callable[[Config, s
                 print(f"[{prog}] job {k}: {job.name or 'nothing swept'}", flush=True)
                 job_argv = [*job.argv, f"trainer.output_dir={cfg.trainer.output_dir}"]
             execute(cfg, job_argv)
-
-
-def _prepared(prepare: Callable[[Config, str], Config], cfg: Config, job: Job
-              ) -> Config | None:
-    """``prepare``'s config for ``job``, or None (its one line printed) when it has nothing
-    to do (``NothingToRun``)."""
-    try:
-        return prepare(cfg, parse_overrides(job.argv)[0])
-    except NothingToRun as done:
-        print(done, flush=True)
-        return None
 
 
 def register_demo_resolver() -> None:
