@@ -2,10 +2,14 @@
 
     pip install gymnasium
     python -m rlhf_paro.train actor.path=my/policy data.train_files=prompts.jsonl \
-        env.function=examples/blackjack_env.py:Blackjack env.max_turns=6
+        env.function=examples/blackjack_env.py:Blackjack env.reward=env env.max_turns=6 \
+        trainer.output_dir=outputs/blackjack
 
-Each prompt row builds one game; the agent answers "hit" or "stick", the table is described in
-words after every move, and the game's reward (+1 win, -1 loss, 0 draw) is the episode's score.
+Each prompt row builds one game (a row such as {"prompt": "You play blackjack against the
+dealer. Answer hit or stick."}; its columns are the constructor's keywords); the agent answers
+"hit" or "stick", so the policy needs a tokenizer that writes those words; the table is described
+in words after every move, and the game's reward (+1 win, -1 loss, 0 draw) is the episode's score
+(env.reward=env, in place of the conf's reward model).
 """
 
 import gymnasium as gym

@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 from rlhf_paro.compose import (
     available_confs, load_config, parse_overrides, register_resolver, sweep_values,
 )
-from rlhf_paro.config import Config, ConfigError, cli_errors
+from rlhf_paro.config import Config, ConfigError, NothingToRun, cli_errors
 
 OVERRIDES = """\
 overrides, applied in order (values are YAML: 3, 1e-5, abc, [a, b], {a: 1}, null):
@@ -56,8 +56,9 @@ def main(argv: list[str], *, prog: str, about: str, prepare: Callable[[Config, s
     """Run ``prog``'s command line: ``prepare(cfg, conf)`` checks one job and returns the
     config to run (raising ``ConfigError`` for a user's mistake), ``execute(cfg, job_argv)``
     runs it; ``job_argv`` is the command line of that job alone (a multirun job's values and
-    output directory). ``--help`` and ``--cfg job`` stop before ``prepare``: they make and
-    write nothing."""
+    output directory). A job whose ``prepare`` raises ``NothingToRun`` is skipped, its line
+    printed. ``--help`` and ``--cfg job`` stop before ``prepare``: they make and write
+    nothing."""
     register_demo_resolver()
     with cli_errors():
         show_help, show_cfg, multirun, args = _options(argv)
@@ -74,8 +75,16 @@ def main(argv: list[str], *, prog: str, about: str, prepare: Callable[[Config, s
                 header = f"# job {k}: {job.name or 'nothing swept'}\n" if multirun else ""
                 print(header + OmegaConf.to_yaml(cfg.to_dict()), end="")
             return
-        ready = [prepare(cfg, parse_overrides(job.argv)[0]) for job, cfg in zip(jobs, configs)]
+        ready: list[Config | None] = []
+        for job, cfg in zip(jobs, configs):
+            try:
+                ready.append(prepare(cfg, parse_overrides(job.argv)[0]))
+            except NothingToRun as done:  # said in its line, and skipped
+                print(done, flush=True)
+                ready.append(None)
         for k, (job, cfg) in enumerate(zip(jobs, ready)):
+            if cfg is None:
+                continue
             job_argv = job.argv
             if multirun:
                 print(f"[{prog}] job {k}: {job.name or 'nothing swept'}", flush=True)

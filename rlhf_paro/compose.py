@@ -54,7 +54,7 @@ def _schema_depth(parts: list[str]) -> int:
             raise ConfigError(prefix, f"is a value, not a section, so it has no key {part!r}")
         names = _field_names(node)
         if part not in names:
-            raise _unknown_key(prefix, part, names)
+            raise _unknown_key(node, prefix, part)
         node = _optional(typing.get_type_hints(node)[part])
         if typing.get_origin(node) is dict:
             return depth + 1

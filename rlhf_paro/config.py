@@ -72,6 +72,11 @@ class ConfigError(ValueError):
         return ConfigError(_join(prefix, self.key), self.problem)
 
 
+class NothingToRun(Exception):
+    """Not a mistake: a job that has nothing left to do (a finished run asked for no more
+    steps); ``str()`` is the one line the entry point prints before it goes on, exit 0."""
+
+
 def _join(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix and key else prefix or key
 
@@ -172,6 +177,21 @@ class ModelConfig:
     # A model has one source: a key of these given replaces the others (``compose``), and
     # more than one set is refused below.
     SOURCES: ClassVar[tuple[str, ...]] = ("path", "config", "function", "url")
+    # Keys of one role only: another role's section neither lists nor suggests them, and refuses
+    # them set (``Config``).
+    ROLE_ONLY: ClassVar[dict[str, str]] = {
+        "tokenizer": "actor", **{key: "reward" for key in ("function", "score_function", "url",
+                                                           "timeout_s", "token_env",
+                                                           "env_score")}}
+    # Names users bring from other frameworks' configs: what an unknown key suggests first.
+    ALIASES: ClassVar[dict[str, str]] = {
+        "learning_rate": "optim.lr", "grad_clip": "optim.max_grad_norm",
+        "clip_grad_norm": "optim.max_grad_norm", "batch_size": "micro_batch_size",
+        "micro_batch": "micro_batch_size", "model": "path", "model_path": "path",
+        "pretrain": "path", "name_or_path": "path", "dtype": "precision",
+        "zero_stage": "deepspeed.zero_stage", "use_lora": "lora.enabled",
+        "lora_rank": "lora.r", "lora_r": "lora.r", "lora_alpha": "lora.alpha",
+        "gradient_checkpointing_enable": "gradient_checkpointing"}
 
     path: str | None = None  # a local Hugging Face model directory, never downloaded
     # An inline Hugging Face config (random init); transformers checks its keys. A critic, reward
@@ -266,6 +286,9 @@ class ModelConfig:
         for key in ("function", "score_function"):
             check_function_spec(key, getattr(self, key))
         _check_reward_server(self)
+
+
+_MODEL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 
 
 def check_function_spec(key: str, spec: str | None) -> None:
@@ -394,6 +417,14 @@ class CommConfig:
 class PPOConfig:
     """Rollout, advantage and loss settings. Batch sizes count sequences over all devices."""
 
+    ALIASES: ClassVar[dict[str, str]] = {  # ModelConfig.ALIASES
+        "batch_size": "rollout_batch_size", "train_batch_size": "rollout_batch_size",
+        "epochs": "ppo_epochs", "num_epochs": "ppo_epochs", "mini_batch": "mini_batch_size",
+        "max_length": "max_new_tokens", "response_length": "max_new_tokens",
+        "max_response_length": "max_new_tokens", "max_prompt_length": "max_prompt_len",
+        "cliprange": "clip_eps", "clip_ratio": "clip_eps", "cliprange_value": "value_clip_eps",
+        "gae_lambda": "lam", "lambda": "lam", "discount": "gamma"}
+
     rollout_batch_size: int = 32  # prompts generated per PPO step (each rollout.n times)
     mini_batch_size: int = 16  # sequences per optimizer step
     ppo_epochs: int = 1  # passes over the rollout per PPO step
@@ -432,6 +463,11 @@ class AlgorithmConfig:
     registries of ``ppo/core.py`` and ``ppo/algorithms.py`` when the run is resolved
     (``algorithms.check``, from ``rlhf_paro.resolve``): this module stays free of the math."""
 
+    ALIASES: ClassVar[dict[str, str]] = {  # ModelConfig.ALIASES
+        "advantage_estimator": "adv_estimator", "estimator": "adv_estimator",
+        "kl": "kl_coef", "beta": "kl_coef", "init_kl_coef": "kl_coef", "kl_penalty":
+        "kl_estimator", "target_kl": "kl_target"}
+
     # gae (PPO with a critic), grpo, dr_grpo, rloo or reinforce_pp (critic-free).
     adv_estimator: str = "gae"
     # Per-token KL estimator against ref: k1, k2 or k3; null: by where the KL goes, k1 as the
@@ -457,6 +493,10 @@ class AlgorithmConfig:
 @dataclass
 class RolloutConfig:
     """How rollouts are sampled."""
+
+    ALIASES: ClassVar[dict[str, str]] = {  # ModelConfig.ALIASES
+        "num_samples": "n", "num_generations": "n", "samples_per_prompt": "n",
+        "n_samples_per_prompt": "n", "backend": "engine", "name": "engine"}
 
     # Responses sampled per prompt; they form a group on one rank (the group baseline of grpo,
     # dr_grpo and rloo needs at least 2).
@@ -582,13 +622,20 @@ MANIFEST = "manifest.json"
 
 @dataclass
 class TrainerConfig:
+    ALIASES: ClassVar[dict[str, str]] = {  # ModelConfig.ALIASES
+        "total_steps": "steps", "num_steps": "steps", "max_steps": "steps",
+        "total_training_steps": "steps", "out_dir": "output_dir", "save_dir": "output_dir",
+        "default_local_dir": "output_dir", "save_steps": "save_every", "save_freq": "save_every",
+        "eval_steps": "eval_every", "test_freq": "eval_every", "resume_mode": "resume"}
+
     steps: int = 20  # PPO steps (rollout + update)
     seed: int = 0  # seeds model init, prompts and sampling
     output_dir: str = "outputs/run"  # metrics.jsonl, the dashboard and the wandb run land here
     # Write a checkpoint every this many steps to <output_dir>/checkpoints/step_<k>/ (0: never).
     save_every: int = 0
-    # auto: go on from the newest complete checkpoint in output_dir (none there: a fresh start);
-    # none: start fresh; or the path of a checkpoint directory (step_<k>), even of another run.
+    # auto: go on from the newest complete checkpoint in output_dir (none there: a fresh start)
+    # when output_dir holds the same run (its definition.yaml; another run is refused, a finished
+    # one said so); none: start fresh; or the path of a checkpoint directory, even another run's.
     resume: str = "auto"
     keep_checkpoints: int = 2  # newest complete checkpoints kept, older ones deleted (0: all)
     # Stop the run when a trained model skips more than this many optimizer steps in a row
@@ -682,6 +729,10 @@ RAY_ADDRESS_ALLOWED = ("allowed: null (the cluster at RAY_ADDRESS if set, else a
 class DataConfig:
     """Prompts from files (``rlhf_paro.ppo.data``); without ``train_files`` the task makes them."""
 
+    ALIASES: ClassVar[dict[str, str]] = {  # ModelConfig.ALIASES
+        "train_file": "train_files", "prompt_data": "train_files", "prompts": "train_files",
+        "val_file": "val_files", "eval_files": "val_files", "input_key": "prompt_key"}
+
     # Comma-separated local .json, .jsonl or .parquet files of prompts (None: the task's).
     train_files: str | None = None
     # Comma-separated files of validation prompts for trainer.eval_every (None: no evaluation).
@@ -746,6 +797,15 @@ class Config:
     ray: RayConfig = field(default_factory=RayConfig)
     data: DataConfig = field(default_factory=DataConfig)
 
+    # Keys of a section typed at the top (ModelConfig.ALIASES).
+    ALIASES: ClassVar[dict[str, str]] = {
+        "lr": "actor.optim.lr", "learning_rate": "actor.optim.lr", "seed": "trainer.seed",
+        "steps": "trainer.steps", "output_dir": "trainer.output_dir", "model": "actor.path",
+        "epochs": "ppo.ppo_epochs", "batch_size": "ppo.rollout_batch_size",
+        "strategy": "actor.strategy", "num_devices": "cluster.num_devices",
+        "engine": "rollout.engine", "adv_estimator": "algorithm.adv_estimator",
+        "train_files": "data.train_files"}
+
     # Keys given on the command line (or by a conf over its defaults) replace the keys that
     # compete with them (``compose``), besides a model's sources (``ModelConfig.SOURCES``): your
     # own prompts are not the conf's, so neither are its validation prompts nor a score that
@@ -756,6 +816,11 @@ class Config:
     GOES_WITH: ClassVar[dict[str, tuple[str, ...]]] = {"data.val_files": ("trainer.eval_every",)}
 
     def __post_init__(self) -> None:
+        for role in ROLES:
+            for key, owner in ModelConfig.ROLE_ONLY.items():
+                if owner != role and getattr(self.model(role), key) != _MODEL_DEFAULTS[key]:
+                    raise ConfigError(f"{role}.{key}", f"is a key of {owner}.* only; allowed: "
+                                                       f"{owner}.{key}, or {role}.{key} unset")
         if self.actor.path is None and self.actor.config is None:
             raise ConfigError("actor", "needs a model: set actor.path (a local Hugging Face "
                                        "model directory) or actor.config (an inline config)")
@@ -966,14 +1031,41 @@ def build_config(data: dict[str, Any]) -> Config:
     return build(Config, data, "")
 
 
-def _unknown_key(prefix: str, key: str, names: list[str]) -> ConfigError:
+def section_keys(cls: type, prefix: str) -> list[str]:
+    """The keys of the section ``cls`` at ``prefix``: its fields, less those of another role
+    (``ModelConfig.ROLE_ONLY``: ``actor.function`` is not a key a user should be offered)."""
+    only = getattr(cls, "ROLE_ONLY", {})
+    return [f.name for f in dataclasses.fields(cls)
+            if f.init and only.get(f.name, prefix) == prefix]
+
+
+def suggested_key(cls: type, prefix: str, key: str) -> str | None:
+    """The key of section ``cls`` (at ``prefix``) that ``key``, unknown there, most likely
+    means, relative to the section: an alias users type (``ALIASES``: lr -> optim.lr), the
+    same name in a subsection (eps -> optim.eps), or a close spelling of a key (lora_r ->
+    lora); None without one."""
+    aliases = getattr(cls, "ALIASES", {})
+    if key.lower() in aliases:
+        return aliases[key.lower()]
+    names = section_keys(cls, prefix)
+    hints = typing.get_type_hints(cls)
+    for name in names:
+        sub = _optional(hints[name])
+        if dataclasses.is_dataclass(sub) and key in section_keys(sub, _join(prefix, name)):
+            return f"{name}.{key}"
     close = difflib.get_close_matches(key, names, n=1)
-    hint = f" (did you mean {close[0]}?)" if close else ""
-    return ConfigError(_join(prefix, key), f"unknown key{hint}; allowed: {', '.join(names)}")
+    return close[0] if close else None
 
 
 def _field_names(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if f.init]
+
+
+def _unknown_key(cls: type, prefix: str, key: str) -> ConfigError:
+    found = suggested_key(cls, prefix, key)
+    hint = f" (did you mean {_join(prefix, found)}?)" if found else ""
+    return ConfigError(_join(prefix, key), f"unknown key{hint}; allowed: "
+                                           f"{', '.join(section_keys(cls, prefix))}")
 
 
 def build(cls: type, data: Any, prefix: str) -> Any:
@@ -989,7 +1081,7 @@ def build(cls: type, data: Any, prefix: str) -> Any:
     kwargs = {}
     for key, value in data.items():
         if key not in names:
-            raise _unknown_key(prefix, str(key), names)
+            raise _unknown_key(cls, prefix, str(key))
         kwargs[key] = coerce(hints[key], value, _join(prefix, key))
     try:
         return cls(**kwargs)

@@ -228,6 +228,9 @@ def figure(rows: list[dict], run: dict) -> plt.Figure:
 def _figure(rows: list[dict], run: dict) -> plt.Figure:
     # A run.json without strategies and rows without memory keys: the four models, as gaps.
     roles = run_roles(run, rows) or ROLES
+    # The meters (throughput, memory, traffic) are of the models that ran: not of a reward
+    # that is a function, a server or the environment's score.
+    metered = tuple(r for r in roles if r != "reward" or reward_kind(run) == "model")
     steps = _series(rows, "step")
     window = max(1, len(rows) // 8)
 
@@ -249,12 +252,12 @@ def _figure(rows: list[dict], run: dict) -> plt.Figure:
     fig.text(0.05, 1 - 0.79 / height, _subtitle(run, rows, roles), fontsize=9.5, color="#444",
              ha="left")
 
-    _learning(fig.add_subplot(grid[0, 0]), rows, steps, window, _reward_label(run))
+    _learning(fig.add_subplot(grid[0, 0]), rows, steps, window, run)
     _kl(fig.add_subplot(grid[0, 1]), rows, steps)
     _timing(fig.add_subplot(grid[0, 2]), rows, steps)
-    _throughput(fig.add_subplot(grid[1, 0]), rows, steps, run, window, roles)
-    _memory(fig.add_subplot(grid[1, 1]), rows, run, roles)
-    _traffic(fig, grid[1, 2], rows, run, roles)
+    _throughput(fig.add_subplot(grid[1, 0]), rows, steps, run, window, metered)
+    _memory(fig.add_subplot(grid[1, 1]), rows, run, metered)
+    _traffic(fig, grid[1, 2], rows, run, metered)
     for column, panel in enumerate(third):
         panel(fig.add_subplot(grid[2, column]), rows, steps)
     return fig
@@ -342,37 +345,73 @@ def _subtitle(run: dict, rows: list[dict], roles: tuple[str, ...]) -> str:
         parts.append(f"{n} devices = {n // m} groups x {m}{own}")
     if "comm" in run:
         parts.append(f"collectives: {run['comm']}")
-    parts.append("strategies (P G OS): " + ", ".join(f"{r} {_strategy(run, r)}" for r in roles))
+    parts.append("strategies (P G OS): " + ", ".join(
+        f"{r} {_strategy(run, r)}" if r != "reward" or reward_kind(run) == "model" else
+        f"reward: {reward_kind(run)} (no model)" for r in roles))
     parts.append(f"{np.nansum(_series(rows, 'timing_s/step')):.0f} s of steps")
     return "   |   ".join(parts)
 
 
-def _reward_label(run: dict) -> str:
-    """What the reward is: a model's score, or a function's or server's (no model)."""
+# What scores the rollouts (``reward_kind``) -> the name of the reward on the dashboard.
+REWARD_LABELS = {"model": "reward model score", "function": "reward function",
+                 "server": "reward server's reward", "environment": "environment score"}
+
+
+def reward_kind(run: dict) -> str:
+    """What scored the run's rollouts, from run.json's resolved config: ``model``, or
+    ``function``, ``server`` or ``environment`` (``env.reward=env``), which run no model. A
+    run.json without the config: ``model``."""
     reward = run.get("config", {}).get("reward", {})
-    model = reward.get("path") is not None or reward.get("config") is not None
-    return "reward model score" if model or not reward else "reward"
+    if reward.get("env_score"):
+        return "environment"
+    if reward.get("function") is not None:
+        return "function"
+    return "server" if reward.get("url") is not None else "model"
 
 
-def _learning(ax, rows, steps, window, reward_label) -> None:
-    score = _series(rows, "ppo/task_score")
+def has_task_score(run: dict) -> bool:
+    """Whether ``ppo/task_score`` is a score of its own (``reward.score_function``, or the
+    task's rule on the task's own prompts) rather than the reward itself (its fallback,
+    ``actors/reward.py``). A run.json without the config: the default run's, which has one."""
+    config = run.get("config")
+    if not config:
+        return True
+    return (config.get("reward", {}).get("score_function") is not None
+            or config.get("data", {}).get("train_files") is None)
+
+
+def _learning(ax, rows, steps, window, run) -> None:
+    """The task score (ground truth) and the reward; the reward alone where the task score is
+    the reward itself. The title goes from step 0's value (the first row's) to the mean of the
+    last ``window`` steps."""
+    reward_label = REWARD_LABELS[reward_kind(run)]
+    scored = has_task_score(run)
+    score = _series(rows, "ppo/task_score" if scored else "ppo/reward_mean")
+    name = "task score" if scored else reward_label
     ax.plot(steps, score, color="#3b6fb6", alpha=0.3, lw=1)
-    ax.plot(steps, smooth(score, window), color="#3b6fb6", lw=2.2, label="task score (ground truth)")
-    ax.set_ylabel("task score", color="#3b6fb6")
+    ax.plot(steps, smooth(score, window), color="#3b6fb6", lw=2.2,
+            label="task score (ground truth)" if scored else reward_label)
+    ax.set_ylabel(name, color="#3b6fb6")
     ax.set_xlabel("step")
-    twin = ax.twinx()
-    reward = _series(rows, "ppo/reward_mean")
-    twin.plot(steps, reward, color="#e07b39", alpha=0.3, lw=1)
-    twin.plot(steps, smooth(reward, window), color="#e07b39", lw=2.2, label=reward_label)
+    twin = ax
+    if scored:
+        twin = ax.twinx()
+        reward = _series(rows, "ppo/reward_mean")
+        twin.plot(steps, reward, color="#e07b39", alpha=0.3, lw=1)
+        twin.plot(steps, smooth(reward, window), color="#e07b39", lw=2.2, label=reward_label)
+        twin.set_ylabel(reward_label, color="#e07b39")
+        twin.spines["right"].set_visible(True)
     evaluated = _series(rows, "eval/reward_mean")
     if np.isfinite(evaluated).any():
         # Evaluation runs every trainer.eval_every steps: points, not a line through the gaps.
         twin.plot(steps, evaluated, "o", color="#55a868", ms=4, label="eval reward (greedy)")
-    twin.set_ylabel(reward_label, color="#e07b39")
-    twin.spines["right"].set_visible(True)
-    first, last = np.nanmean(score[:window]), np.nanmean(score[-window:])
-    ax.set_title(f"Learning: task score {first:.3f} \u2192 {last:.3f}")
-    lines = ax.get_lines()[1:] + twin.get_lines()[1:]
+    known = np.flatnonzero(np.isfinite(score))
+    first = f"{score[known[0]]:.3f} at step {steps[known[0]]:.0f}" if known.size else "none"
+    last = np.nanmean(score[-window:])
+    ax.set_title(f"Learning: {name} {first} \u2192 {last:.3f}"
+                 + (f" (last {window} steps)" if window > 1 else ""))
+    lines = [ln for ln in ax.get_lines()[1:] + (twin.get_lines()[1:] if scored else [])
+             if not ln.get_label().startswith("_")]
     ax.legend(lines, [ln.get_label() for ln in lines], loc="lower right", frameon=False)
     ax.grid(alpha=0.25)
 

@@ -5,22 +5,26 @@ its output directory.
 (``ppo/data.py``) or, without them, made by the task. ``evaluate`` runs greedy responses to
 ``data.val_files`` through the reward; ``export`` writes the actor (and at the end the critic) in
 Hugging Face format under ``<output_dir>/hf/``. ``check_output_dir`` and ``locked`` keep a run
-from starting where it cannot write, or where another run writes.
+from starting where it cannot write, or where another run writes; ``check_definition`` keeps
+``trainer.resume=auto`` from going on with another run than the one asked for
+(docs/design.md, "A run's definition").
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
+import yaml
 
 from rlhf_paro.actors import checkpoint
-from rlhf_paro.config import Config, ConfigError
+from rlhf_paro.config import ROLES, Config, ConfigError, NothingToRun
 from rlhf_paro.ppo import data
 from rlhf_paro.rollout import PromptBatch, RolloutBatch
 
@@ -162,11 +166,16 @@ def export(models: dict[str, Any], output_dir: str, wait: Wait, step: int | None
 
 # In the output directory: held locked by the run that uses it, and holding that run's pid.
 LOCK_FILE = "run.lock"
+# In the output directory: what defines the run there (``definition``), written when it starts,
+# and the steps it finished, written when it ends.
+DEFINITION_FILE = "definition.yaml"
+FINISHED_FILE = "finished.json"
 
 
 # What a run writes first into its output directory (``locked``, then the metrics logger): a
 # directory that holds one of them is a run's, which a run may go on in or replace.
-RUN_MARKS = (LOCK_FILE, "run.json", "metrics.jsonl", checkpoint.CHECKPOINTS)
+RUN_MARKS = (LOCK_FILE, DEFINITION_FILE, "run.json", "metrics.jsonl",
+             checkpoint.CHECKPOINTS)
 
 
 def check_output_dir(output_dir: str) -> None:
@@ -195,6 +204,34 @@ def check_output_dir(output_dir: str) -> None:
                                                     "run.json or metrics.jsonl)")
 
 
+def check_unlocked(output_dir: str) -> None:
+    """``locked``'s refusal, before anything slow: a ``ConfigError`` when a run holds
+    ``output_dir``'s lock now. Takes nothing: ``locked`` still takes the lock when the run
+    starts, and refuses a run that came in between."""
+    path = Path(output_dir) / LOCK_FILE
+    if not path.is_file():
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _take_lock(fd, output_dir)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _take_lock(fd: int, output_dir: str) -> None:
+    """flock ``fd`` (the output directory's ``LOCK_FILE``) or raise the ``ConfigError`` naming
+    the process that holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        raise ConfigError("trainer.output_dir", f"{output_dir} is in use by the run of process "
+                                                f"{holder} (it holds {LOCK_FILE} there); "
+                                                "allowed: another trainer.output_dir, or the "
+                                                "same once that run ends") from None
+
+
 @contextlib.contextmanager
 def locked(output_dir: str) -> Iterator[None]:
     """Hold ``output_dir``'s lock (making the directory) while the run uses it; its
@@ -206,19 +243,143 @@ def locked(output_dir: str) -> Iterator[None]:
     path.mkdir(parents=True, exist_ok=True)
     fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
-            raise ConfigError("trainer.output_dir", f"{output_dir} is in use by the run of "
-                                                    f"process {holder} (it holds {LOCK_FILE} "
-                                                    "there); allowed: another trainer.output_dir"
-                                                    ", or the same once that run ends") from None
+        _take_lock(fd, output_dir)
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+# --- a run's definition -------------------------------------------------------------------------
+
+# The keys a run may change and stay the same run, resumed: how long it runs and what it logs,
+# saves, evaluates or exports meanwhile, its timeouts, and where and in what layout it computes
+# (a checkpoint loads under other strategies, devices and groups; micro-batching, offload and
+# the engine's memory settings change the speed, not the algorithm).
+RESUMABLE_SECTIONS = ("logger", "ray", "cluster", "comm")
+RESUMABLE_KEYS = frozenset(
+    [f"trainer.{key}" for key in ("steps", "resume", "output_dir", "save_every",
+                                  "keep_checkpoints", "max_skipped_steps", "export_every",
+                                  "eval_every", "step_timeout_s", "save_on_preempt")]
+    + [f"{role}.{key}" for role in ROLES
+       for key in ("strategy", "offload", "micro_batch_size", "max_micro_batch_size",
+                   "gradient_checkpointing", "packing", "max_tokens_per_micro_batch",
+                   "timeout_s", "token_env")]
+    + [f"rollout.{key}" for key in ("micro_batch_size", "gpu_memory_utilization",
+                                    "max_num_seqs", "tensor_parallel_size", "enforce_eager",
+                                    "enable_prefix_caching")]
+    + ["env.timeout_s", "env.num_workers", "task.cache_dir"])
+
+
+def resumable(key: str) -> bool:
+    """Whether a run may change the dotted ``key`` of its config and go on (``RESUMABLE_*``)."""
+    return key.partition(".")[0] in RESUMABLE_SECTIONS or key in RESUMABLE_KEYS
+
+
+def _leaves(data: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every leaf of nested mappings; an empty mapping is a leaf."""
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, Mapping) and value:
+            yield from _leaves(value, dotted)
+        else:
+            yield dotted, value
+
+
+def definition(cfg: Config) -> dict[str, Any]:
+    """What defines the run of ``cfg`` (the config as composed, ``compose.load_config``): every
+    leaf of the config but the ``resumable`` ones, as plain data (lists, not tuples), by dotted
+    key. Two runs of one definition are the same run, however long each is asked to go on."""
+    plain = json.loads(json.dumps(cfg.to_dict()))
+    return {key: value for key, value in sorted(_leaves(plain)) if not resumable(key)}
+
+
+_ABSENT = "(not set)"
+
+
+def definition_diff(recorded: Mapping[str, Any], current: Mapping[str, Any]
+                    ) -> dict[str, tuple[Any, Any]]:
+    """key -> (recorded value, current value) of every key the two definitions do not share
+    with one value, in key order; a key one of them lacks has ``_ABSENT`` there."""
+    keys = sorted(set(recorded) | set(current))
+    return {key: (recorded.get(key, _ABSENT), current.get(key, _ABSENT)) for key in keys
+            if key not in recorded or key not in current or recorded[key] != current[key]}
+
+
+def _short(value: Any, width: int = 40) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= width else "..." + text[-(width - 3):]  # a path's end tells
+
+
+def _fresh_dir(output_dir: str) -> str:
+    """``output_dir`` with the first free ``_<k>`` suffix: a directory no run has used."""
+    k = 2
+    while Path(f"{output_dir.rstrip('/')}_{k}").exists():
+        k += 1
+    return f"{output_dir.rstrip('/')}_{k}"
+
+
+def check_definition(cfg: Config) -> None:
+    """Before anything slow, with ``trainer.resume=auto`` in a directory whose run recorded its
+    definition (``record_definition``): a ``ConfigError`` naming the keys that differ when
+    ``cfg`` (as composed) defines another run, and ``NothingToRun`` when it defines the same
+    run, which has finished as many steps as ``cfg`` asks for. Another ``resume`` replaces the
+    directory's run (``none``) or starts from a checkpoint the user named: nothing to check."""
+    output_dir = cfg.trainer.output_dir
+    path = Path(output_dir) / DEFINITION_FILE
+    if cfg.trainer.resume != "auto" or not path.is_file():
+        return
+    fresh = f"allowed: a fresh trainer.output_dir={_fresh_dir(output_dir)}, or trainer.resume=none"
+    try:
+        recorded = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigError("trainer.output_dir", f"{path} cannot be read ({type(err).__name__}), "
+                                                f"so which run {output_dir} holds is unknown; "
+                                                f"{fresh} to start over there") from None
+    differ = definition_diff(recorded if isinstance(recorded, dict) else {}, definition(cfg))
+    if differ:
+        keys = list(differ)
+        shown = "; ".join(f"{key}: {_short(differ[key][0])} there, {_short(differ[key][1])} now"
+                          for key in keys[:3])
+        more = f"; and {', '.join(keys[3:])}" if keys[3:] else ""
+        raise ConfigError("trainer.output_dir", f"{output_dir} holds another run ({shown}{more}),"
+                                                " which trainer.resume=auto would go on with; "
+                                                f"{fresh} to replace it")
+    done = finished_steps(output_dir)
+    if done is not None and cfg.trainer.steps <= done:
+        newest = checkpoint.complete(output_dir)
+        since = newest[-1][0] if newest else 0
+        more = (f"goes on from its step_{since} checkpoint" if since else
+                "starts again at step 0 (it kept no checkpoint)")
+        raise NothingToRun(f"{output_dir}: finished, {done} of {done} steps ({output_dir}/"
+                           f"dashboard.png); trainer.steps above {done} {more}, "
+                           "trainer.resume=none starts over")
+
+
+def record_definition(cfg: Config) -> None:
+    """Write ``cfg``'s definition (``cfg`` as composed) into its output directory as its run
+    starts, and drop the mark of a finished run there: the run now goes on or starts over."""
+    output_dir = Path(cfg.trainer.output_dir)
+    (output_dir / FINISHED_FILE).unlink(missing_ok=True)
+    text = yaml.safe_dump(definition(cfg), sort_keys=False, default_flow_style=None,
+                          width=float("inf"))
+    (output_dir / DEFINITION_FILE).write_text(
+        "# What defines the run in this directory; trainer.resume=auto goes on only with a run\n"
+        "# of the same (the keys a run may change on resume are left out).\n" + text)
+
+
+def mark_finished(output_dir: str, steps: int) -> None:
+    """Record that the run in ``output_dir`` finished ``steps`` steps (``finished_steps``)."""
+    (Path(output_dir) / FINISHED_FILE).write_text(json.dumps({"steps": steps}) + "\n")
+
+
+def finished_steps(output_dir: str) -> int | None:
+    """The steps the run in ``output_dir`` finished (``mark_finished``); None when it has not."""
+    try:
+        return int(json.loads((Path(output_dir) / FINISHED_FILE).read_text())["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def check_inputs(cfg: Config) -> dict[str, int]:

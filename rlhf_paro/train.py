@@ -52,7 +52,11 @@ def prepare(cfg: Config, conf: str) -> Config:
     cfg = with_ray_address(cfg, os.environ)
     from rlhf_paro import runs
 
+    # The output directory's refusals come first: a user who reused a folder hears it in
+    # seconds, not after the models were read.
     runs.check_output_dir(cfg.trainer.output_dir)
+    runs.check_unlocked(cfg.trainer.output_dir)
+    runs.check_definition(cfg)
     require_gpus(cfg, conf)
     if cfg.ray.address:
         require_ray(cfg.ray.address)
@@ -92,11 +96,16 @@ def run(cfg: Config, argv: list[str]) -> None:
     """Train; a run that stops early says why in one line, with the command that resumes it
     (``argv``: the command line of this job), and exits non-zero. Ray is shut down either way.
     The output directory is locked first: a second run there stops with exit 2, touching
-    nothing (``runs.locked``)."""
+    nothing (``runs.locked``). The run's definition is recorded there next, and its end."""
     from rlhf_paro import runs
+    from rlhf_paro.compose import load_config
 
     with runs.locked(cfg.trainer.output_dir):
+        # As composed again, now that ``prepare`` made the demo's assets: their paths, not the
+        # ``${demo:NAME}`` of a first run, define it, as they do every later run's.
+        runs.record_definition(load_config(argv))
         _run(cfg, argv)
+        runs.mark_finished(cfg.trainer.output_dir, cfg.trainer.steps)
 
 
 def _run(cfg: Config, argv: list[str]) -> None:

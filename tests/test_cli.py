@@ -188,6 +188,49 @@ def test_every_bad_override_exits_2_with_one_line_and_writes_nothing(jobs, capsy
     assert list(tmp_path.iterdir()) == []
 
 
+REWARD_ONLY = ("function", "score_function", "url", "timeout_s", "token_env", "env_score")
+
+
+@pytest.mark.parametrize("bad, says", [
+    # Before: "actor.lr: unknown key (did you mean lora?)", and reward-only keys allowed.
+    ("actor.lr=1e-4", "actor.lr: unknown key (did you mean actor.optim.lr?)"),
+    ("critic.learning_rate=1e-4", "critic.learning_rate: unknown key (did you mean "
+                                  "critic.optim.lr?)"),
+    ("actor.weight_decay=0.1", "actor.weight_decay: unknown key (did you mean "
+                               "actor.optim.weight_decay?)"),
+    ("actor.batch_size=2", "actor.batch_size: unknown key (did you mean actor.micro_batch_size?)"),
+    ("ppo.epochs=2", "ppo.epochs: unknown key (did you mean ppo.ppo_epochs?)"),
+    ("ppo.batch_size=8", "ppo.batch_size: unknown key (did you mean ppo.rollout_batch_size?)"),
+    ("trainer.max_steps=8", "trainer.max_steps: unknown key (did you mean trainer.steps?)"),
+    ("lr=1e-4", "lr: unknown key (did you mean actor.optim.lr?)"),
+    ("epochs=2", "epochs: unknown key (did you mean ppo.ppo_epochs?)"),
+    ("rollout.num_samples=4", "rollout.num_samples: unknown key (did you mean rollout.n?)"),
+    ("actor.tokenizr=t", "actor.tokenizr: unknown key (did you mean actor.tokenizer?)"),
+    ("ref.tokenizer=t", "ref.tokenizer: is a key of actor.* only; allowed: actor.tokenizer, "
+                        "or ref.tokenizer unset"),
+    ("actor.url=http://x", "actor.url: is a key of reward.* only; allowed: reward.url, or "
+                           "actor.url unset"),
+])
+def test_an_unknown_key_is_suggested_from_its_own_section_and_its_aliases(jobs, capsys, bad,
+                                                                          says):
+    with pytest.raises(SystemExit):
+        train.main([bad])
+    stderr = capsys.readouterr().err
+    assert stderr.startswith(f"error: {says}"), stderr
+    if "allowed: path, " in stderr:  # a model's section lists its role's keys only
+        allowed = stderr.split("allowed: ")[1].strip().split(", ")
+        role = bad.split(".")[0]
+        assert ("tokenizer" in allowed) == (role == "actor"), allowed
+        assert not set(REWARD_ONLY) & set(allowed), allowed
+
+
+def test_a_reward_only_key_is_listed_and_taken_in_the_reward_section(jobs, capsys):
+    with pytest.raises(SystemExit):
+        train.main(["reward.lr=1"])
+    allowed = capsys.readouterr().err.split("allowed: ")[1].strip().split(", ")
+    assert set(REWARD_ONLY) <= set(allowed) and "tokenizer" not in allowed
+
+
 @pytest.mark.parametrize("good", [
     [],
     [*INLINE, "+actor.config.rms_norm_eps=1e-5", "~actor.config.num_key_value_heads"],

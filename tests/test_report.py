@@ -60,7 +60,7 @@ def test_a_run_without_critic_or_ref_draws_only_its_models(tmp_path, roles):
 @pytest.mark.parametrize("algorithm, reward, title, label", [
     ("gae", {"path": "rm", "function": None}, "t: PPO, 6 steps", "reward model score"),
     ("grpo", {"path": None, "config": None, "function": "f.py:score"}, "t: GRPO, 6 steps",
-     "reward"),
+     "reward function"),
 ])
 def test_the_title_names_the_algorithm_and_the_legend_what_the_reward_is(tmp_path, algorithm,
                                                                           reward, title, label):
@@ -73,6 +73,46 @@ def test_the_title_names_the_algorithm_and_the_legend_what_the_reward_is(tmp_pat
     plt.close(fig)
     assert title in texts and label in texts
     assert ("reward model score" in texts) == (label == "reward model score")
+
+
+def _texts(run_dir, config: dict) -> list[str]:
+    rows = read_jsonl(str(run_dir / "metrics.jsonl"))
+    run = {**json.loads((run_dir / "run.json").read_text()), "config": config}
+    fig = figure(rows, run)
+    texts = [t.get_text() for t in fig.findobj(Text)]
+    plt.close(fig)
+    return texts
+
+
+def test_the_learning_panel_names_what_was_measured_from_step_0(tmp_path):
+    # Before: a reward model's score was plotted as "task score (ground truth)", and the title
+    # began at the mean of the first steps (0.634 for a step 0 of 0.449).
+    _write_run(tmp_path / "run", steps=16)  # task score 1 + step: the window is 2 steps
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(
+        json.dumps({**row, "ppo/reward_mean": 10.0 + row["step"]}) + "\n"
+        for row in read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))))
+    scored = _texts(tmp_path / "run", {"reward": {"path": "rm", "score_function": "s.py:f"},
+                                       "data": {"train_files": "p.jsonl"}})
+    assert "task score (ground truth)" in scored and "reward model score" in scored
+    assert "Learning: task score 1.000 at step 0 \u2192 15.500 (last 2 steps)" in scored
+    model_only = _texts(tmp_path / "run", {"reward": {"path": "rm", "score_function": None},
+                                           "data": {"train_files": "p.jsonl"}})
+    assert not any("task score" in t for t in model_only), model_only
+    assert "Learning: reward model score 10.000 at step 0 \u2192 24.500 (last 2 steps)" in \
+        model_only
+
+
+@pytest.mark.parametrize("reward, kind", [({"env_score": True}, "environment"),
+                                          ({"function": "f.py:score"}, "function"),
+                                          ({"url": "http://r"}, "server")])
+def test_a_reward_that_runs_no_model_gets_no_meter(tmp_path, reward, kind):
+    # Before: the agent demo showed "reward I: 0 B" and 89,761,157 reward tokens/s.
+    _write_run(tmp_path / "run", roles=("actor", "reward", "ref"))
+    texts = _texts(tmp_path / "run", {"reward": {"path": None, **reward}})
+    metered = [t for t in texts if t.startswith(("reward (", "reward\n", "reward I"))]
+    assert metered == [], metered
+    assert any(f"reward: {kind} (no model)" in t for t in texts), texts
+    assert any(t.startswith("actor (IGG): ") for t in texts)  # the models that ran keep theirs
 
 
 def test_human_bytes():

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import sys
@@ -55,6 +56,52 @@ class RayStartError(RuntimeError):
     """Ray did not start on this machine (``str()``: one line)."""
 
 
+class Noise(NamedTuple):
+    """A kind of line a library prints on every run that says nothing wrong about it."""
+
+    kind: str  # what it is, in the summary line
+    why: str  # why it is harmless here
+    lines: re.Pattern  # searched in a worker's line: the first line of one message
+
+
+# A vLLM log record: its level, time and [file:line], repeated on every line of a record that
+# holds several (a traceback).
+_VLLM_RECORD = re.compile(r"^(?:\(\w+ pid=\d+\) )?(?:DEBUG|INFO|WARNING) \d\d-\d\d [\d:]+ \[[^]]+\] ")
+# Known-harmless lines of the workers' libraries (a vLLM engine in each actor rank, DeepSpeed,
+# torch), each message summarised in workers.log as one line per kind with its count, the
+# lines themselves in workers.noise.log. What matches none is kept, warnings and all.
+NOISE = (
+    Noise("vLLM's weight reload notes", "the actor's weights are loaded into the engine in "
+          "place after every update (a rotary embedding has no weights to load); "
+          "rollout/logprob_diff_* measures the engine against the trainer",
+          re.compile(r"RotaryEmbedding: Failed to load weights|Reloading weights inplace"
+                     r"|Reloading and processing weights took|Successfully reset prefix cache")),
+    Noise("vLLM's chat template warmup and EOS notes", "the engine runs without a tokenizer, by "
+          "design: token ids in, token ids out", re.compile(
+              r"Chat template warmup failed|Using None for EOS token id because tokenizer is "
+              r"not initialized")),
+    Noise("vLLM's start-up notes (its settings, the model's load, its key/value cache)",
+          "each actor rank builds its engine as the run's rollout.* keys say", re.compile(
+              r"non-default args: |Using max model len |Initializing a V1 LLM engine"
+              r"|Enabled custom fusions|is assigned as DP rank|Starting to load model"
+              r"|Initializing model took|CPU KV cache size: |init engine \(profile"
+              r"|Enforce eager set, disabling|Inductor compilation was disabled|Chunked prefill "
+              r"is enabled|Using \w+ KV cache layout|Final IR op priority|Using ray runtime env"
+              r"|Resolved architecture:|Explicitly set \S+ GiB for KV cache|The global random "
+              r"seed is set to")),
+    Noise("CPU performance advice (vLLM, Triton, NUMA, DeepSpeed)", "advice for a CPU build's "
+          "speed; the results are the same", re.compile(
+              r"is not found in LD_PRELOAD|doesn't allow to use `torch.set_num_threads`"
+              r"|Triton is installed, but doesn't include CPU backend|Triton is not installed"
+              r"|Model Runner V2 requires Triton|NUMA binding: Using MEMBIND policy"
+              r"|Setting accelerator to CPU")),
+    Noise("torch deprecation warnings inside vLLM", "vLLM's own code, not the run's",
+          re.compile(r"FutureWarning: `torch.distributed.reduce_op` is deprecated")),
+)
+# The source line Python's warnings print under their message.
+_WARNING_SOURCE = re.compile(r"^  \S")
+
+
 class RayOutput:
     """What Ray and the workers print, kept off the console in ``path`` (the run's
     ``workers.log``): the workers' output (Ray forwards it to the driver, prefixed with the
@@ -63,12 +110,20 @@ class RayOutput:
 
     Libraries print on every start what a user takes for errors (Ray's worker start-up warning,
     DeepSpeed's accelerator line per worker, vLLM's advice and notes): the run's own console
-    lines are its progress and its one-line errors, which point here.
+    lines are its progress and its one-line errors, which point here. The workers' lines of a
+    kind in ``NOISE`` go to ``<path stem>.noise.log`` instead, and ``close`` ends the log with
+    one line per kind seen: its count, why it is harmless, where its lines are.
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = str(path)
+        self.noise_path = re.sub(r"(\.log)?$", ".noise.log", self.path, count=1)
         self._file = open(self.path, "a", buffering=1, errors="replace")
+        self._noise_file: Any = None
+        self.noise_counts: dict[str, int] = {}  # kind -> messages
+        # pid -> the record prefix (or pattern) that the lines of its last noise message go on
+        # with: a traceback's lines, a warning's source line.
+        self._going_on: dict[Any, str | re.Pattern] = {}
         self._attached: tuple[Any, Any] | None = None
 
     @contextlib.contextmanager
@@ -119,7 +174,30 @@ class RayOutput:
         where = "" if data.get("ip") in (None, data.get("localhost")) else f", ip={data['ip']}"
         prefix = f"({pid}) " if pid in ("raylet", "autoscaler") else \
             f"({name + ' ' if name else ''}pid={pid}{where}) "
-        self._file.writelines(prefix + line + "\n" for line in lines)
+        for line in lines:
+            (self._noise() if self._is_noise(pid, line) else self._file).write(
+                prefix + line + "\n")
+
+    def _is_noise(self, pid: Any, line: str) -> bool:
+        """Whether ``line`` of worker ``pid`` is a message of a ``NOISE`` kind or goes on with
+        the one before it (counted once, at its first line)."""
+        going_on = self._going_on.pop(pid, None)
+        if isinstance(going_on, str) and line.startswith(going_on) or \
+                isinstance(going_on, re.Pattern) and going_on.match(line):
+            self._going_on[pid] = going_on
+            return True
+        for noise in NOISE:
+            if noise.lines.search(line):
+                self.noise_counts[noise.kind] = self.noise_counts.get(noise.kind, 0) + 1
+                record = _VLLM_RECORD.match(line)
+                self._going_on[pid] = record.group(0) if record else _WARNING_SOURCE
+                return True
+        return False
+
+    def _noise(self) -> Any:
+        if self._noise_file is None:
+            self._noise_file = open(self.noise_path, "a", buffering=1, errors="replace")
+        return self._noise_file
 
     def close(self) -> None:
         """Give Ray its console back (after ``ray.shutdown``: until then it may still print)."""
@@ -130,6 +208,13 @@ class RayOutput:
             module.print_to_stdstream = original
             dispatcher.remove_handler("rlhf_paro")
             self._attached = None
+        whys = {noise.kind: noise.why for noise in NOISE}
+        for kind, count in self.noise_counts.items():
+            self._file.write(f"(rlhf_paro) {count} message{'s' * (count > 1)}: {kind}, "
+                             f"harmless ({whys[kind]}); in {os.path.basename(self.noise_path)}\n")
+        self.noise_counts.clear()
+        if self._noise_file is not None:
+            self._noise_file.close()
         self._file.close()
 
 

@@ -15,12 +15,15 @@ stops the run with ``RewardFunctionError``, one line naming the function or serv
 from __future__ import annotations
 
 import asyncio
+import difflib
 import functools
 import importlib.util
+import inspect
 import json
 import math
 import numbers
 import re
+import reprlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -95,8 +98,24 @@ def load_function(spec: str, key: str = "reward.function") -> RewardFunction:
         raise ConfigError(key, f"{file} fails on import: {_described(err)}") from None
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise ConfigError(key, f"{file} has no function {name!r}")
+        what = (f"has no class or function {name!r}" if fn is None else
+                f"defines {name} = {reprlib.repr(fn)}, not a class or function")
+        raise ConfigError(key, f"{file} {what}{_defined_names(module, name)}")
     return fn
+
+
+def _defined_names(module: Any, name: str) -> str:
+    """What ``module`` defines that ``file.py:NAME`` could name, each said as what it is (class
+    or function), the close ones to ``name`` first: the end of the error's line."""
+    found = {attr: "class" if inspect.isclass(obj) else "function"
+             for attr, obj in vars(module).items()
+             if (inspect.isclass(obj) or inspect.isfunction(obj)) and not attr.startswith("_")
+             and getattr(obj, "__module__", None) == module.__name__}
+    if not found:
+        return "; it defines no class or function"
+    close = difflib.get_close_matches(name, list(found), n=1, cutoff=0.6)
+    hint = f" (did you mean {found[close[0]]} {close[0]}?)" if close else ""
+    return f"{hint}; allowed: " + ", ".join(f"{kind} {attr}" for attr, kind in found.items())
 
 
 def call_function(fn: RewardFunction, spec: str, step: int | None, prompts: list[str],

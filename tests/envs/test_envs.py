@@ -170,8 +170,12 @@ def tokenizer_dir(files):
     (["env.timeout_s=5"], "env.timeout_s", "allowed only with env.function or env.tools"),
     (["env.function=ENVS:Echo", "env.tools=ENVS:f"], "env.tools", "not both"),
     (["env.function=nowhere.py:Echo"], "env.function", "no file 'nowhere.py'"),
-    (["env.function=ENVS:Missing"], "env.function", "has no function 'Missing'"),
-    (["env.function=ENVS:not_a_class"], "env.function", "has no function 'not_a_class'"),
+    (["env.function=ENVS:Missing"], "env.function", "has no class or function 'Missing'"),
+    # Before, a class was called a function, and no close name was suggested.
+    (["env.function=ENVS:Ech"], "env.function", "has no class or function 'Ech' (did you mean "
+                                                "class Echo?); allowed: class Echo, "),
+    (["env.function=ENVS:not_a_class"], "env.function",
+     "defines not_a_class = 3, not a class or function"),
     (["env.function=ENVS:Narrow"], "env.function", "Narrow(**row) refuses the prompt rows' "
                                                     "columns prompt, start"),
     (["env.function=ENVS:NoStep"], "env.function", "NoStep has no step() method"),

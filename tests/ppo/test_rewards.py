@@ -128,7 +128,8 @@ def test_load_function_checks_the_spec_and_the_name(tmp_path):
     assert rewards.load_function(f"{file}:score")(["p"], ["r"]) == [1.0]
     with pytest.raises(ConfigError, match=r"^spec: got 'fns\.py'; allowed: path/to/file\.py:"):
         rewards.load_function("fns.py", "spec")
-    with pytest.raises(ConfigError, match=r"has no function 'nope'"):
+    with pytest.raises(ConfigError, match=r"has no class or function 'nope'; allowed: function "
+                                          r"score$"):
         rewards.load_function(f"{file}:nope")
 
 
