@@ -80,10 +80,12 @@ def sampled_logprobs(logits: tuple[Tensor, ...], responses: Tensor, temperature:
     temperature)``: ``logits`` are generate's raw ones (before top-k and the temperature), one
     (B, V) per step, so this is the trainer's definition (``models.CausalLM``) and in fp32 the
     two differ only by the key/value-cache path of the computation."""
-    # Step by step: one (B, V) float32 at a time next to the logits generate keeps.
-    return torch.stack([step.float().div(temperature).log_softmax(-1)
-                        .gather(-1, token.unsqueeze(-1)).squeeze(-1)
-                        for step, token in zip(logits, responses.T)], dim=1)
+    # At most eight slices of steps, a handful of kernels each rather than per step: a slice's
+    # (B, k, V) float32 holds an eighth of the steps whose logits generate keeps.
+    k = -(-len(logits) // 8)
+    return torch.cat([torch.stack(logits[i:i + k], dim=1).float().div(temperature)
+                      .log_softmax(-1).gather(-1, responses[:, i:i + k, None]).squeeze(-1)
+                      for i in range(0, len(logits), k)], dim=1)
 
 
 @register_engine("hf", needs_sync=HFRollout.needs_sync)
