@@ -4,27 +4,96 @@ once for the whole rollout (phase ``generate`` of the actor's meter)."""
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Iterable
+from dataclasses import dataclass
+from typing import Any, ContextManager, Iterable
 
 import torch
 from torch import Tensor
 
 from rlhf_paro.comm.meter import GENERATE
+from rlhf_paro.config import Config, ConfigError
 from rlhf_paro.rollout.base import EngineContext, Sampling, register_engine
 from rlhf_paro.rollout.batch import PromptBatch, RolloutBatch, join
 
 
+@dataclass(frozen=True)
+class StaticDecode:
+    """Decoding on Hugging Face's static key/value cache with its decoding step compiled
+    (``rollout.hf_cache=static``). The cache is as long as the run's longest sequence, whatever
+    a call's prompts and budget, and the batch dimension is compiled dynamic (chunks,
+    evaluations and the turns of episodes come in several sizes): one graph for the run. The
+    graph reads the weights as inputs, so updates in place and fresh gathers need no recompile."""
+
+    max_cache_len: int
+    compile_config: Any  # transformers.CompileConfig
+
+    @classmethod
+    def for_run(cls, max_cache_len: int) -> StaticDecode:
+        from transformers import CompileConfig
+
+        config = CompileConfig(dynamic=True)
+        # generate compiles by itself on CUDA only; this asks it to on any device.
+        config._compile_all_devices = True
+        return cls(max_cache_len, config)
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"cache_implementation": "static", "max_cache_len": self.max_cache_len,
+                "compile_config": self.compile_config}
+
+
+def takes_static_cache(lm_class: type | None) -> bool:
+    """Whether a Hugging Face causal LM class decodes on a static cache in one compiled graph
+    (its ``_can_compile_fullgraph``, and a cache of the standard kind at all)."""
+    return (lm_class is not None and bool(getattr(lm_class, "_can_compile_fullgraph", False))
+            and lm_class._supports_default_dynamic_cache())
+
+
+def decode_cache(setting: str, device_type: str, lm_class: type | None) -> str:
+    """``rollout.hf_cache`` resolved for the actor's class on a device: "static" or
+    "dynamic"; ``ConfigError`` for static with a model that cannot take it."""
+    takes = takes_static_cache(lm_class)
+    if setting == "static" and not takes:
+        name = "model" if lm_class is None else lm_class.__name__
+        raise ConfigError("rollout.hf_cache", f"static: the actor's {name} cannot decode on a "
+                                              f"static cache in one compiled graph; allowed: "
+                                              f"dynamic, auto")
+    if setting == "auto":
+        return "static" if device_type == "cuda" and takes else "dynamic"
+    return setting
+
+
+def static_decode(cfg: Config, lm: torch.nn.Module, device: torch.device) -> StaticDecode | None:
+    """The run's static decoding for the actor's model ``lm`` (a PEFT model: the one it
+    wraps), or None for the dynamic cache."""
+    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    if decode_cache(cfg.rollout.hf_cache, device.type, type(base)) == "dynamic":
+        return None
+    return StaticDecode.for_run(cfg.longest_sequence()[1])
+
+
+def check(cfg: Config, actor_config: Any) -> None:
+    """``ConfigError`` for ``rollout.hf_cache=static`` with an actor whose class cannot take
+    a static cache (or whose class is its own code, which this does not load to ask)."""
+    from transformers import AutoModelForCausalLM
+
+    lm_class = AutoModelForCausalLM._model_mapping.get(type(actor_config), None)
+    decode_cache(cfg.rollout.hf_cache, cfg.cluster.device, lm_class)
+
+
 class HFRollout:
     """Generates with the actor's model under ``engine.gathered()``, ``micro_batch_size``
-    prompts at a time (None: all at once): the key/value cache of one chunk is what it holds."""
+    prompts at a time (None: all at once): the key/value cache of one chunk is what it holds.
+    ``static``: decoding on a static cache, compiled (None: the dynamic cache)."""
 
     def __init__(self, engine: object, pad_token_id: int, eos_token_id: int,
-                 device: torch.device, micro_batch_size: int | None = None) -> None:
+                 device: torch.device, micro_batch_size: int | None = None,
+                 static: StaticDecode | None = None) -> None:
         self.engine = engine
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
         self.device = device
         self.micro_batch_size = micro_batch_size
+        self.static = static
 
     @torch.no_grad()
     def generate(self, prompts: PromptBatch, sampling: Sampling) -> RolloutBatch:
@@ -33,6 +102,8 @@ class HFRollout:
         kwargs = ({"do_sample": False} if sampling.greedy else
                   {"do_sample": True, "temperature": sampling.temperature,
                    "top_k": sampling.top_k})
+        if self.static is not None:
+            kwargs.update(self.static.kwargs())
         size = self.micro_batch_size or len(prompts)
         chunks = []
         with self.engine.gathered(phase=GENERATE) as model:
@@ -88,10 +159,11 @@ def sampled_logprobs(logits: tuple[Tensor, ...], responses: Tensor, temperature:
                       for i in range(0, len(logits), k)], dim=1)
 
 
-@register_engine("hf", needs_sync=HFRollout.needs_sync)
+@register_engine("hf", check=check, needs_sync=HFRollout.needs_sync)
 def _hf(context: EngineContext) -> HFRollout:
     return HFRollout(context.engine, context.pad_token_id, context.eos_token_id, context.device,
-                     context.cfg.rollout.micro_batch_size)
+                     context.cfg.rollout.micro_batch_size,
+                     static_decode(context.cfg, context.engine.module.lm, context.device))
 
 
 class LocalWeights:
