@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, ContextManager, Iterable
+from typing import Any, ContextManager, Iterable, Iterator
 
 import torch
 from torch import Tensor
@@ -94,6 +94,9 @@ class HFRollout:
         self.device = device
         self.micro_batch_size = micro_batch_size
         self.static = static
+        # Inside turns() (dynamic cache only): the keys and values of the last call's sequences,
+        # which the next turn's contexts continue.
+        self.kept: TurnCache | None = None
 
     @torch.no_grad()
     def generate(self, prompts: PromptBatch, sampling: Sampling) -> RolloutBatch:
@@ -106,27 +109,45 @@ class HFRollout:
             kwargs.update(self.static.kwargs())
         size = self.micro_batch_size or len(prompts)
         chunks = []
+        kept = None if self.kept is None else TurnCache()
         with self.engine.gathered(phase=GENERATE) as model:
             model.eval()
             for start in range(0, len(prompts), size):
                 part = prompts.select(slice(start, start + size))
-                out = model.generate(part.input_ids.to(self.device),
-                                     part.attention_mask.to(self.device),
+                ids, mask, cache = (part.input_ids, part.attention_mask, None)
+                if self.kept is not None:
+                    ids, mask, cache = self.kept.continued(part, self.pad_token_id)
+                if cache is not None:
+                    kwargs["past_key_values"] = cache
+                out = model.generate(ids.to(self.device), mask.to(self.device),
                                      max_new_tokens=sampling.max_new_tokens,
                                      pad_token_id=self.pad_token_id,
                                      eos_token_id=self.eos_token_id,
-                                     return_dict_in_generate=True,
+                                     return_dict_in_generate=True, use_cache=True,
                                      output_logits=not sampling.greedy, **kwargs)
-                responses = out.sequences[:, part.input_ids.shape[1]:]
-                logp = None if sampling.greedy else sampled_logprobs(
-                    out.logits, responses, sampling.temperature).cpu()
-                chunks.append(join(part, responses.cpu(), self.eos_token_id, logp))
+                kwargs.pop("past_key_values", None)
+                responses = out.sequences[:, ids.shape[1]:]
+                batch = join(part, responses.cpu(), self.eos_token_id, None if sampling.greedy
+                             else sampled_logprobs(out.logits, responses,
+                                                   sampling.temperature).cpu())
+                if kept is not None:
+                    kept.keep(ids, mask, batch, out.past_key_values)
+                chunks.append(batch)
+        if kept is not None:
+            self.kept = kept  # the next turn continues this call's sequences, none before
         return chunks[0] if len(chunks) == 1 else RolloutBatch.concat(chunks, self.pad_token_id)
 
-    def turns(self) -> ContextManager:
-        """The weights gathered once for all turns: ``generate`` inside it gathers nothing
-        (``engine.gathered`` nests)."""
-        return self.engine.gathered(phase=GENERATE)
+    @contextlib.contextmanager
+    def turns(self) -> Iterator[None]:
+        """The weights gathered once for all turns (``generate`` inside it gathers nothing:
+        ``engine.gathered`` nests) and, on the dynamic cache, each sequence's keys and values
+        kept from one turn to the next ([Note: keys and values across turns])."""
+        with self.engine.gathered(phase=GENERATE):
+            self.kept = TurnCache() if self.static is None else None
+            try:
+                yield
+            finally:
+                self.kept = None
 
     # Generation reads the engine's own parameters, gathered at each call: there is no second copy
     # of the weights to update, and nothing held between calls to release.
@@ -143,6 +164,73 @@ class HFRollout:
 
     def wake(self) -> None:
         pass
+
+
+class TurnCache:
+    """The keys and values of one call's sequences, by their tokens, for the next turn.
+
+    [Note: keys and values across turns]  (docs/design.md, "Multi-turn episodes")
+    A turn's context is the last turn's context, its action and an observation. A key or value
+    of a token depends only on the tokens before it and on its position, which generate counts
+    from the attention mask over real tokens only: so a sequence's entries stay valid wherever
+    its row is padded. ``continued`` lays each row out as its kept tokens (left-padded to the
+    longest kept), then the tokens not kept (left-padded to the longest such run: holes in the
+    middle, masked), and hands generate the kept entries as its cache, so the prefill computes
+    only what is new. ``keep`` takes from generate's cache the entries of each row's real tokens:
+    its context and its response through its end, less the last sampled token, which no step fed
+    back. Only caches of plain dynamic layers are kept (a sliding window drops entries).
+    """
+
+    def __init__(self) -> None:
+        # Tokens of a sequence -> per layer (key, value), each (heads, tokens, head size).
+        self.entries: dict[tuple[int, ...], list[tuple[Tensor, Tensor]]] = {}
+
+    def continued(self, part: PromptBatch, pad_token_id: int
+                  ) -> tuple[Tensor, Tensor, Any | None]:
+        """``part``'s rows laid out over their kept prefixes, and the cache of those (None, and
+        ``part`` as it is, where no row continues a kept sequence)."""
+        from transformers import DynamicCache
+
+        rows = [ids[mask.bool()].tolist() for ids, mask in zip(part.input_ids,
+                                                                part.attention_mask)]
+        lengths = sorted({len(k) for k in self.entries}, reverse=True)
+        # Each row's longest kept prefix, leaving it at least one token to feed.
+        found = [next((k for k in lengths if k < len(row) and tuple(row[:k]) in self.entries), 0)
+                 for row in rows]
+        if not any(found):
+            return part.input_ids, part.attention_mask, None
+        kept, new = max(found), max(len(row) - k for row, k in zip(rows, found))
+        ids = torch.full((len(rows), kept + new), pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        sample = next(iter(self.entries.values()))
+        layers = [(k.new_zeros(len(rows), k.shape[0], kept, k.shape[2]),
+                   v.new_zeros(len(rows), v.shape[0], kept, v.shape[2])) for k, v in sample]
+        for i, (row, k) in enumerate(zip(rows, found)):
+            ids[i, kept - k:kept], ids[i, kept + new - (len(row) - k):] = (
+                torch.tensor(row[:k]), torch.tensor(row[k:]))
+            mask[i, kept - k:kept] = mask[i, kept + new - (len(row) - k):] = 1
+            if k:
+                for (keys, values), (key, value) in zip(layers, self.entries[tuple(row[:k])]):
+                    keys[i, :, kept - k:], values[i, :, kept - k:] = key, value
+        return ids, mask, DynamicCache(ddp_cache_data=layers)
+
+    def keep(self, ids: Tensor, mask: Tensor, batch: RolloutBatch, cache: Any) -> None:
+        """The entries of ``batch``'s sequences, generated from ``ids``/``mask`` (the layout
+        generate was given) with ``cache`` as generate left it."""
+        from transformers.cache_utils import DynamicLayer
+
+        if cache is None or any(type(layer) is not DynamicLayer for layer in cache.layers):
+            return
+        width = cache.get_seq_length()
+        for i in range(len(ids)):
+            ended = int(batch.action_mask[i].sum())
+            cols = torch.cat([mask[i].nonzero().squeeze(-1),
+                              ids.shape[1] + torch.arange(min(ended, width - ids.shape[1]))])
+            tokens = ids[i, cols[cols < ids.shape[1]]].tolist() + \
+                batch.responses[i, :len(cols) - int(mask[i].sum())].tolist()
+            cols = cols.to(cache.layers[0].keys.device)
+            self.entries[tuple(tokens)] = [(layer.keys[i][:, cols], layer.values[i][:, cols])
+                                           for layer in cache.layers]
 
 
 def sampled_logprobs(logits: tuple[Tensor, ...], responses: Tensor, temperature: float
