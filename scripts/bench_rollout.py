@@ -3,6 +3,7 @@
     python scripts/bench_rollout.py                        # fixed lengths and the mix, 3 rounds
     python scripts/bench_rollout.py --rounds 5 --json rollout.json
     python scripts/bench_rollout.py --profile              # and where each engine's time goes
+    python scripts/bench_rollout.py --against-generate     # hf against plain generate, same weights
     python scripts/bench_rollout.py --sync                 # the weight sync under P = N, I, G
     python scripts/bench_rollout.py --transfer             # the transfer to rollout replicas
     python scripts/bench_rollout.py --transfer-store       # gloo against Ray's object store
@@ -60,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import json
 import os
@@ -324,7 +326,20 @@ def against_generate(args: argparse.Namespace) -> dict:
             print(f"warning: {case.name}: the two sampled different tokens", file=sys.stderr)
         lines.append(f"| {case.name} | {hf:.0f} | {gen:.0f} | {hf / gen:.2f} |")
     print("\n".join(lines))
-    return {"args": vars(args), "runs": {f"{e} {c}": r for (e, c), r in runs.items()}}
+    # Python calls a decoding step: those of a call of 40 tokens less one of 8, over 32 steps.
+    fixed = Case("fixed", 8, 40)
+    calls = {}
+    for name in names:
+        counts = []
+        for length in (8, 40):
+            profiler = cProfile.Profile()
+            profiler.runcall(run, name, dataclasses.replace(fixed, length=length), seed=0)
+            counts.append(pstats.Stats(profiler).total_calls)
+        calls[name] = (counts[1] - counts[0]) / 32
+    print("Python calls a decoding step (8 prompts): " + ", ".join(
+        f"{name} {count:.0f}" for name, count in calls.items()))
+    return {"args": vars(args), "calls_per_step": calls,
+            "runs": {f"{e} {c}": r for (e, c), r in runs.items()}}
 
 
 def sync_rank(rank: int, args: argparse.Namespace, port: int | None) -> None:

@@ -117,15 +117,14 @@ class HFRollout:
                 ids, mask, cache = (part.input_ids, part.attention_mask, None)
                 if self.kept is not None:
                     ids, mask, cache = self.kept.continued(part, self.pad_token_id)
-                if cache is not None:
-                    kwargs["past_key_values"] = cache
+                # use_cache: a model configured without one still decodes on one (and keeps it).
                 out = model.generate(ids.to(self.device), mask.to(self.device),
                                      max_new_tokens=sampling.max_new_tokens,
                                      pad_token_id=self.pad_token_id,
                                      eos_token_id=self.eos_token_id,
                                      return_dict_in_generate=True, use_cache=True,
-                                     output_logits=not sampling.greedy, **kwargs)
-                kwargs.pop("past_key_values", None)
+                                     output_logits=not sampling.greedy, **kwargs,
+                                     **({} if cache is None else {"past_key_values": cache}))
                 responses = out.sequences[:, ids.shape[1]:]
                 batch = join(part, responses.cpu(), self.eos_token_id, None if sampling.greedy
                              else sampled_logprobs(out.logits, responses,
