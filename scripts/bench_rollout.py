@@ -281,6 +281,9 @@ def against_generate(args: argparse.Namespace) -> dict:
 
     cases = ([Case("fixed", b, n) for b in args.batch_sizes for n in args.lengths]
              + [Case("mix", b, args.budget) for b in args.mix_batch_sizes])
+    if max(args.lengths) > args.budget or args.budget < 40:
+        raise SystemExit("error: --against-generate needs --budget >= --lengths and >= 40 (the "
+                         "count of calls generates 40 tokens)")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)
     cfg = load(args, 1, 1, max(c.batch for c in cases), engine="hf")
