@@ -490,6 +490,9 @@ class AlgorithmConfig:
             raise ConfigError("kl_coef", f"must be >= 0, got {self.kl_coef}")
 
 
+HF_CACHES = ("auto", "dynamic", "static")
+
+
 @dataclass
 class RolloutConfig:
     """How rollouts are sampled."""
@@ -509,6 +512,11 @@ class RolloutConfig:
     # Truncated importance sampling for the engine's mismatch: each token's policy-loss term is
     # weighted by min(exp(trainer's old log-prob - engine's), tis_cap); null: off.
     tis_cap: float | None = None
+    # hf only: its key/value cache while decoding. dynamic grows with the sequence; static is
+    # Hugging Face's cache of fixed size with its decoding step compiled (torch.compile, once a
+    # run: the weights change in place); auto: static on CUDA where the model takes it, else
+    # dynamic.
+    hf_cache: str = "auto"
     # vllm only (docs/design.md, "Rollout"). The share of a device's memory the engine may hold,
     # its weights and key/value cache (on CUDA; on a CPU device its key/value cache is sized
     # from the run's longest sequences and max_num_seqs instead).
@@ -546,6 +554,13 @@ class RolloutConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got "
                                                         f"{self.gpu_memory_utilization}")
+        if self.hf_cache not in HF_CACHES:
+            raise ConfigError("hf_cache", f"got {self.hf_cache!r}; allowed: "
+                                          f"{', '.join(HF_CACHES)}")
+        if self.hf_cache == "static" and self.engine != "hf":
+            raise ConfigError("hf_cache", f"static is the hf engine's cache and rollout.engine="
+                                          f"{self.engine}; allowed: auto, dynamic (or "
+                                          f"rollout.engine=hf)")
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ConfigError("tis_cap", f"must be > 0 or null (off), got {self.tis_cap}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:

@@ -3,6 +3,7 @@ across turns, and hf, on one model, one set of prompts and one deterministic env
 
     python scripts/bench_episodes.py                       # 3 rounds, 6 turns
     python scripts/bench_episodes.py --turns 4 --rounds 5 --batch 32
+    python scripts/bench_episodes.py --hf-only             # hf keeping its cache, and not
 
 Every episode runs exactly --turns turns: the environment answers each action with
 --observation symbols and ends the episode after the last turn, and every action is exactly
@@ -11,15 +12,19 @@ engine can sample). So every engine generates the same number of tokens and its 
 the same way: a prompt of --prompt tokens, then per turn an action and an observation. With
 prefix caching (``rollout.enable_prefix_caching``, vLLM's default here) a turn's prefill reads
 the earlier turns' keys and values from the cache and computes only the new observation;
-without it, every turn computes its whole context again. Both vLLM engines and hf run each round,
+without it, every turn computes its whole context again. hf keeps each episode's keys and
+values from one turn to the next the same way ([Note: keys and values across turns]); "hf,
+recomputing" is hf as it was, every turn's context computed whole. All engines run each round,
 in an order that rotates from round to round; the first call of each engine warms up and is left
 out. The table gives each engine's median generated tokens/s (action tokens over the wall time of
-``episodes.run``, environment steps included) and the ratio to vLLM without prefix caching.
+``episodes.run``, environment steps included) and the ratio to vLLM without prefix caching (with
+--hf-only: to hf recomputing).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -33,7 +38,22 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_rollout import build_actor, sync  # noqa: E402  (this script's folder)
 
-ENGINES = ("vllm, prefix cache", "vllm, no prefix cache", "hf")
+ENGINES = ("vllm, prefix cache", "vllm, no prefix cache", "hf", "hf, recomputing")
+HF_ONLY = ENGINES[2:]
+
+
+class Recomputing:
+    """The hf engine as it was before it kept its cache across turns: ``turns`` holds
+    nothing, so each turn's ``generate`` gathers the weights and computes its whole context."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def generate(self, prompts: Any, sampling: Any) -> Any:
+        return self.engine.generate(prompts, sampling)
+
+    def turns(self) -> Any:
+        return contextlib.nullcontext()
 
 
 class Relay:
@@ -63,6 +83,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf-only", action="store_true",
+                        help="hf and hf recomputing only (no vLLM engine built)")
     args = parser.parse_args()
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29531"))
@@ -72,9 +94,9 @@ def main() -> None:
     print(f"\n{args.batch} episodes x {args.turns} turns, prompt {args.prompt} tokens, actions of "
           f"{args.action}, observations of {args.observation}; a Llama {args.layers} x "
           f"{args.hidden}, fp32; median of {args.rounds} rounds\n")
-    base = statistics.median(results[ENGINES[1]])
+    base = statistics.median(results[ENGINES[3 if args.hf_only else 1]])
     print(f"{'engine':<24}{'tokens/s':>10}{'min':>10}{'max':>10}{'ratio':>8}")
-    for name in ENGINES:
+    for name in results:
         values = results[name]
         print(f"{name:<24}{statistics.median(values):>10.1f}{min(values):>10.1f}"
               f"{max(values):>10.1f}{statistics.median(values) / base:>8.2f}")
@@ -106,8 +128,10 @@ def run(args: argparse.Namespace) -> dict[str, list[float]]:
             False: resolve(load_config([*base, "rollout.enable_prefix_caching=false"]))}
     actor = build_actor(cfgs[True], "NNN", 1)
     never = vocab + 1  # an <eos> no engine samples: every action runs its whole budget
-    engines = {ENGINES[2]: HFRollout(actor, 0, never, torch.device("cpu"))}
-    for cached, name in ((True, ENGINES[0]), (False, ENGINES[1])):
+    hf = HFRollout(actor, 0, never, torch.device("cpu"))
+    engines = {ENGINES[2]: hf, ENGINES[3]: Recomputing(hf)}
+    names = HF_ONLY if args.hf_only else ENGINES
+    for cached, name in ((True, ENGINES[0]), (False, ENGINES[1]))[:0 if args.hf_only else 2]:
         engine = VLLMRollout(cfgs[cached], actor.module.lm.config, never, 0,
                              torch.device("cpu"), seed=args.seed)
         sync(engine, actor)
@@ -129,11 +153,11 @@ def run(args: argparse.Namespace) -> dict[str, list[float]]:
         assert stats["turns"] == args.turns * args.batch, stats
         return float(batch.action_mask.sum()) / elapsed
 
-    results: dict[str, list[float]] = {name: [] for name in ENGINES}
-    for name in ENGINES:  # warm-up, left out
+    results: dict[str, list[float]] = {name: [] for name in names}
+    for name in names:  # warm-up, left out
         once(engines[name])
     for r in range(args.rounds):
-        for name in ENGINES[r % len(ENGINES):] + ENGINES[:r % len(ENGINES)]:
+        for name in names[r % len(names):] + names[:r % len(names)]:
             results[name].append(once(engines[name]))
             print(f"round {r}: {name}: {results[name][-1]:.1f} tokens/s", flush=True)
     return results

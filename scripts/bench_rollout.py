@@ -3,6 +3,7 @@
     python scripts/bench_rollout.py                        # fixed lengths and the mix, 3 rounds
     python scripts/bench_rollout.py --rounds 5 --json rollout.json
     python scripts/bench_rollout.py --profile              # and where each engine's time goes
+    python scripts/bench_rollout.py --against-generate     # hf against plain generate, same weights
     python scripts/bench_rollout.py --sync                 # the weight sync under P = N, I, G
     python scripts/bench_rollout.py --transfer             # the transfer to rollout replicas
     python scripts/bench_rollout.py --transfer-store       # gloo against Ray's object store
@@ -60,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import json
 import os
@@ -105,9 +107,10 @@ def model_config(args: argparse.Namespace) -> str:
             f"max_position_embeddings: {args.max_prompt + args.budget}}}")
 
 
-def load(args: argparse.Namespace, num_devices: int, group_size: int, batch: int) -> Any:
+def load(args: argparse.Namespace, num_devices: int, group_size: int, batch: int,
+         engine: str = "vllm") -> Any:
     """The run's config with this model and ``batch`` prompts per device (what the vllm engine
-    sizes its key/value cache by), budget --budget, rollout.engine=vllm."""
+    sizes its key/value cache by), budget --budget, rollout.engine=``engine``."""
     from rlhf_paro.compose import load_config
     from rlhf_paro.resolve import resolve
 
@@ -118,7 +121,7 @@ def load(args: argparse.Namespace, num_devices: int, group_size: int, batch: int
         f"ppo.max_prompt_len={args.max_prompt}", f"ppo.max_new_tokens={args.budget}",
         f"ppo.rollout_batch_size={total}", f"ppo.mini_batch_size={total}",
         f"actor.micro_batch_size={batch}", f"critic.micro_batch_size={batch}",
-        "rollout.engine=vllm", f"trainer.seed={args.seed}"]))
+        f"rollout.engine={engine}", f"trainer.seed={args.seed}"]))
 
 
 def build_actor(cfg: Any, strategy: str, group_size: int) -> Any:
@@ -265,6 +268,81 @@ def generation(args: argparse.Namespace) -> dict:
     # The process group stays: vLLM's exit hook takes down its own groups on it.
     rollouts["vllm"].close()
     return result
+
+
+def against_generate(args: argparse.Namespace) -> dict:
+    """``--against-generate``: the hf engine against plain ``generate`` on the same weights
+    (an unsharded copy of the module, which no engine hooks), the same prompts and the same
+    random stream, so both sample the same tokens; the engine's log-probs are in its time."""
+    from rlhf_paro import models
+    from rlhf_paro.ppo.data import vocab_sizes
+    from rlhf_paro.rollout import Sampling, response_mask
+    from rlhf_paro.rollout.hf import HFRollout
+
+    cases = ([Case("fixed", b, n) for b in args.batch_sizes for n in args.lengths]
+             + [Case("mix", b, args.budget) for b in args.mix_batch_sizes])
+    if max(args.lengths) > args.budget or args.budget < 40:
+        raise SystemExit("error: --against-generate needs --budget >= --lengths and >= 40 (the "
+                         "count of calls generates 40 tokens)")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    cfg = load(args, 1, 1, max(c.batch for c in cases), engine="hf")
+    engine = build_actor(cfg, "NNN", 1)
+    rollout = HFRollout(engine, PAD, args.vocab, torch.device("cpu"))
+    plain = models.build_model("actor", cfg.actor, vocab_sizes(cfg)["actor"]).eval()
+    with engine.gathered() as module:
+        plain.load_state_dict(module.state_dict())
+
+    def run(name: str, case: Case, seed: int) -> dict:
+        eos = args.vocab if case.kind == "fixed" else args.mix_eos
+        batch = prompts(case.batch, args.vocab, args.max_prompt, seed)
+        torch.manual_seed(seed)
+        start = time.perf_counter()
+        if name == "hf":
+            rollout.eos_token_id = eos
+            tokens = int(rollout.generate(batch, Sampling(case.length)).action_mask.sum())
+        else:
+            with torch.no_grad():
+                out = plain.lm.generate(input_ids=batch.input_ids,
+                                        attention_mask=batch.attention_mask,
+                                        max_new_tokens=case.length, do_sample=True,
+                                        temperature=1.0, top_k=0, pad_token_id=PAD,
+                                        eos_token_id=eos)
+            tokens = int(response_mask(out[:, batch.input_ids.shape[1]:], eos).sum())
+        return {"seconds": time.perf_counter() - start, "tokens": tokens, "rows": case.batch}
+
+    names = ("hf", "generate")
+    for name in names:
+        run(name, cases[0], seed=-1)  # warm-up
+    runs: dict[tuple[str, str], list[dict]] = {(e, c.name): [] for e in names for c in cases}
+    for round_ in range(args.rounds):
+        print(f"round {round_ + 1}/{args.rounds}", file=sys.stderr, flush=True)
+        for i, case in enumerate(cases):
+            for name in names if round_ % 2 == 0 else names[::-1]:
+                runs[(name, case.name)].append(run(name, case, seed=round_ * len(cases) + i))
+    print(f"{args.layers} blocks, hidden {args.hidden}, {args.heads} heads, vocab {args.vocab}, "
+          f"fp32, threads {torch.get_num_threads()}; median of {args.rounds} rounds")
+    lines = ["| case | hf tokens/s | generate tokens/s | hf / generate |", "|---|---|---|---|"]
+    for case in cases:
+        hf, gen = (median_rate(runs[(name, case.name)]) for name in names)
+        if runs[("hf", case.name)][-1]["tokens"] != runs[("generate", case.name)][-1]["tokens"]:
+            print(f"warning: {case.name}: the two sampled different tokens", file=sys.stderr)
+        lines.append(f"| {case.name} | {hf:.0f} | {gen:.0f} | {hf / gen:.2f} |")
+    print("\n".join(lines))
+    # Python calls a decoding step: those of a call of 40 tokens less one of 8, over 32 steps.
+    fixed = Case("fixed", 8, 40)
+    calls = {}
+    for name in names:
+        counts = []
+        for length in (8, 40):
+            profiler = cProfile.Profile()
+            profiler.runcall(run, name, dataclasses.replace(fixed, length=length), seed=0)
+            counts.append(pstats.Stats(profiler).total_calls)
+        calls[name] = (counts[1] - counts[0]) / 32
+    print("Python calls a decoding step (8 prompts): " + ", ".join(
+        f"{name} {count:.0f}" for name, count in calls.items()))
+    return {"args": vars(args), "calls_per_step": calls,
+            "runs": {f"{e} {c}": r for (e, c), r in runs.items()}}
 
 
 def sync_rank(rank: int, args: argparse.Namespace, port: int | None) -> None:
@@ -604,6 +682,8 @@ def main() -> None:
                         help="--transfer, --transfer-store: rollout replicas")
     parser.add_argument("--replica-nodes", type=ints, default=None,
                         help="--transfer: the node of each replica (default: j mod nodes)")
+    parser.add_argument("--against-generate", action="store_true",
+                        help="the hf engine against plain generate on the same weights instead")
     parser.add_argument("--json", help="also write the raw numbers here")
     args = parser.parse_args()
     if args.rounds < 1:
@@ -618,7 +698,7 @@ def main() -> None:
         else:
             torch.multiprocessing.spawn(rank_fn, args=(args, free_port()), nprocs=args.world)
         return
-    result = generation(args)
+    result = against_generate(args) if args.against_generate else generation(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -24,7 +24,7 @@ from rlhf_paro.comm.transfer import TransferGroup
 from rlhf_paro.metrics import GENERATE
 from rlhf_paro.ppo.data import rollout_tokenizer, vocab_sizes
 from rlhf_paro.rollout import PromptBatch, RolloutBatch, episodes
-from rlhf_paro.rollout.hf import HFReplica, LocalWeights
+from rlhf_paro.rollout.hf import HFReplica, LocalWeights, static_decode
 
 
 class Generation:
@@ -127,8 +127,9 @@ class RolloutWorker(Worker):
             module = models.build_model("actor", plain, vocab_sizes(cfg)["actor"],
                                         seed=cfg.trainer.seed).to(self.device)
             module.eval()
-            engine: rollout.Rollout = HFReplica(LocalWeights(module), pad, eos, self.device,
-                                                cfg.rollout.micro_batch_size)
+            engine: rollout.Rollout = HFReplica(
+                LocalWeights(module), pad, eos, self.device, cfg.rollout.micro_batch_size,
+                static_decode(cfg, module.lm, self.device))
         else:
             from rlhf_paro.rollout.vllm import VLLMRollout
 

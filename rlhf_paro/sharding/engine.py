@@ -196,8 +196,7 @@ class ShardedEngine:
         self.prefetch = prefetch
         self.verify_gathers = verify_gathers
         self.state = TrainingState.IDLE
-        self._hold = 0  # > 0 inside gathered(): hooks neither gather nor free
-        self._gather_phase: str | None = None  # phase label of gathers inside gathered()
+        self._hold = 0  # > 0 inside gathered(), which runs the module without the hooks
         self._order: list[Unit] = []  # blocks in forward order, recorded on the first forward
         self._order_known = False
         if strategy.frozen:
@@ -242,16 +241,19 @@ class ShardedEngine:
 
     # -- hooks -------------------------------------------------------------------------------
     def _register_hooks(self) -> None:
-        for unit in self.units:
+        self._hooks = [handle for unit in self.units for handle in (
             unit.module.register_forward_pre_hook(
                 lambda mod, args, kwargs, unit=unit: self._pre_forward(unit, args, kwargs),
-                with_kwargs=True, prepend=True)
+                with_kwargs=True, prepend=True),
             unit.module.register_forward_hook(
-                lambda mod, args, out, unit=unit: self._post_forward(unit, out))
+                lambda mod, args, out, unit=unit: self._post_forward(unit, out)))]
+
+    def _remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def _phase(self) -> str:
-        if self._gather_phase is not None:
-            return self._gather_phase
         return BACKWARD if self.state == TrainingState.BACKWARD else FORWARD
 
     def _gather_now(self, unit: Unit, phase: str) -> None:
@@ -290,7 +292,7 @@ class ShardedEngine:
     def _post_forward(self, unit: Unit, output: Any) -> None:
         if unit.is_root:
             self._order_known = True
-        if self.state == TrainingState.BACKWARD or self._hold:
+        if self.state == TrainingState.BACKWARD:
             return  # recomputation inside backward: the parameters are still needed
         unit.free()
         if unit.is_root:
@@ -496,24 +498,29 @@ class ShardedEngine:
 
     @contextlib.contextmanager
     def gathered(self, phase: str = GATHER) -> Iterator[nn.Module]:
-        """Full parameters of every unit (for generation or evaluation), freed afterwards."""
+        """Full parameters of every unit (for generation or evaluation), freed afterwards.
+
+        Inside it the module is the plain model: the engine's hooks are taken off (a decoding
+        step of generation calls every unit once per token, and each hook call is Python on
+        that path) and put back on the way out. So it is for forward passes without backward.
+        """
         if self.state == TrainingState.BACKWARD:
             raise EngineError("gathered() cannot be used during backward")
         self._check_on_device("gathered()")
         outer = self._hold == 0
         if outer:
-            self._gather_phase = phase
             for unit in self.units:
                 unit.gather(self.comm, phase)
             for unit in self.units:
                 unit.wait(self.comm, self.verify_gathers)
+            self._remove_hooks()
         self._hold += 1
         try:
             yield self.module
         finally:
             self._hold -= 1
             if outer:
-                self._gather_phase = None
+                self._register_hooks()
                 for unit in self.units:
                     unit.free()
 
