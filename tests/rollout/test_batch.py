@@ -114,3 +114,11 @@ def test_concat_keeps_the_environments_scores_in_row_order_only_when_every_batch
     assert RolloutBatch.concat([a, b], PAD).scores.tolist() == [0.5, 1.0, 2.0]
     plain = _batch([3], [[5, 6, 7, 2]])
     assert RolloutBatch.concat([a, plain], PAD).scores is None
+
+
+def test_concat_of_one_batch_is_that_batch():
+    # One rank's rollout is concatenated alone (trainer.balance with one training rank).
+    a = dataclasses.replace(_batch([2, 1], [[5, 2], [6, 2]]), scores=torch.tensor([0.5, 1.0]))
+    alone = RolloutBatch.concat([a], PAD)
+    assert all(torch.equal(getattr(alone, f.name), getattr(a, f.name))
+               for f in dataclasses.fields(a) if getattr(a, f.name) is not None)
