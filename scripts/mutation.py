@@ -51,6 +51,10 @@ EQUIVALENT: dict[str, str] = {
     "rlhf_paro/rollout/batch.py:RolloutBatch.num_tokens:-1 -> 1": "(B, T)",
     "rlhf_paro/rollout/batch.py:RolloutBatch.trimmed:-1 -> 1": "(B, T) and (B, R), twice",
     "rlhf_paro/rollout/batch.py:response_mask:-1 -> 1": "(B, R)",
+    "rlhf_paro/envs/guess.py:GuessEnv.step:index < self.secret -> index <= self.secret":
+        "index == secret has returned the win the line before",
+    "rlhf_paro/ppo/algorithms.py:register_algorithm:return spec -> return None":
+        "no caller reads the spec it returns",
 }
 
 _COMPARE = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt,
