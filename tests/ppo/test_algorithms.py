@@ -29,11 +29,16 @@ def test_a_null_kl_estimator_follows_where_the_kl_goes(argv, expected):
     assert algorithms.kl_estimator(cfg) == expected
 
 
-def test_only_dr_grpo_divides_token_sums_by_the_budget():
+def test_each_algorithm_asks_for_what_its_estimator_reads():
+    # Only gae trains a critic; the group estimators need rollout.n >= 2 (their baseline is the
+    # other samples of the prompt); only dr_grpo divides token sums by the response budget.
+    specs = algorithms.ALGORITHMS
+    assert {name for name, spec in specs.items() if spec.critic} == {"gae"}
+    assert {name for name, spec in specs.items() if spec.group_baseline} == \
+        {"grpo", "dr_grpo", "rloo"}
+    assert {name for name, spec in specs.items() if spec.token_sum_norm} == {"dr_grpo"}
     # A registered estimator without a spec of its own runs as a default Algorithm: no critic,
     # no group baseline, token means.
-    assert {name for name, spec in algorithms.ALGORITHMS.items() if spec.token_sum_norm} == \
-        {"dr_grpo"}
     default = algorithms.Algorithm("other")
     assert (default.critic, default.group_baseline, default.loss_agg_mode,
             default.token_sum_norm) == (False, False, "token_mean", False)
