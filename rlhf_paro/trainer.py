@@ -182,8 +182,10 @@ class PPOTrainer:
         if self.replicas is not None:
             self._start_replicas()
         self.issued.clear()
-        # The order of a step's stages (ppo/pipeline.py) and the rollouts launched ahead.
-        self.order = pipeline.order(cfg.rollout.max_staleness)
+        # A step's stages by name (ppo/pipeline.py runs them in order), the rollouts launched
+        # ahead.
+        self.stages = {pipeline.LAUNCH: self._launch, pipeline.COLLECT: self._collect,
+                       pipeline.EXPERIENCE: self._experience, pipeline.TRAIN: self._train}
         self._launched: dict[int, _Launched] = {}
         self.updates = 0  # the policy's version: its updates so far
         self._weights_sent = -1  # the version the replicas hold
@@ -480,11 +482,7 @@ class PPOTrainer:
         # The last step's calls are all done, but for rollouts launched ahead.
         self.issued[:] = [c for launched in self._launched.values() for c in launched.calls]
         now = _StepContext(step=step, start=start)
-        if step == self.start_step:
-            for ahead in pipeline.prologue(self.cfg.rollout.max_staleness, step):
-                self._launch(ahead, now)
-        for stage in self.order:
-            getattr(self, f"_{stage.name}")(step + stage.ahead, now)
+        pipeline.run_step(step, self.start_step, self.cfg.rollout.max_staleness, self.stages, now)
         return self._row(now)
 
     def _launch(self, step: int, now: _StepContext) -> None:

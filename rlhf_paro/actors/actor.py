@@ -29,9 +29,8 @@ class ActorWorker(TrainedWorker):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.tokenizer = rollout_tokenizer(self.cfg)  # its pad and eos ids
-        # Built at setup, on the engine, when the rollout lives in this rank
+        # Built with the model, on its engine, when the rollout lives in this rank
         # (rollout.num_devices=0); None when replicas of their own generate.
-        self.rollout_engine: rollout.Rollout | None = None
         self.generation: Generation | None = None
         # Where this rank sends its weights to the replicas it serves (rollout.num_devices > 0).
         self.transfer: TransferGroup | None = None
@@ -41,18 +40,21 @@ class ActorWorker(TrainedWorker):
         # copy of its own: ``Rollout.needs_sync``): at setup, after an update or a resume.
         self._engine_stale = True
 
-    def setup(self, master_addr: str, master_port: int) -> int:
-        """``Worker.setup``, then the rollout engine on this rank's engine, unless the rollout
-        has devices of its own."""
-        pid = super().setup(master_addr, master_port)
+    def shard_model(self) -> None:
+        """``Worker.shard_model``, then the rollout engine ``rollout.engine`` names on this
+        rank's engine, unless the rollout has devices of its own."""
+        super().shard_model()
         if self.cfg.rollout.num_devices == 0:
-            self.rollout_engine = rollout.build(self.cfg.rollout.engine, rollout.EngineContext(
+            engine = rollout.build(self.cfg.rollout.engine, rollout.EngineContext(
                 self.cfg, self.engine, self.tokenizer.pad_token_id, self.tokenizer.eos_token_id,
                 self.device))
-            self.rollout_engine.sleep()  # its memory is training's until the first generation
-            self.generation = Generation(self.cfg, self.rollout_engine, self.tokenizer,
-                                         self.device)
-        return pid
+            engine.sleep()  # its memory is training's until the first generation
+            self.generation = Generation(self.cfg, engine, self.tokenizer, self.device)
+
+    @property
+    def rollout_engine(self) -> rollout.Rollout:
+        """The engine this rank generates with (rollout.num_devices=0)."""
+        return self.generation.engine
 
     # -- rollout replicas on devices of their own (rollout.num_devices > 0) -------------------
     def weight_manifest(self) -> list[tuple[str, tuple[int, ...], str]]:
@@ -109,10 +111,6 @@ class ActorWorker(TrainedWorker):
         models of this rank) and sums for the driver."""
         self.rollout_engine.wake()
         self.sync_engine()
-        if self.generation is None:  # an engine given to this rank after setup (as tests do)
-            self.generation = Generation(self.cfg, self.rollout_engine, self.tokenizer,
-                                         self.device)
-        self.generation.engine = self.rollout_engine  # the one this rank generates with now
         with self.timed(GENERATE):
             batch, stats = self.generation(prompts, rows, greedy, step, self.rank)
         self.rollout_engine.sleep()

@@ -22,6 +22,7 @@ The first K rollouts (steps 0 to K - 1) are launched before step 0, with the ini
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable, Mapping
 
 LAUNCH, COLLECT, EXPERIENCE, TRAIN = "launch", "collect", "experience", "train"
 STAGES = (LAUNCH, COLLECT, EXPERIENCE, TRAIN)
@@ -46,6 +47,19 @@ def prologue(max_staleness: int, start: int) -> range:
     """The steps launched before step ``start`` runs (with the policy of that moment): those a
     step before it would have launched ahead."""
     return range(start, start + max_staleness)
+
+
+def run_step(step: int, start: int, max_staleness: int,
+             stages: Mapping[str, Callable[..., None]], *args: Any) -> None:
+    """Step ``step`` of a run that starts at step ``start``: the prologue's launches on its first
+    step, then the stages of ``order(max_staleness)``, each called with the step whose data it
+    handles (and ``args``). ``stages`` maps each name of ``STAGES`` to what runs it (the
+    trainer's stages; a test's records)."""
+    if step == start:
+        for ahead in prologue(max_staleness, step):
+            stages[LAUNCH](ahead, *args)
+    for stage in order(max_staleness):
+        stages[stage.name](step + stage.ahead, *args)
 
 
 def overlaps(stages: tuple[Stage, ...]) -> bool:

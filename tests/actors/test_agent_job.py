@@ -59,7 +59,11 @@ def test_every_step_plays_whole_games_and_logs_them(runs):
         assert 0 <= row["env/truncated_fraction"] == row["env/truncated_fraction_max_turns"] <= 1
         assert row["env/truncated_fraction_max_total_tokens"] == 0  # 16 of 64 tokens at most
         assert row["env/tool_calls"] == row["env/tool_errors"] == 0
-        assert row["env/step_time_s"] >= 0
+        # The games' steps were timed (a step of this game takes microseconds), and all of them
+        # ran within the step's generation: the mean step's seconds times the steps (one per
+        # turn, none cut by tokens above) within timing_s/generate.
+        steps = 16 * turns
+        assert 0 < row["env/step_time_s"] * steps <= row["timing_s/generate"]
         # The score is the game's: a win is 1, anything else 0, over 4 x 4 episodes a step.
         assert row["ppo/task_score"] == row["ppo/reward_mean"]
         assert (16 * row["ppo/task_score"]) == pytest.approx(round(16 * row["ppo/task_score"]))

@@ -3,7 +3,8 @@
 
     colocated   conf=grpo_tiny (and the default PPO) on one device, the engine in the actor
     replica     the same with rollout.num_devices=1 rollout.max_staleness=0: the same rows
-    off         max_staleness=1, 4 steps, a checkpoint every 2: staleness 0 then 1
+    off         max_staleness=1, 4 steps, a checkpoint every 2, the actor exported every step:
+                staleness 0 then 1
     resumed     off's step_2 checkpoint resumed in a directory of its own: off's steps 2 and 3
     again       off's first two steps once more, from scratch: the same rows
     killed      a replica killed during a step: one line naming it
@@ -14,8 +15,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+from omegaconf import OmegaConf
 
 from rlhf_paro.actors import checkpoint
+from rlhf_paro.rollout import RolloutBatch
 from tests.conftest import compared, error_line, train
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -65,7 +69,8 @@ def test_a_replica_of_its_own_repeats_the_colocated_run(root, algorithm):
 def off(root):
     cache = root / "cache"
     args = [*GRPO, *REPLICA, "rollout.max_staleness=1", "trainer.save_every=2"]
-    straight = train(root / "off", *args, "trainer.steps=4", cache=cache)
+    straight = train(root / "off", *args, "trainer.steps=4", "trainer.export_every=1",
+                     cache=cache)
     resumed = train(root / "resumed", *args, "trainer.steps=4",
                     f"trainer.resume={checkpoint.checkpoint_dir(root / 'off', 2)}", cache=cache)
     again = train(root / "again", *args, "trainer.steps=2", cache=cache)
@@ -80,9 +85,41 @@ def test_one_step_off_is_exact_and_reproducible(off):
     # exactly one update old.
     assert [r["rollout/staleness_max"] for r in straight.rows] == [0.0, 1.0, 1.0, 1.0]
     _same(straight.rows, again.rows, range(2))
-    # The rollout of step 1 was launched with the policy before any update, like step 0's: its
-    # task score is that of the same policy's samples; the update of step 0 shows from step 2.
-    assert all(r["rollout/time_s/generate"] > 0 for r in straight.rows)
+
+
+def _logprob_gap(rollout: RolloutBatch, model_dir, temperature: float) -> float:
+    """The largest |difference| over the actions between a rollout's log-probs (its engine's)
+    and those of the model in ``model_dir`` (one plain forward of each row's real tokens)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    gap = 0.0
+    for row in range(len(rollout)):
+        ids = rollout.sequences[row][rollout.attention_mask[row].bool()]
+        n = int(rollout.response_attention[row].sum())  # the response's real tokens, last
+        with torch.no_grad():
+            logits = model(ids[None]).logits[0, -n - 1:-1].float()
+        logp = torch.log_softmax(logits / temperature, -1).gather(-1, ids[-n:, None])[:, 0]
+        actions = rollout.action_mask[row][:n].bool()
+        gap = max(gap, float((logp - rollout.logprobs[row][:n])[actions].abs().max()))
+    return gap
+
+
+def test_the_replica_generates_with_the_policy_one_update_old(off):
+    # The checkpoint of step 2 holds step 2's rollout, which the replica generated during step 1
+    # with the weights it had received: those of the policy after one update (exported at step
+    # 1), not its first ones nor the newer policy's. Their log-probs against the engine's, both
+    # fp32: a few ulps apart, as tests/actors/test_ppo_job.py's 1e-4 bound for the hf engine.
+    straight = off[0]
+    step_2 = checkpoint.checkpoint_dir(straight.out, 2)
+    [rollout], meta = checkpoint.read_rollouts(step_2, RolloutBatch)[2]
+    assert meta["version"] == 1
+    temperature = OmegaConf.load(step_2 / checkpoint.CONFIG_FILE).ppo.temperature
+    hf = straight.out / "hf"
+    assert _logprob_gap(rollout, hf / "step_1" / "actor", temperature) <= 1e-4
+    # One update moves these log-probs far past that bound: a replica still at its first
+    # weights, or at the newer policy's, fails the check above.
+    assert _logprob_gap(rollout, hf / "step_2" / "actor", temperature) > 1e-2
 
 
 def test_a_resumed_run_repeats_the_straight_run_with_the_rollout_launched_ahead(off):

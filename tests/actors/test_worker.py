@@ -113,8 +113,8 @@ def test_generation_counts_the_positions_its_engine_computes_on(engine, computed
             pass
 
     worker = object.__new__(ActorWorker)  # the counters only: no process group, no model
-    worker.cfg, worker.rollout_engine, worker._engine_stale = load(INLINE), Engine(), False
-    worker.generation = Generation(worker.cfg, worker.rollout_engine, None, torch.device("cpu"))
+    worker.cfg, worker._engine_stale = load(INLINE), False
+    worker.generation = Generation(worker.cfg, Engine(), None, torch.device("cpu"))
     worker.rank = 0
     worker.packed, worker._tokens, worker._real_tokens = True, 0, 0
     worker._time_s, worker._threads = defaultdict(float), {}

@@ -42,6 +42,9 @@ def test_an_action_is_read_as_the_model_decodes_it():
 
 def test_the_alphabet_is_the_counting_tasks_in_order_and_the_secret_must_be_in_it():
     assert alphabet(16) == SymbolTokenizer(16).symbols == list("abcdefghijklmnop")
+    # Past the 52 letters, named symbols, as the task's tokenizer names them.
+    assert alphabet(54) == SymbolTokenizer(54).symbols and alphabet(54)[50:] == [
+        "Y", "Z", "s52", "s53"]
     with pytest.raises(ValueError, match="secret 'q' is not one of the 16 symbols a..p"):
         GuessEnv(prompt=PROMPT, secret="q", num_symbols=16)
 

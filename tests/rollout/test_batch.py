@@ -1,5 +1,6 @@
 """The rollout's batches: rows selected and joined keep every row's tokens and masks."""
 
+import dataclasses
 import pickle
 
 import torch
@@ -91,3 +92,33 @@ def test_logprobs_stay_aligned_through_select_concat_and_trimmed():
     # A batch without them (a greedy one) makes a concatenation without them.
     assert RolloutBatch.concat([a, _batch([1], [[5, 2]])], PAD).logprobs is None
     assert _batch([1], [[5, 2]]).select(slice(0, 1)).trimmed().logprobs is None
+
+
+def test_prompts_are_left_padded_to_the_longest_and_select_gives_rows_back():
+    # A prompt padded on the wrong side, a mask off its tokens, or an empty prompt given a real
+    # token would shift every position the models compute.
+    prompts = PromptBatch.left_padded([[5, 6, 7], [8], []], pad_token_id=0)
+    assert prompts.input_ids.tolist() == [[5, 6, 7], [0, 0, 8], [0, 0, 0]]
+    assert prompts.attention_mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 0, 0]]
+    assert len(prompts) == 3
+    picked = prompts.select(torch.tensor([2, 0]))
+    assert isinstance(picked, PromptBatch) and len(picked) == 2
+    assert picked.input_ids.tolist() == [[0, 0, 0], [5, 6, 7]]
+    assert picked.attention_mask.tolist() == [[0, 0, 0], [1, 1, 1]]
+
+
+def test_concat_keeps_the_environments_scores_in_row_order_only_when_every_batch_has_them():
+    # Episodes' scores dropped, or kept from some batches only, would train on other rows'.
+    a = dataclasses.replace(_batch([2, 1], [[5, 2], [6, 2]]), scores=torch.tensor([0.5, 1.0]))
+    b = dataclasses.replace(_batch([3], [[5, 6, 7, 2]]), scores=torch.tensor([2.0]))
+    assert RolloutBatch.concat([a, b], PAD).scores.tolist() == [0.5, 1.0, 2.0]
+    plain = _batch([3], [[5, 6, 7, 2]])
+    assert RolloutBatch.concat([a, plain], PAD).scores is None
+
+
+def test_concat_of_one_batch_is_that_batch():
+    # One rank's rollout is concatenated alone (trainer.balance with one training rank).
+    a = dataclasses.replace(_batch([2, 1], [[5, 2], [6, 2]]), scores=torch.tensor([0.5, 1.0]))
+    alone = RolloutBatch.concat([a], PAD)
+    assert all(torch.equal(getattr(alone, f.name), getattr(a, f.name))
+               for f in dataclasses.fields(a) if getattr(a, f.name) is not None)

@@ -76,6 +76,7 @@ def _sync_bytes(engine) -> tuple[int, int]:
 
 def _rank(rank: int, world_size: int) -> dict:
     from rlhf_paro.actors.actor import ActorWorker
+    from rlhf_paro.actors.rollout import Generation
     from rlhf_paro.comm.meter import SYNC
     from rlhf_paro.ppo import data
     from rlhf_paro.rollout import Sampling
@@ -86,13 +87,16 @@ def _rank(rank: int, world_size: int) -> dict:
     for strategy in STRATEGIES:
         cfg = load(_argv(strategy))
         vocab = data.vocab_sizes(cfg)["actor"]
-        actor = ActorWorker(cfg, "actor", rank, world_size)
+        # Built with the hf engine (no vLLM engine of its own), then given the shared one.
+        actor = ActorWorker(load([*_argv(strategy), "rollout.engine=hf"]), "actor", rank,
+                            world_size)
         actor.shard_model()
         if engine is None:
             engine = vllm_engine.VLLMRollout(cfg, actor.engine.module.lm.config,
                                              actor.tokenizer.eos_token_id,
                                              actor.tokenizer.pad_token_id, actor.device, seed=rank)
-        actor.rollout_engine = engine  # fresh weights: the first generate syncs them
+        # Fresh weights: the first generate syncs them.
+        actor.generation = Generation(cfg, engine, actor.tokenizer, actor.device)
         reference = HFRollout(actor.engine, actor.tokenizer.pad_token_id,
                               actor.tokenizer.eos_token_id, actor.device)
         evaluation = _prompts(1000, 16, vocab)  # the same on every rank
@@ -169,10 +173,7 @@ def _top_k_rank(rank: int, world_size: int) -> dict:
     cfg = load([*_argv("NNN"), "cluster.num_devices=1", "cluster.group_size=1",
                 "ppo.temperature=1.0", "ppo.top_k=3"])
     actor = ActorWorker(cfg, "actor", rank, world_size)
-    actor.shard_model()
-    actor.rollout_engine = vllm_engine.VLLMRollout(
-        cfg, actor.engine.module.lm.config, actor.tokenizer.eos_token_id,
-        actor.tokenizer.pad_token_id, actor.device, seed=0)
+    actor.shard_model()  # with its vLLM engine
     actor.generate(_prompts(7, 64, data.vocab_sizes(cfg)["actor"]))
     rollout = actor._rollout
     diff = actor.old_logprobs()

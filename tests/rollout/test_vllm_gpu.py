@@ -35,10 +35,7 @@ def _one_device(rank: int, world_size: int) -> dict:
 
     cfg = load(ARGV)
     actor = ActorWorker(cfg, "actor", rank, world_size)
-    actor.shard_model()
-    actor.rollout_engine = vllm_engine.VLLMRollout(
-        cfg, actor.engine.module.lm.config, actor.tokenizer.eos_token_id,
-        actor.tokenizer.pad_token_id, actor.device, seed=0)
+    actor.shard_model()  # with its vLLM engine
     reference = HFRollout(actor.engine, actor.tokenizer.pad_token_id,
                           actor.tokenizer.eos_token_id, actor.device)
     vocab = data.vocab_sizes(cfg)["actor"]

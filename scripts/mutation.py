@@ -1,0 +1,391 @@
+"""Mutation testing of the core (docs/testing.md): each mutant is one small change to one module
+(an operator, a comparison, a constant, a boolean, a condition, a return value), run against the
+quick tests that exercise that module; a mutant the tests do not fail on survives.
+
+    nice -n 10 python scripts/mutation.py                      # every module, results below
+    nice -n 10 python scripts/mutation.py --modules rlhf_paro/ppo/pipeline.py --out m.jsonl
+
+The mutants run in a copy of the repository (the working tree is never changed), one at a time,
+each in a process forked from one that has imported the third-party packages already (torch's
+import alone costs seconds, more than most modules' tests), with ``pytest -x`` and a time limit.
+A mutant listed in ``EQUIVALENT`` (keyed by module, function and change) behaves as the
+original on every input the program can give it; it is counted apart, not as a survivor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Each module and the quick tests (pytest arguments, run with ``-m "not slow"``) that exercise
+# it, the fastest first.
+MODULES = {
+    "rlhf_paro/ppo/pipeline.py": ["tests/ppo/test_pipeline.py"],
+    "rlhf_paro/rollout/batch.py": ["tests/rollout/test_batch.py"],
+    "rlhf_paro/envs/guess.py": ["tests/envs/test_guess.py"],
+    "rlhf_paro/ppo/algorithms.py": ["tests/ppo/test_algorithms.py", "tests/test_cli.py", "-k",
+                                    "algorithm"],
+    "rlhf_paro/rollout/episodes.py": ["tests/envs/test_envs.py", "-k",
+                                      "not bad_environment_input"],
+    "rlhf_paro/envs/tools.py": ["tests/envs/test_envs.py", "-k", "tool"],
+    "rlhf_paro/ppo/core.py": ["tests/ppo/test_core.py"],
+    "rlhf_paro/envs/__init__.py": ["tests/envs/test_envs.py", "tests/envs/test_guess.py"],
+    "rlhf_paro/batching.py": ["tests/test_batching.py"],
+    "rlhf_paro/envs/openenv.py": ["tests/envs/test_openenv.py"],
+}
+
+# Mutants that cannot change what the program computes: "module:function:change" -> why.
+EQUIVALENT: dict[str, str] = {
+    # A rollout's tensors are 2-D (B, T) or (B, R): dimension 1 is the last one.
+    "rlhf_paro/rollout/batch.py:RolloutBatch.num_tokens:-1 -> 1": "(B, T)",
+    "rlhf_paro/rollout/batch.py:RolloutBatch.trimmed:-1 -> 1": "(B, T) and (B, R), twice",
+    "rlhf_paro/rollout/batch.py:response_mask:-1 -> 1": "(B, R)",
+    "rlhf_paro/envs/guess.py:GuessEnv.step:index < self.secret -> index <= self.secret":
+        "index == secret has returned the win the line before",
+    "rlhf_paro/ppo/algorithms.py:register_algorithm:return spec -> return None":
+        "no caller reads the spec it returns",
+}
+
+_COMPARE = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt,
+            ast.Eq: ast.NotEq, ast.NotEq: ast.Eq, ast.Is: ast.IsNot, ast.IsNot: ast.Is,
+            ast.In: ast.NotIn, ast.NotIn: ast.In}
+_BINARY = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult,
+           ast.FloorDiv: ast.Div, ast.Mod: ast.FloorDiv, ast.Pow: ast.Mult,
+           ast.BitAnd: ast.BitOr, ast.BitOr: ast.BitAnd, ast.LShift: ast.RShift,
+           ast.RShift: ast.LShift}
+_BOOL = {ast.And: ast.Or, ast.Or: ast.And}
+
+
+@dataclass(frozen=True)
+class Mutant:
+    module: str
+    index: int  # the order of its site in the module's tree
+    line: int
+    function: str  # the enclosing function or class, dotted; "" at module level
+    change: str  # "old -> new", in source form
+
+    @property
+    def key(self) -> str:
+        return f"{self.module}:{self.function}:{self.change}"
+
+
+def _skipped(tree: ast.AST) -> set[int]:
+    """Nodes no mutation touches: docstrings, annotations, strings and f-strings (messages),
+    decorators, and the __future__ import."""
+    skip: set[int] = set()
+
+    def under(node: ast.AST | None) -> None:
+        if node is not None:
+            skip.update(id(n) for n in ast.walk(node))
+
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and \
+                isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            under(body[0])
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            under(node.returns)
+            for dec in node.decorator_list:
+                under(dec)
+        if isinstance(node, ast.ClassDef):
+            for dec in node.decorator_list:
+                under(dec)
+        if isinstance(node, ast.arg):
+            under(node.annotation)
+        if isinstance(node, ast.AnnAssign):
+            under(node.annotation)
+        if isinstance(node, ast.JoinedStr):
+            under(node)
+        if isinstance(node, ast.ImportFrom):
+            under(node)
+    return skip
+
+
+def _sites(tree: ast.AST) -> list[tuple[ast.AST, str]]:
+    """Every (node, kind) a mutation applies to, in a fixed order."""
+    skip = _skipped(tree)
+    sites = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Compare):
+            sites += [(node, f"cmp{k}") for k, op in enumerate(node.ops) if type(op) in _COMPARE]
+        elif isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+            sites.append((node, "binop"))
+        elif isinstance(node, ast.AugAssign) and type(node.op) in _BINARY:
+            sites.append((node, "augop"))
+        elif isinstance(node, ast.BoolOp):
+            sites.append((node, "boolop"))
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.Not, ast.USub)):
+            sites.append((node, "unary"))
+        elif isinstance(node, ast.Constant) and not isinstance(node.value, (str, bytes)) \
+                and node.value is not Ellipsis:
+            sites.append((node, "const"))
+        elif isinstance(node, (ast.If, ast.While, ast.IfExp)):
+            sites.append((node, "cond"))
+        elif isinstance(node, ast.Return) and node.value is not None:
+            sites.append((node, "return"))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                node.func.id in ("max", "min"):
+            sites.append((node, "minmax"))
+    return sites
+
+
+def _mutate(node: ast.AST, kind: str) -> ast.AST | None:
+    """The mutated node (a new one, or ``node`` changed in place); None when the site has no
+    mutation of that kind."""
+    if kind.startswith("cmp"):
+        k = int(kind[3:])
+        node.ops[k] = _COMPARE[type(node.ops[k])]()
+    elif kind in ("binop", "augop"):
+        node.op = _BINARY[type(node.op)]()
+    elif kind == "boolop":
+        node.op = _BOOL[type(node.op)]()
+    elif kind == "unary":
+        return node.operand
+    elif kind == "const":
+        value = node.value
+        if isinstance(value, bool):
+            node.value = not value
+        elif value is None:
+            return None
+        elif isinstance(value, int):
+            node.value = value + 1
+        elif isinstance(value, float):
+            node.value = value * 2 if value else 1.0
+        else:
+            return None
+    elif kind == "cond":
+        node.test = ast.UnaryOp(ast.Not(), node.test)
+    elif kind == "return":
+        node.value = ast.Constant(None)
+    elif kind == "minmax":
+        node.func.id = "min" if node.func.id == "max" else "max"
+    return node
+
+
+def _enclosing(tree: ast.AST) -> dict[int, str]:
+    """Each node's enclosing function or class, dotted."""
+    names: dict[int, str] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = prefix
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                inner = f"{prefix}.{child.name}" if prefix else child.name
+            names[id(child)] = inner
+            visit(child, inner)
+
+    visit(tree, "")
+    return names
+
+
+def mutants(module: str, source: str) -> list[tuple[Mutant, str]]:
+    """Every mutant of ``module`` (its source given) with its mutated source."""
+    out = []
+    count = len(_sites(ast.parse(source)))
+    for index in range(count):
+        tree = ast.parse(source)
+        names = _enclosing(tree)
+        node, kind = _sites(tree)[index]
+        line, function = node.lineno, names.get(id(node), "")
+        before = ast.unparse(node)
+        parent = _replace_target(tree, node)
+        mutated = _mutate(node, kind)
+        if mutated is None:
+            continue
+        if mutated is not node:
+            parent(mutated)
+        after = ast.unparse(mutated)
+        if before == after:
+            continue
+        ast.fix_missing_locations(tree)
+        out.append((Mutant(module, index, line, function, f"{_short(before)} -> {_short(after)}"),
+                    ast.unparse(tree)))
+    return out
+
+
+def _short(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _replace_target(tree: ast.AST, target: ast.AST):
+    """A function that puts a node in ``target``'s place in its parent."""
+    for parent in ast.walk(tree):
+        for field, value in ast.iter_fields(parent):
+            if value is target:
+                return lambda new, p=parent, f=field: setattr(p, f, new)
+            if isinstance(value, list):
+                for i, item in enumerate(value):
+                    if item is target:
+                        return lambda new, lst=value, i=i: lst.__setitem__(i, new)
+    return lambda new: None
+
+
+# -- running ---------------------------------------------------------------------------------
+def _copy_repository(into: Path) -> Path:
+    """The package, tests and what they read, without bytecode (a mutant's file may have the
+    size and time of its original's, which a cached .pyc would be taken for)."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".git", "wandb", "outputs")
+    for name in ("rlhf_paro", "tests", "conf", "examples", "scripts", "docs"):
+        if (ROOT / name).exists():
+            shutil.copytree(ROOT / name, into / name, ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, into / name)
+    return into
+
+
+def _preload(copy_root: Path, modules: list[str]) -> None:
+    """Import the modules under test and their test files once, so that every third-party package
+    they use is in memory; then forget our own modules, which each mutant imports afresh."""
+    import importlib
+
+    sys.path.insert(0, str(copy_root))
+    files = modules + [a for m in modules for a in MODULES[m] if a.endswith(".py")]
+    for path in files:
+        importlib.import_module(path.removesuffix(".py").replace("/", ".")
+                                .removesuffix(".__init__"))
+    import pytest  # noqa: F401
+
+    _forget_own()
+
+
+def _forget_own() -> None:
+    for name in list(sys.modules):
+        if name.split(".")[0] in ("rlhf_paro", "tests"):
+            del sys.modules[name]
+
+
+def _run(copy_root: Path, tests: list[str], timeout: float) -> tuple[str, float]:
+    """``pytest -x`` on ``tests`` in a forked process: "passed", "failed" or "timeout", and
+    the seconds it took."""
+    start = time.monotonic()
+    pid = os.fork()
+    if pid == 0:  # the child: our modules from the copy, as they are on disk now
+        try:
+            os.chdir(copy_root)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            import pytest
+
+            code = pytest.main(["-x", "-q", "-m", "not slow", "-p", "no:cacheprovider",
+                                *tests])
+            os._exit(int(code))
+        except BaseException:  # noqa: BLE001 - any error is a failed run
+            os._exit(3)
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            code = os.waitstatus_to_exitcode(status)
+            return ("passed" if code == 0 else "failed"), time.monotonic() - start
+        if time.monotonic() - start > timeout:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return "timeout", time.monotonic() - start
+        time.sleep(0.05)
+
+
+def _report(path: str) -> int:
+    """Counts per module of the lines of an earlier run (the last verdict of each mutant), and
+    its survivors."""
+    last: dict[tuple[str, int], dict] = {}
+    with open(path) as f:
+        for line in f:
+            row = json.loads(line)
+            last[row["module"], row["index"]] = row
+    counts: dict[str, dict[str, float]] = {}
+    for row in last.values():
+        c = counts.setdefault(row["module"], {"killed": 0, "survived": 0, "equivalent": 0,
+                                              "timeouts": 0, "seconds": 0.0})
+        verdict = ("killed" if row["run"] != "passed" else
+                   "equivalent" if row["key"] in EQUIVALENT else "survived")
+        c[verdict] += 1
+        c["timeouts"] += row["run"] == "timeout"
+        c["seconds"] += row["seconds"]
+        if verdict == "survived":
+            print(f"  survived  {row['module']}:{row['line']} {row['function']}: {row['change']}")
+    for module, c in counts.items():
+        live = c["killed"] + c["survived"]
+        print(f"{module}: killed {c['killed']} ({c['timeouts']} by the time limit), survived "
+              f"{c['survived']}, equivalent {c['equivalent']}, score "
+              f"{c['killed'] / live if live else 1:.1%}, {c['seconds']:.0f} s of runs")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modules", nargs="+", default=list(MODULES), choices=list(MODULES))
+    parser.add_argument("--out", default="mutation.jsonl", help="one JSON line per mutant")
+    parser.add_argument("--timeout-factor", type=float, default=10.0,
+                        help="a mutant's time limit: this times the unmutated run's, at least "
+                             "60 s (a shared machine slows a run several times over)")
+    parser.add_argument("--only", nargs="*", default=None,
+                        help="mutant keys to run (e.g. the survivors of an earlier run)")
+    parser.add_argument("--report", metavar="JSONL", default=None,
+                        help="no run: the counts per module of an earlier run's lines, with the "
+                             "mutants EQUIVALENT lists now counted apart")
+    args = parser.parse_args(argv)
+    if args.report is not None:
+        return _report(args.report)
+    os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
+    sys.dont_write_bytecode = True
+    began = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="mutation-") as tmp, open(args.out, "a") as out:
+        copy_root = _copy_repository(Path(tmp))
+        _preload(copy_root, args.modules)
+        for module in args.modules:
+            tests = MODULES[module]
+            path = copy_root / module
+            original = path.read_text()
+            status, seconds = _run(copy_root, tests, timeout=600)
+            if status != "passed":
+                print(f"{module}: its tests fail unmutated ({status}); skipped", flush=True)
+                continue
+            limit = max(args.timeout_factor * seconds, 60.0)
+            counts = {"killed": 0, "survived": 0, "equivalent": 0, "timeouts": 0}
+            module_start = time.monotonic()
+            todo = mutants(module, original)
+            if args.only is not None:
+                todo = [(m, s) for m, s in todo if m.key in args.only]
+            print(f"{module}: {len(todo)} mutants, unmutated tests {seconds:.1f} s, "
+                  f"limit {limit:.0f} s each", flush=True)
+            try:
+                for mutant, source in todo:
+                    path.write_text(source)
+                    status, seconds = _run(copy_root, tests, limit)
+                    path.write_text(original)
+                    verdict = ("killed" if status != "passed" else
+                               "equivalent" if mutant.key in EQUIVALENT else "survived")
+                    counts[verdict] += 1
+                    counts["timeouts"] += status == "timeout"  # counted as killed too
+                    out.write(json.dumps({**mutant.__dict__, "key": mutant.key,
+                                          "verdict": verdict, "run": status,
+                                          "seconds": round(seconds, 1)}) + "\n")
+                    out.flush()
+                    if verdict == "survived":
+                        print(f"  survived  {module}:{mutant.line} {mutant.function}: "
+                              f"{mutant.change}", flush=True)
+            finally:
+                path.write_text(original)
+            counts["seconds"] = round(time.monotonic() - module_start)
+            print(f"{module}: {counts}", flush=True)
+    print(f"total {time.monotonic() - began:.0f} s; the file's counts:", flush=True)
+    return _report(args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
