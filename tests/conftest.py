@@ -5,8 +5,9 @@
 - One Ray cluster for the job tests (``shared_ray``): a run that joins it (``ray.address``)
   skips starting and stopping a Ray of its own, about half of what a small run costs beyond its
   workers. Runs stay apart by output directory and Ray job; a test about Ray's own start-up (a
-  refused address, token authentication, a lost node) or one whose workers must read the
-  driver's environment keeps a private Ray (``train(..., private=True)``).
+  refused address, token authentication, a lost node), one whose workers must read the
+  driver's environment (``train(..., private=True)``) and an in-process ``PPOTrainer`` keep a
+  private Ray.
 - ``train``: ``python -m rlhf_paro.train`` on the tiny job, as a user runs it, with the faults
   the job tests inject (a killed worker or driver, a signal during a save, a NaN loss), and what
   it left: rows, the one error line, processes still alive.
@@ -56,17 +57,20 @@ _shared: dict[str, object] = {}
 
 @contextlib.contextmanager
 def _loopback_without_auth() -> Iterator[None]:
-    """The environment a shared cluster starts and is joined in: loopback addresses only (as
+    """The environment the shared cluster starts in: loopback addresses only (as
     ``actors/group.py`` starts a private Ray) and no token authentication, which a driver of
     another process would otherwise need the cluster's token for."""
     import ray
 
     saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    constants = ray._private.ray_constants
+    enabled = constants.ENABLE_RAY_CLUSTER
     os.environ.update(RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-    ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
+    constants.ENABLE_RAY_CLUSTER = False
     try:
         yield
     finally:
+        constants.ENABLE_RAY_CLUSTER = enabled
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -92,22 +96,6 @@ def shared_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     """``environ`` (this process's by default) for a driver that joins the shared cluster."""
     return {**(os.environ if environ is None else environ), "RAY_ADDRESS": shared_ray(),
             "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-
-
-@contextlib.contextmanager
-def joined_ray() -> Iterator[str]:
-    """This process as a driver of the shared cluster (an in-process ``PPOTrainer``)."""
-    import ray
-
-    from rlhf_paro.actors.group import init_ray
-
-    address = shared_ray()
-    with _loopback_without_auth():
-        init_ray(address, None, 0)
-    try:
-        yield address
-    finally:
-        ray.shutdown()
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:  # noqa: ARG001 - pytest's signature

@@ -143,8 +143,9 @@ def test_a_dead_replica_is_one_line_naming_it(root):
 
 
 def test_more_rollout_devices_than_the_cluster_has_is_one_line(root):
+    # A private Ray of 2 CPU slots (ray.num_cpus): the shared one has room for the run.
     run = train(root / "crowded", *GRPO, "rollout.num_devices=4", "ray.num_cpus=2",
-                "trainer.steps=1", cache=root / "cache")
+                "trainer.steps=1", cache=root / "cache", private=True)
     line = error_line(run)
     assert run.returncode == 2, run.stderr
     assert line.startswith("error: rollout.num_devices: needs 5 CPUs: 1 in groups of 1"), line

@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import ray
 import torch
 
+from rlhf_paro.actors.group import init_ray
 from rlhf_paro.metrics import read_jsonl
 from tests.confs import load
-from tests.conftest import joined_ray
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -38,13 +39,14 @@ def job(tmp_path_factory):
         f"trainer.steps={STEPS}", f"trainer.save_every={STEPS}",
         "logger.wandb.mode=disabled", "logger.progress=false",
     ])
-    with joined_ray():
-        from rlhf_paro.trainer import PPOTrainer
+    init_ray(None, num_cpus=N, num_devices=N)
+    from rlhf_paro.trainer import PPOTrainer
 
-        trainer = PPOTrainer(cfg)
-        trainer.fit()
-        trainer.shutdown()
-        yield cfg, out / "run", read_jsonl(str(out / "run" / "metrics.jsonl"))
+    trainer = PPOTrainer(cfg)
+    trainer.fit()
+    trainer.shutdown()
+    yield cfg, out / "run", read_jsonl(str(out / "run" / "metrics.jsonl"))
+    ray.shutdown()
 
 
 def test_both_backends_train_and_are_metered(job):

@@ -11,12 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 
+from rlhf_paro.actors.group import init_ray
 from rlhf_paro.metrics import read_jsonl
 from tests.confs import load
 from tests import hf_assets
-from tests.conftest import joined_ray
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -63,22 +64,23 @@ def runs(tmp_path_factory):
     val = hf_assets.write_prompts(root / "val.jsonl", 6, chat=True, seed=1)
     plain = hf_assets.write_prompts(root / "train.jsonl", 32)
     fns = hf_assets.write_reward_functions(root / "fns.py")
-    with joined_ray():
-        out = {}
-        out["llama"] = run([
-            *COMMON, f"actor.path={llama}", f"reward.function={fns}:length",
-            f"data.train_files={chat}", f"data.val_files={val}", "data.apply_chat_template=true",
-            "trainer.eval_every=1", "actor.strategy=IGG", "critic.strategy=III", "ref.strategy=G",
-            f"trainer.output_dir={root / 'run_llama'}"])
-        out["gpt2"] = run([
-            *COMMON, f"actor.path={gpt2}", f"critic.path={gpt2}", f"reward.path={rm}",
-            f"data.train_files={plain}", "trainer.export_every=1", "actor.strategy=GGG",
-            "critic.strategy=NNG", "ref.strategy=I", "reward.strategy=G",
-            f"trainer.output_dir={root / 'run_gpt2'}"])
-        out["broken"] = stopped([
-            *COMMON, f"actor.path={llama}", f"reward.function={fns}:broken",
-            f"data.train_files={plain}", f"trainer.output_dir={root / 'run_broken'}"])
-        yield out
+    init_ray(None, num_cpus=N, num_devices=N)
+    out = {}
+    out["llama"] = run([
+        *COMMON, f"actor.path={llama}", f"reward.function={fns}:length",
+        f"data.train_files={chat}", f"data.val_files={val}", "data.apply_chat_template=true",
+        "trainer.eval_every=1", "actor.strategy=IGG", "critic.strategy=III", "ref.strategy=G",
+        f"trainer.output_dir={root / 'run_llama'}"])
+    out["gpt2"] = run([
+        *COMMON, f"actor.path={gpt2}", f"critic.path={gpt2}", f"reward.path={rm}",
+        f"data.train_files={plain}", "trainer.export_every=1", "actor.strategy=GGG",
+        "critic.strategy=NNG", "ref.strategy=I", "reward.strategy=G",
+        f"trainer.output_dir={root / 'run_gpt2'}"])
+    out["broken"] = stopped([
+        *COMMON, f"actor.path={llama}", f"reward.function={fns}:broken",
+        f"data.train_files={plain}", f"trainer.output_dir={root / 'run_broken'}"])
+    yield out
+    ray.shutdown()
 
 
 def test_llama_with_chat_prompts_a_reward_function_and_evaluation(runs):

@@ -5,15 +5,16 @@ workers is the expensive part, every test below reads the same run."""
 from __future__ import annotations
 
 import pytest
+import ray
 
 from rlhf_paro import models
+from rlhf_paro.actors.group import init_ray
 from rlhf_paro.metrics import COMM_PHASES, ROLES, read_jsonl, required_keys
 from rlhf_paro.ppo.task import task_from_config
 from rlhf_paro.sharding import Strategy
 from rlhf_paro.sharding.cost import traffic
 from rlhf_paro.sharding.layout import unit_sizes
 from tests.confs import load
-from tests.conftest import joined_ray
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -46,13 +47,14 @@ def job(tmp_path_factory):
         # ~1e-6, and the run goes through the path a mismatched engine would take.
         "rollout.tis_cap=2.0",
     ])
-    with joined_ray():
-        from rlhf_paro.trainer import PPOTrainer
+    init_ray(None, num_cpus=N, num_devices=N)
+    from rlhf_paro.trainer import PPOTrainer
 
-        trainer = PPOTrainer(cfg)
-        dashboard = trainer.fit()
-        trainer.shutdown()
-        yield cfg, read_jsonl(str(out / "run" / "metrics.jsonl")), dashboard
+    trainer = PPOTrainer(cfg)
+    dashboard = trainer.fit()
+    trainer.shutdown()
+    yield cfg, read_jsonl(str(out / "run" / "metrics.jsonl")), dashboard
+    ray.shutdown()
 
 
 def test_every_design_key_in_every_row(job):
