@@ -92,9 +92,9 @@ def shared_ray() -> str:
     return str(_shared["address"])
 
 
-def shared_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """``environ`` (this process's by default) for a driver that joins the shared cluster."""
-    return {**(os.environ if environ is None else environ), "RAY_ADDRESS": shared_ray(),
+def shared_env() -> dict[str, str]:
+    """This process's environment for a driver that joins the shared cluster."""
+    return {**os.environ, "RAY_ADDRESS": shared_ray(),
             "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
