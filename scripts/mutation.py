@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+RUN_LOG = "run.log"  # in the copy: the output of the latest run of the tests
 
 # Each module and the quick tests (pytest arguments, run with ``-m "not slow"``) that exercise
 # it, the fastest first.
@@ -271,15 +272,16 @@ def _forget_own() -> None:
 
 def _run(copy_root: Path, tests: list[str], timeout: float) -> tuple[str, float]:
     """``pytest -x`` on ``tests`` in a forked process: "passed", "failed" or "timeout", and
-    the seconds it took."""
+    the seconds it took. Its output replaces ``copy_root/run.log`` (shown when the unmutated
+    tests fail)."""
     start = time.monotonic()
     pid = os.fork()
     if pid == 0:  # the child: our modules from the copy, as they are on disk now
         try:
             os.chdir(copy_root)
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, 1)
-            os.dup2(devnull, 2)
+            log = os.open(copy_root / RUN_LOG, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
             import pytest
 
             code = pytest.main(["-x", "-q", "-m", "not slow", "-p", "no:cacheprovider",
@@ -353,7 +355,9 @@ def main(argv: list[str] | None = None) -> int:
             original = path.read_text()
             status, seconds = _run(copy_root, tests, timeout=600)
             if status != "passed":
-                print(f"{module}: its tests fail unmutated ({status}); skipped", flush=True)
+                tail = (copy_root / RUN_LOG).read_text(errors="replace")[-3000:]
+                print(f"{module}: its tests fail unmutated ({status}); skipped\n{tail}",
+                      flush=True)
                 continue
             limit = max(args.timeout_factor * seconds, 60.0)
             counts = {"killed": 0, "survived": 0, "equivalent": 0, "timeouts": 0}
