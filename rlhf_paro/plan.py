@@ -124,6 +124,21 @@ share does not start: the planner refuses it with a ``ConfigError`` naming
 ``rollout.gpu_memory_utilization`` (the engine's activations come on top: that is the least it
 needs). Without ``memory_gb`` the share is unknown, and on a CPU device the engine sizes its
 cache from the run and never sleeps: the planner then counts none of it, and says so.
+
+[Note: the engine's share, auto]
+``rollout.gpu_memory_utilization=auto`` (the default) gives a colocated CUDA engine what the
+run's models leave. The planner first counts the engine at the least it needs (its weights and
+the key/value cache of one sequence at the run's longest), so the strategies it chooses leave at
+least that; then, at those strategies and micro-batches (``engine_share``), the engine takes
+the budget (``memory_gb`` x (1 - ``activation_reserve``)) less the models' states, less their
+largest peak above the states, plus the least it was counted at in that peak. Where the actor's
+generation is the largest peak that is exactly the room beside the states and the sync's
+gathered unit; where a scoring or training peak is larger (the engine is asleep then) it is
+less than it could be, never more. The margin is the activation reserve, left free, and the
+share rounded down to a hundredth; it is capped at ``ENGINE_SHARE_CAP``. A share below the
+least is a ``ConfigError``, as is ``auto`` without ``memory_gb``; engines on devices of their
+own (``rollout.num_devices``) take the cap. The planner's table, before the strategies are
+chosen, shows the least and does not limit the engine's concurrency by memory.
 """
 
 from __future__ import annotations
@@ -538,8 +553,10 @@ def _engine_bytes(cfg: Config, weights: int, vocab_size: int) -> float:
     memory_gb = cfg.cluster.memory_gb
     if cfg.rollout.engine != vllm.NAME or cfg.cluster.device != "cuda" or memory_gb is None:
         return 0.0
-    share = cfg.rollout.gpu_memory_utilization * memory_gb * GIB
     least = weights + vllm.min_kv_cache_bytes(cfg, hf_config("actor", cfg.actor, vocab_size))
+    if cfg.rollout.gpu_memory_utilization == "auto":  # [Note: the engine's share, auto]
+        return float(least)
+    share = cfg.rollout.gpu_memory_utilization * memory_gb * GIB
     if least > share:
         raise ConfigError("rollout.gpu_memory_utilization", (
             f"{cfg.rollout.gpu_memory_utilization} of cluster.memory_gb={memory_gb:g} is "
@@ -654,15 +671,68 @@ def choose_strategies(cfg: Config, vocab_sizes: dict[str, int] | None = None
 def resolve_auto(cfg: Config, vocab_sizes: dict[str, int] | None = None) -> Config:
     """``cfg`` with every ``auto`` strategy of the run's models replaced by the planner's
     choice, and every micro-batch that ``max_micro_batch_size`` lets grow set to the planner's
-    size (a model the run does not build keeps its section as it is)."""
+    size (a model the run does not build keeps its section as it is); then the vllm engine's
+    ``rollout.gpu_memory_utilization=auto`` on CUDA set from what those leave of the device."""
+    if vocab_sizes is None:
+        from rlhf_paro.ppo.data import vocab_sizes as read_vocab_sizes
+
+        vocab_sizes = read_vocab_sizes(cfg)
     best = _choose(cfg, vocab_sizes)
-    if best is None:
-        return cfg
     resolved = dataclasses.replace(cfg)
-    for role, choice in best.items():
+    for role, choice in (best or {}).items():
         setattr(resolved, role, dataclasses.replace(
             cfg.model(role), strategy=choice.strategy.name, micro_batch_size=choice.micro_batch))
-    return resolved
+    return _resolve_engine_share(resolved, vocab_sizes)
+
+
+# The most of a device ``rollout.gpu_memory_utilization=auto`` gives the engine: vLLM's own
+# default, which leaves the rest to the CUDA context and other processes on the device.
+ENGINE_SHARE_CAP = 0.9
+
+
+def engine_share(memory_bytes: float, budget_bytes: float, states_bytes: float,
+                 peak_bytes: float, least_bytes: float) -> float:
+    """[Note: the engine's share, auto]: the share of a device of ``memory_bytes`` the vllm
+    engine takes, given the planner's ``budget_bytes`` of it (``memory_gb`` less the activation
+    reserve), the run's models' ``states_bytes`` at their strategies and their largest
+    ``peak_bytes`` above those (planned with the engine at ``least_bytes``, its weights and the
+    key/value cache of one sequence at the run's longest); ``ConfigError`` when that share is
+    less than ``least_bytes``."""
+    room = budget_bytes - states_bytes - peak_bytes + least_bytes
+    share = min(ENGINE_SHARE_CAP, math.floor(max(room, 0.0) / memory_bytes * 100) / 100)
+    if share * memory_bytes < least_bytes:
+        raise ConfigError("rollout.gpu_memory_utilization", (
+            f"auto: the run's models leave {max(room, 0.0) / GIB:.2f} GiB of "
+            f"cluster.memory_gb={memory_bytes / GIB:g} to the vllm engine, less than its weights "
+            f"and the key/value cache of one sequence ({least_bytes / GIB:.2f} GiB); allowed: "
+            f"auto with more devices or memory, or a number in (0, 1]"))
+    return share
+
+
+def _resolve_engine_share(cfg: Config, vocab_sizes: dict[str, int]) -> Config:
+    """``cfg`` with ``rollout.gpu_memory_utilization=auto`` set where a CUDA vllm engine reads
+    it ([Note: the engine's share, auto]); its strategies are all set."""
+    from rlhf_paro.rollout import vllm
+
+    r, c = cfg.rollout, cfg.cluster
+    if r.gpu_memory_utilization != "auto" or r.engine != vllm.NAME or c.device != "cuda":
+        return cfg
+    if r.num_devices:  # each replica holds a device of its own alone
+        share = ENGINE_SHARE_CAP
+    elif c.memory_gb is None:
+        raise ConfigError("rollout.gpu_memory_utilization", "auto sizes the vllm engine on CUDA "
+                                                            "from cluster.memory_gb, which is "
+                                                            "null; allowed: a number in (0, 1], "
+                                                            "or auto with cluster.memory_gb set")
+    else:
+        strategies = configured_strategies(cfg)
+        models = {role: model_plan(cfg, role, vocab_sizes[role]) for role in strategies}
+        chosen = [models[role].option(s) for role, s in strategies.items()]
+        share = engine_share(c.memory_gb * GIB, _budget(cfg, c.activation_reserve),
+                             sum(o.memory_bytes for o in chosen),
+                             max(o.configured.peak_bytes for o in chosen),
+                             models["actor"].engine_bytes)
+    return dataclasses.replace(cfg, rollout=dataclasses.replace(r, gpu_memory_utilization=share))
 
 
 # --- generation and the order of a step ---------------------------------------------------------
@@ -699,7 +769,8 @@ def generation(cfg: Config, num_params: int, weights_bytes: int, kv_token_bytes:
     expected = cfg.ppo.expected_response_length or bound
     if vllm:
         concurrent = min(r.max_num_seqs, sequences)
-        if c.device == "cuda" and c.memory_gb is not None:  # sequences at their longest
+        if c.device == "cuda" and c.memory_gb is not None and r.gpu_memory_utilization != "auto":
+            # sequences at their longest
             room = r.gpu_memory_utilization * c.memory_gb * GIB * span - weights_bytes
             concurrent = min(concurrent, max(1, int(room // (kv_token_bytes * (prompt + bound)))))
         # Continuous batching refills a finished sequence's place: the engine's tokens over
@@ -861,10 +932,14 @@ def _engine_lines(cfg: Config, model: ModelPlan, mem_unit: str, mem_scale: float
         for level, s in model.sync.items())
     engine, c = cfg.rollout.engine, cfg.cluster
     weights = f"{model.engine_weights / mem_scale:.2f} {mem_unit} of weights"
+    share = cfg.rollout.gpu_memory_utilization
     if model.engine_bytes:
-        memory = (f"  the {engine} engine takes {model.engine_bytes / mem_scale:.2f} {mem_unit} "
-                  f"(rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization:g} x "
-                  f"cluster.memory_gb={c.memory_gb:g}), {weights} and the rest for its "
+        taken = (f"at least {model.engine_bytes / mem_scale:.2f} {mem_unit} (rollout."
+                 "gpu_memory_utilization=auto: what the chosen strategies leave, set as the run "
+                 "starts)" if share == "auto" else
+                 f"{model.engine_bytes / mem_scale:.2f} {mem_unit} (rollout."
+                 f"gpu_memory_utilization={share:g} x cluster.memory_gb={c.memory_gb:g})")
+        memory = (f"  the {engine} engine takes {taken}, {weights} and the rest for its "
                   "key/value cache, while the actor syncs and generates (in its peak and "
                   "setup); asleep in host memory while the models score and train")
     else:

@@ -7,8 +7,8 @@ import pytest
 
 from rlhf_paro.config import ROLES, ConfigError
 from rlhf_paro.plan import (
-    GIB, choose_strategies, configured_strategies, format_plan, main, make_plan, model_plan,
-    resolve_auto,
+    ENGINE_SHARE_CAP, GIB, choose_strategies, configured_strategies, engine_share, format_plan,
+    main, make_plan, model_plan, resolve_auto,
 )
 from rlhf_paro.sharding.strategy import Strategy
 from tests.confs import INLINE, load
@@ -458,7 +458,8 @@ def test_a_syncing_engine_s_gather_is_the_sync_in_place_of_generation_s():
 
 @pytest.fixture(scope="module")
 def llama_vllm():
-    cfg = load(["conf=ppo_llama7b", "rollout.engine=vllm"], engine_check=False)
+    cfg = load(["conf=ppo_llama7b", "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.4"],
+               engine_check=False)
     return cfg, make_plan(cfg)
 
 
@@ -513,6 +514,61 @@ def test_vllm_s_weights_and_one_sequence_s_cache_must_fit_in_its_share():
     actor = model_plan(load([*argv, "rollout.gpu_memory_utilization=0.17"], engine_check=False),
                        "actor", 32000)
     assert actor.engine_bytes == 0.17 * 80 * GIB
+
+
+def test_engine_share_is_what_the_models_leave_rounded_down_capped_and_at_least_the_least():
+    # [Note: the engine's share, auto] On 100 bytes with a budget of 80: states 30, a peak of
+    # 20 above them that counts the engine at its least 5: 80 - 30 - 20 + 5 = 35 bytes, 0.35.
+    assert engine_share(100, 80, 30, 20, 5) == 0.35
+    # Rounded down to the hundredth: 35.9 bytes give 0.35, not 0.36 (more than is left).
+    assert engine_share(100, 80, 30, 19.1, 5) == 0.35
+    # Nothing else on the device: the cap, not the whole budget.
+    assert engine_share(100, 100, 0, 5, 5) == ENGINE_SHARE_CAP == 0.9
+    # A share below the least (3 bytes left, rounded to 0.03, of a least of 4): refused.
+    with pytest.raises(ConfigError, match=r"^rollout.gpu_memory_utilization: auto: the run's "
+                                          r"models leave .* allowed: auto with more devices or "
+                                          r"memory, or a number in \(0, 1\]$"):
+        engine_share(100, 80, 60, 21, 4)
+
+
+LLAMA_SIZES = {role: 32000 for role in ROLES}
+
+
+def test_auto_gives_the_llama_s_engine_what_its_models_leave_and_the_plan_then_fits(llama_plan):
+    argv = ["conf=ppo_llama7b", "rollout.engine=vllm",
+            *(f"{role}.strategy=auto" for role in ROLES)]
+    cfg = load(argv, engine_check=False)
+    assert cfg.rollout.gpu_memory_utilization == "auto"
+    resolved = resolve_auto(cfg, LLAMA_SIZES)
+    share = resolved.rollout.gpu_memory_utilization
+    # The least: the weights and one sequence's cache, 0.1695 of 80 GiB (the test above).
+    least = 2 * PSI + 2 * 32 * 32 * 128 * 2 * (2048 + 16)
+    assert least < share * 80 * GIB
+    # At the share, the resolved strategies fit the budget, and a hundredth more would not.
+    fixed = configured_strategies(resolved)
+    plan = make_plan(resolved, fixed=fixed)
+    chosen = [plan.models[r].option(s) for r, s in fixed.items()]
+    states = sum(o.memory_bytes for o in chosen)
+    peak = max(o.configured.peak_bytes for o in chosen)
+    assert plan.best is not None and states + peak <= plan.budget_bytes
+    bigger = make_plan(load([*argv, f"rollout.gpu_memory_utilization={share + 0.01:.2f}",
+                             *(f"{r}.strategy={s}" for r, s in fixed.items())],
+                            engine_check=False), fixed=fixed)
+    assert bigger.best is None
+    # The strategies hf runs with do not leave the engine its least: auto chose leaner ones.
+    assert set(fixed.items()) != {(r, ch.strategy) for r, ch in llama_plan.best.items()}
+
+
+def test_auto_on_cuda_without_memory_gb_and_a_share_too_small_are_one_line_errors():
+    argv = ["conf=ppo_llama7b", "rollout.engine=vllm"]
+    with pytest.raises(ConfigError, match=r"^rollout.gpu_memory_utilization: auto sizes the vllm "
+                                          r"engine on CUDA from cluster.memory_gb, which is null"):
+        resolve_auto(load([*argv, "cluster.memory_gb=null"], engine_check=False), LLAMA_SIZES)
+    # The conf's own strategies hold 57.5 GiB of the 64 GiB budget: no room for the engine's
+    # least, 13.6 GiB.
+    with pytest.raises(ConfigError, match=r"^rollout.gpu_memory_utilization: auto: the run's "
+                                          r"models leave"):
+        resolve_auto(load(argv, engine_check=False), LLAMA_SIZES)
 
 
 def test_the_planner_plans_vllm_where_vllm_is_not_installed(monkeypatch, capsys):
