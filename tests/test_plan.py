@@ -541,8 +541,9 @@ def test_auto_gives_the_llama_s_engine_what_its_models_leave_and_the_plan_then_f
     assert cfg.rollout.gpu_memory_utilization == "auto"
     resolved = resolve_auto(cfg, LLAMA_SIZES)
     share = resolved.rollout.gpu_memory_utilization
-    # The least: the weights and one sequence's cache, 0.1695 of 80 GiB (the test above).
-    least = 2 * PSI + 2 * 32 * 32 * 128 * 2 * (2048 + 16)
+    # The least: the weights and one sequence's cache, 2048 tokens and the null block of 32
+    # (vllm.BLOCK_TOKENS), 0.1696 of 80 GiB.
+    least = 2 * PSI + 2 * 32 * 32 * 128 * 2 * (2048 + 32)
     assert least < share * 80 * GIB
     # At the share, the resolved strategies fit the budget, and a hundredth more would not.
     fixed = configured_strategies(resolved)
@@ -557,6 +558,10 @@ def test_auto_gives_the_llama_s_engine_what_its_models_leave_and_the_plan_then_f
     assert bigger.best is None
     # The strategies hf runs with do not leave the engine its least: auto chose leaner ones.
     assert set(fixed.items()) != {(r, ch.strategy) for r, ch in llama_plan.best.items()}
+    # Before the strategies are chosen the planner's table counts the engine at its least.
+    assert (f"the vllm engine takes at least {least / GIB:.2f} GiB (rollout."
+            "gpu_memory_utilization=auto: what the chosen strategies leave, set as the run "
+            "starts)") in format_plan(cfg, make_plan(cfg))
 
 
 def test_auto_on_cuda_without_memory_gb_and_a_share_too_small_are_one_line_errors():
