@@ -129,16 +129,17 @@ cache from the run and never sleeps: the planner then counts none of it, and say
 ``rollout.gpu_memory_utilization=auto`` (the default) gives a colocated CUDA engine what the
 run's models leave. The planner first counts the engine at the least it needs (its weights and
 the key/value cache of one sequence at the run's longest), so the strategies it chooses leave at
-least that; then, at those strategies and micro-batches (``engine_share``), the engine takes
-the budget (``memory_gb`` x (1 - ``activation_reserve``)) less the models' states, less their
-largest peak above the states, plus the least it was counted at in that peak. Where the actor's
-generation is the largest peak that is exactly the room beside the states and the sync's
-gathered unit; where a scoring or training peak is larger (the engine is asleep then) it is
-less than it could be, never more. The margin is the activation reserve, left free, and the
-share rounded down to a hundredth; it is capped at ``ENGINE_SHARE_CAP``. A share below the
-least is a ``ConfigError``, as is ``auto`` without ``memory_gb``; engines on devices of their
-own (``rollout.num_devices``) take the cap. The planner's table, before the strategies are
-chosen, shows the least and does not limit the engine's concurrency by memory.
+least that; then, at those strategies (``engine_share``), the engine takes the room of the two
+moments it is awake beside the models. While it generates: the budget (``memory_gb`` x (1 -
+``activation_reserve``)) less the states of the run's models and what the actor's sync holds
+above its own (one unit gathered; under ``offload=params`` its parameters brought back), the
+engine being asleep in every other model's peak. As it starts: ``memory_gb`` less the other
+models' setup peaks and the actor's states ([Note: setup peak]). The margin is the activation
+reserve, left free in the first, and the share rounded down to a hundredth; it is capped at
+``ENGINE_SHARE_CAP``. A share below the least is a ``ConfigError``, as is ``auto`` without
+``memory_gb``; engines on devices of their own (``rollout.num_devices``) take the cap. The
+planner's table, before the strategies are chosen, shows the least and does not limit the
+engine's concurrency by memory.
 """
 
 from __future__ import annotations
@@ -197,6 +198,9 @@ class Option:
     # role takes -> device bytes between the model's phases (the planner's table shows them all).
     host_bytes: int = 0
     device_by_offload: dict[str, int] = field(default_factory=dict)
+    # The actor's, when its rollout engine syncs: what the sync holds above the states beside
+    # the engine (one unit gathered; under offload=params, the parameters brought back).
+    sync_bytes: float = 0.0
 
     @property
     def memory_bytes(self) -> int:  # P + G + OS on the device between the model's phases
@@ -473,7 +477,7 @@ def model_plan(cfg: Config, role: str, vocab_size: int) -> ModelPlan:
     from rlhf_paro.sharding.cost import (DEVICE_KEYS, bytes_per_element, offload_memory,
                                          setup_memory, traffic)
     from rlhf_paro.sharding.layout import unit_sizes
-    from rlhf_paro.sharding.steptime import gather_seconds
+    from rlhf_paro.sharding.steptime import gather_seconds, peak_memory
 
     model_cfg = cfg.model(role)
     # A reward function has no model: it holds and sends nothing.
@@ -530,13 +534,16 @@ def model_plan(cfg: Config, role: str, vocab_size: int) -> ModelPlan:
         by_micro = {b: _timed(cfg, role, strategy, work, b, held["host_params"], engine)
                     for b in micro_batch_sizes(cfg, role)}
         setup = setup_memory(strategy, units, n, m, precision, offload)
+        sync_bytes = 0.0
         if engine:  # [Note: a rollout engine's memory]: it starts beside the states
             setup = max(setup, sum(held[k] for k in DEVICE_KEYS) + math.ceil(engine))
+            mem = peak_memory(strategy, work.memory, Topology(n, m), 1)
+            sync_bytes = mem.unit - mem.states + held["host_params"]
         options.append(Option(
             strategy, held["params"], held["grads"], held["optim"], intra, inter, by_micro,
             setup, host_bytes=sum(v for k, v in held.items() if k not in DEVICE_KEYS),
             device_by_offload={mode: sum(p[k] for k in DEVICE_KEYS)
-                               for mode, p in placed.items()}))
+                               for mode, p in placed.items()}, sync_bytes=sync_bytes))
     kv = _kv_cache_bytes(cfg, vocab_size) if role == "actor" and not replicas else 0.0
     return ModelPlan(role, num_params, num_trainable, options, tokens, kv, sync, engine or 0.0,
                      weights, gather,
@@ -690,15 +697,16 @@ def resolve_auto(cfg: Config, vocab_sizes: dict[str, int] | None = None) -> Conf
 ENGINE_SHARE_CAP = 0.9
 
 
-def engine_share(memory_bytes: float, budget_bytes: float, states_bytes: float,
-                 peak_bytes: float, least_bytes: float) -> float:
+def engine_share(memory_bytes: float, reserve: float, states_bytes: float, sync_bytes: float,
+                 setup_bytes: float, least_bytes: float) -> float:
     """[Note: the engine's share, auto]: the share of a device of ``memory_bytes`` the vllm
-    engine takes, given the planner's ``budget_bytes`` of it (``memory_gb`` less the activation
-    reserve), the run's models' ``states_bytes`` at their strategies and their largest
-    ``peak_bytes`` above those (planned with the engine at ``least_bytes``, its weights and the
-    key/value cache of one sequence at the run's longest); ``ConfigError`` when that share is
-    less than ``least_bytes``."""
-    room = budget_bytes - states_bytes - peak_bytes + least_bytes
+    engine takes beside the run's models: while it generates, their ``states_bytes`` and the
+    actor's ``sync_bytes`` above them, within the planner's budget (``reserve`` of the device
+    kept free); as it starts, ``setup_bytes`` (the other models' setup peaks and the actor's
+    states), within the device. ``ConfigError`` when the share is less than ``least_bytes``,
+    the engine's weights and the key/value cache of one sequence at the run's longest."""
+    room = min(memory_bytes * (1.0 - reserve) - states_bytes - sync_bytes,
+               memory_bytes - setup_bytes)
     share = min(ENGINE_SHARE_CAP, math.floor(max(room, 0.0) / memory_bytes * 100) / 100)
     if share * memory_bytes < least_bytes:
         raise ConfigError("rollout.gpu_memory_utilization", (
@@ -727,10 +735,12 @@ def _resolve_engine_share(cfg: Config, vocab_sizes: dict[str, int]) -> Config:
     else:
         strategies = configured_strategies(cfg)
         models = {role: model_plan(cfg, role, vocab_sizes[role]) for role in strategies}
-        chosen = [models[role].option(s) for role, s in strategies.items()]
-        share = engine_share(c.memory_gb * GIB, _budget(cfg, c.activation_reserve),
-                             sum(o.memory_bytes for o in chosen),
-                             max(o.configured.peak_bytes for o in chosen),
+        chosen = {role: models[role].option(s) for role, s in strategies.items()}
+        actor = chosen.pop("actor")
+        share = engine_share(c.memory_gb * GIB, c.activation_reserve,
+                             actor.memory_bytes + sum(o.memory_bytes for o in chosen.values()),
+                             actor.sync_bytes,
+                             actor.memory_bytes + sum(o.setup_bytes for o in chosen.values()),
                              models["actor"].engine_bytes)
     return dataclasses.replace(cfg, rollout=dataclasses.replace(r, gpu_memory_utilization=share))
 
