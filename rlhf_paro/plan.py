@@ -680,10 +680,6 @@ def resolve_auto(cfg: Config, vocab_sizes: dict[str, int] | None = None) -> Conf
     choice, and every micro-batch that ``max_micro_batch_size`` lets grow set to the planner's
     size (a model the run does not build keeps its section as it is); then the vllm engine's
     ``rollout.gpu_memory_utilization=auto`` on CUDA set from what those leave of the device."""
-    if vocab_sizes is None:
-        from rlhf_paro.ppo.data import vocab_sizes as read_vocab_sizes
-
-        vocab_sizes = read_vocab_sizes(cfg)
     best = _choose(cfg, vocab_sizes)
     resolved = dataclasses.replace(cfg)
     for role, choice in (best or {}).items():
@@ -717,7 +713,7 @@ def engine_share(memory_bytes: float, reserve: float, states_bytes: float, sync_
     return share
 
 
-def _resolve_engine_share(cfg: Config, vocab_sizes: dict[str, int]) -> Config:
+def _resolve_engine_share(cfg: Config, vocab_sizes: dict[str, int] | None) -> Config:
     """``cfg`` with ``rollout.gpu_memory_utilization=auto`` set where a CUDA vllm engine reads
     it ([Note: the engine's share, auto]); its strategies are all set."""
     from rlhf_paro.rollout import vllm
@@ -733,6 +729,10 @@ def _resolve_engine_share(cfg: Config, vocab_sizes: dict[str, int]) -> Config:
                                                             "null; allowed: a number in (0, 1], "
                                                             "or auto with cluster.memory_gb set")
     else:
+        if vocab_sizes is None:
+            from rlhf_paro.ppo.data import vocab_sizes as read_vocab_sizes
+
+            vocab_sizes = read_vocab_sizes(cfg)
         strategies = configured_strategies(cfg)
         models = {role: model_plan(cfg, role, vocab_sizes[role]) for role in strategies}
         chosen = {role: models[role].option(s) for role, s in strategies.items()}
