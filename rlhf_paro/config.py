@@ -519,8 +519,9 @@ class RolloutConfig:
     hf_cache: str = "auto"
     # vllm only (docs/design.md, "Rollout"). The share of a device's memory the engine may hold,
     # its weights and key/value cache (on CUDA; on a CPU device its key/value cache is sized
-    # from the run's longest sequences and max_num_seqs instead).
-    gpu_memory_utilization: float = 0.4
+    # from the run's longest sequences and max_num_seqs instead). auto: what the run's models
+    # leave of cluster.memory_gb on CUDA (plan.engine_share).
+    gpu_memory_utilization: float | Literal["auto"] = "auto"
     max_num_seqs: int = 256  # sequences the engine decodes at once (continuous batching)
     tensor_parallel_size: int = 1  # devices one engine spans; must divide cluster.group_size
     enforce_eager: bool = True  # no CUDA graphs: an engine built every run starts sooner
@@ -551,8 +552,8 @@ class RolloutConfig:
                               f"divisor of it")
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got "
+        if self.gpu_memory_utilization != "auto" and not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError("gpu_memory_utilization", f"must be in (0, 1] or auto, got "
                                                         f"{self.gpu_memory_utilization}")
         if self.hf_cache not in HF_CACHES:
             raise ConfigError("hf_cache", f"got {self.hf_cache!r}; allowed: "
@@ -1108,8 +1109,9 @@ _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str:
 
 
 def _optional(tp: Any) -> Any:
-    """``X | None`` -> X (the only unions the schema has); anything else as it is."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+    """``X | None`` -> X; anything else as it is (``X | Literal[...]`` included)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in \
+            typing.get_args(tp):
         options = [a for a in typing.get_args(tp) if a is not type(None)]
         if len(options) != 1:
             raise TypeError(f"unsupported schema type {tp}")  # internal: schema authors only
@@ -1132,6 +1134,17 @@ def coerce(tp: Any, value: Any, key: str) -> Any:
         return value
     if tp is Any:
         return value
+    if origin in (typing.Union, types.UnionType):  # X | Literal[words]: a word, or an X
+        word, = (a for a in args if typing.get_origin(a) is Literal)
+        other, = (a for a in args if a is not word)
+        if value in typing.get_args(word):
+            return value
+        try:
+            return coerce(other, value, key)
+        except ConfigError:
+            raise ConfigError(key, f"got {value!r}; allowed: "
+                              f"{', '.join(map(str, typing.get_args(word)))} or "
+                              f"{_TYPE_WORDS[other]}") from None
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(key, f"expected a list such as [a, b], got {value!r}")

@@ -129,7 +129,9 @@ def model_metrics(role: str, reports: list[RankReport]) -> dict[str, float]:
 def logprob_diff(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """``rollout/logprob_diff_{max,mean}``: how far the engine's log-probs of the sampled tokens
     are from the trainer's (the actor's ``old_logprobs`` sums), over the real response tokens of
-    all ranks; nothing when the engine gives none."""
+    all ranks; nothing when the engine gives none. In fp32 the two differ by summation order
+    (1e-5 for hf); in bf16 by rounding, within (16 L + 2) Z / 32 for L layers and logits of
+    magnitude up to Z (docs/design.md, "Rollout")."""
     if not per_rank or any(not r for r in per_rank):
         return {}
     count = sum(r["logprob_diff_count"] for r in per_rank)

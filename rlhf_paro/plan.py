@@ -124,6 +124,22 @@ share does not start: the planner refuses it with a ``ConfigError`` naming
 ``rollout.gpu_memory_utilization`` (the engine's activations come on top: that is the least it
 needs). Without ``memory_gb`` the share is unknown, and on a CPU device the engine sizes its
 cache from the run and never sleeps: the planner then counts none of it, and says so.
+
+[Note: the engine's share, auto]
+``rollout.gpu_memory_utilization=auto`` (the default) gives a colocated CUDA engine what the
+run's models leave. The planner first counts the engine at the least it needs (its weights and
+the key/value cache of one sequence at the run's longest), so the strategies it chooses leave at
+least that; then, at those strategies (``engine_share``), the engine takes the room of the two
+moments it is awake beside the models. While it generates: the budget (``memory_gb`` x (1 -
+``activation_reserve``)) less the states of the run's models and what the actor's sync holds
+above its own (one unit gathered; under ``offload=params`` its parameters brought back), the
+engine being asleep in every other model's peak. As it starts: ``memory_gb`` less the other
+models' setup peaks and the actor's states ([Note: setup peak]). The margin is the activation
+reserve, left free in the first, and the share rounded down to a hundredth; it is capped at
+``ENGINE_SHARE_CAP``. A share below the least is a ``ConfigError``, as is ``auto`` without
+``memory_gb``; engines on devices of their own (``rollout.num_devices``) take the cap. The
+planner's table, before the strategies are chosen, shows the least and does not limit the
+engine's concurrency by memory.
 """
 
 from __future__ import annotations
@@ -182,6 +198,9 @@ class Option:
     # role takes -> device bytes between the model's phases (the planner's table shows them all).
     host_bytes: int = 0
     device_by_offload: dict[str, int] = field(default_factory=dict)
+    # The actor's, when its rollout engine syncs: what the sync holds above the states beside
+    # the engine (one unit gathered; under offload=params, the parameters brought back).
+    sync_bytes: float = 0.0
 
     @property
     def memory_bytes(self) -> int:  # P + G + OS on the device between the model's phases
@@ -458,7 +477,7 @@ def model_plan(cfg: Config, role: str, vocab_size: int) -> ModelPlan:
     from rlhf_paro.sharding.cost import (DEVICE_KEYS, bytes_per_element, offload_memory,
                                          setup_memory, traffic)
     from rlhf_paro.sharding.layout import unit_sizes
-    from rlhf_paro.sharding.steptime import gather_seconds
+    from rlhf_paro.sharding.steptime import gather_seconds, peak_memory
 
     model_cfg = cfg.model(role)
     # A reward function has no model: it holds and sends nothing.
@@ -515,13 +534,16 @@ def model_plan(cfg: Config, role: str, vocab_size: int) -> ModelPlan:
         by_micro = {b: _timed(cfg, role, strategy, work, b, held["host_params"], engine)
                     for b in micro_batch_sizes(cfg, role)}
         setup = setup_memory(strategy, units, n, m, precision, offload)
+        sync_bytes = 0.0
         if engine:  # [Note: a rollout engine's memory]: it starts beside the states
             setup = max(setup, sum(held[k] for k in DEVICE_KEYS) + math.ceil(engine))
+            mem = peak_memory(strategy, work.memory, Topology(n, m), 1)
+            sync_bytes = mem.unit - mem.states + held["host_params"]
         options.append(Option(
             strategy, held["params"], held["grads"], held["optim"], intra, inter, by_micro,
             setup, host_bytes=sum(v for k, v in held.items() if k not in DEVICE_KEYS),
             device_by_offload={mode: sum(p[k] for k in DEVICE_KEYS)
-                               for mode, p in placed.items()}))
+                               for mode, p in placed.items()}, sync_bytes=sync_bytes))
     kv = _kv_cache_bytes(cfg, vocab_size) if role == "actor" and not replicas else 0.0
     return ModelPlan(role, num_params, num_trainable, options, tokens, kv, sync, engine or 0.0,
                      weights, gather,
@@ -538,8 +560,10 @@ def _engine_bytes(cfg: Config, weights: int, vocab_size: int) -> float:
     memory_gb = cfg.cluster.memory_gb
     if cfg.rollout.engine != vllm.NAME or cfg.cluster.device != "cuda" or memory_gb is None:
         return 0.0
-    share = cfg.rollout.gpu_memory_utilization * memory_gb * GIB
     least = weights + vllm.min_kv_cache_bytes(cfg, hf_config("actor", cfg.actor, vocab_size))
+    if cfg.rollout.gpu_memory_utilization == "auto":  # [Note: the engine's share, auto]
+        return float(least)
+    share = cfg.rollout.gpu_memory_utilization * memory_gb * GIB
     if least > share:
         raise ConfigError("rollout.gpu_memory_utilization", (
             f"{cfg.rollout.gpu_memory_utilization} of cluster.memory_gb={memory_gb:g} is "
@@ -654,15 +678,71 @@ def choose_strategies(cfg: Config, vocab_sizes: dict[str, int] | None = None
 def resolve_auto(cfg: Config, vocab_sizes: dict[str, int] | None = None) -> Config:
     """``cfg`` with every ``auto`` strategy of the run's models replaced by the planner's
     choice, and every micro-batch that ``max_micro_batch_size`` lets grow set to the planner's
-    size (a model the run does not build keeps its section as it is)."""
+    size (a model the run does not build keeps its section as it is); then the vllm engine's
+    ``rollout.gpu_memory_utilization=auto`` on CUDA set from what those leave of the device."""
     best = _choose(cfg, vocab_sizes)
-    if best is None:
-        return cfg
     resolved = dataclasses.replace(cfg)
-    for role, choice in best.items():
+    for role, choice in (best or {}).items():
         setattr(resolved, role, dataclasses.replace(
             cfg.model(role), strategy=choice.strategy.name, micro_batch_size=choice.micro_batch))
-    return resolved
+    return _resolve_engine_share(resolved, vocab_sizes)
+
+
+# The most of a device ``rollout.gpu_memory_utilization=auto`` gives the engine: vLLM's own
+# default, which leaves the rest to the CUDA context and other processes on the device.
+ENGINE_SHARE_CAP = 0.9
+
+
+def engine_share(memory_bytes: float, reserve: float, states_bytes: float, sync_bytes: float,
+                 setup_bytes: float, least_bytes: float) -> float:
+    """[Note: the engine's share, auto]: the share of a device of ``memory_bytes`` the vllm
+    engine takes beside the run's models: while it generates, their ``states_bytes`` and the
+    actor's ``sync_bytes`` above them, within the planner's budget (``reserve`` of the device
+    kept free); as it starts, ``setup_bytes`` (the other models' setup peaks and the actor's
+    states), within the device. ``ConfigError`` when the share is less than ``least_bytes``,
+    the engine's weights and the key/value cache of one sequence at the run's longest."""
+    room = min(memory_bytes * (1.0 - reserve) - states_bytes - sync_bytes,
+               memory_bytes - setup_bytes)
+    share = min(ENGINE_SHARE_CAP, math.floor(max(room, 0.0) / memory_bytes * 100) / 100)
+    if share * memory_bytes < least_bytes:
+        raise ConfigError("rollout.gpu_memory_utilization", (
+            f"auto: the run's models leave {max(room, 0.0) / GIB:.2f} GiB of "
+            f"cluster.memory_gb={memory_bytes / GIB:g} to the vllm engine, less than its weights "
+            f"and the key/value cache of one sequence ({least_bytes / GIB:.2f} GiB); allowed: "
+            f"auto with more devices or memory, or a number in (0, 1]"))
+    return share
+
+
+def _resolve_engine_share(cfg: Config, vocab_sizes: dict[str, int] | None) -> Config:
+    """``cfg`` with ``rollout.gpu_memory_utilization=auto`` set where a CUDA vllm engine reads
+    it ([Note: the engine's share, auto]); its strategies are all set."""
+    from rlhf_paro.rollout import vllm
+
+    r, c = cfg.rollout, cfg.cluster
+    if r.gpu_memory_utilization != "auto" or r.engine != vllm.NAME or c.device != "cuda":
+        return cfg
+    if r.num_devices:  # each replica holds a device of its own alone
+        share = ENGINE_SHARE_CAP
+    elif c.memory_gb is None:
+        raise ConfigError("rollout.gpu_memory_utilization", "auto sizes the vllm engine on CUDA "
+                                                            "from cluster.memory_gb, which is "
+                                                            "null; allowed: a number in (0, 1], "
+                                                            "or auto with cluster.memory_gb set")
+    else:
+        if vocab_sizes is None:
+            from rlhf_paro.ppo.data import vocab_sizes as read_vocab_sizes
+
+            vocab_sizes = read_vocab_sizes(cfg)
+        strategies = configured_strategies(cfg)
+        models = {role: model_plan(cfg, role, vocab_sizes[role]) for role in strategies}
+        chosen = {role: models[role].option(s) for role, s in strategies.items()}
+        actor = chosen.pop("actor")
+        share = engine_share(c.memory_gb * GIB, c.activation_reserve,
+                             actor.memory_bytes + sum(o.memory_bytes for o in chosen.values()),
+                             actor.sync_bytes,
+                             actor.memory_bytes + sum(o.setup_bytes for o in chosen.values()),
+                             models["actor"].engine_bytes)
+    return dataclasses.replace(cfg, rollout=dataclasses.replace(r, gpu_memory_utilization=share))
 
 
 # --- generation and the order of a step ---------------------------------------------------------
@@ -699,7 +779,8 @@ def generation(cfg: Config, num_params: int, weights_bytes: int, kv_token_bytes:
     expected = cfg.ppo.expected_response_length or bound
     if vllm:
         concurrent = min(r.max_num_seqs, sequences)
-        if c.device == "cuda" and c.memory_gb is not None:  # sequences at their longest
+        if c.device == "cuda" and c.memory_gb is not None and r.gpu_memory_utilization != "auto":
+            # sequences at their longest
             room = r.gpu_memory_utilization * c.memory_gb * GIB * span - weights_bytes
             concurrent = min(concurrent, max(1, int(room // (kv_token_bytes * (prompt + bound)))))
         # Continuous batching refills a finished sequence's place: the engine's tokens over
@@ -861,10 +942,14 @@ def _engine_lines(cfg: Config, model: ModelPlan, mem_unit: str, mem_scale: float
         for level, s in model.sync.items())
     engine, c = cfg.rollout.engine, cfg.cluster
     weights = f"{model.engine_weights / mem_scale:.2f} {mem_unit} of weights"
+    share = cfg.rollout.gpu_memory_utilization
     if model.engine_bytes:
-        memory = (f"  the {engine} engine takes {model.engine_bytes / mem_scale:.2f} {mem_unit} "
-                  f"(rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization:g} x "
-                  f"cluster.memory_gb={c.memory_gb:g}), {weights} and the rest for its "
+        taken = (f"at least {model.engine_bytes / mem_scale:.2f} {mem_unit} (rollout."
+                 "gpu_memory_utilization=auto: what the chosen strategies leave, set as the run "
+                 "starts)" if share == "auto" else
+                 f"{model.engine_bytes / mem_scale:.2f} {mem_unit} (rollout."
+                 f"gpu_memory_utilization={share:g} x cluster.memory_gb={c.memory_gb:g})")
+        memory = (f"  the {engine} engine takes {taken}, {weights} and the rest for its "
                   "key/value cache, while the actor syncs and generates (in its peak and "
                   "setup); asleep in host memory while the models score and train")
     else:

@@ -367,6 +367,8 @@ GEMMA2 = ("{{model_type: gemma2, hidden_size: 64, intermediate_size: 128, num_hi
 @pytest.mark.parametrize("bad, named", [
     (["rollout.gpu_memory_utilization=0"], "rollout.gpu_memory_utilization"),
     (["rollout.gpu_memory_utilization=1.5"], "rollout.gpu_memory_utilization"),
+    (["rollout.gpu_memory_utilization=most"], "rollout.gpu_memory_utilization: got 'most'; "
+                                              "allowed: auto or a number"),
     (["rollout.max_num_seqs=0"], "rollout.max_num_seqs"),
 ])
 def test_a_rollout_value_out_of_range_is_one_line_naming_the_key(jobs, capsys, bad, named):

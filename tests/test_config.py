@@ -158,6 +158,10 @@ def test_nodes_and_gpus_per_node_define_the_cluster():
     (["ppo.lam=1.5"], "ppo.lam", "[0, 1]"),
     (["rollout.micro_batch_size=0"], "rollout.micro_batch_size", "must be >= 1 or null"),
     (["rollout.engine=sglang"], "rollout.engine", "allowed: hf"),
+    (["rollout.gpu_memory_utilization=half"], "rollout.gpu_memory_utilization",
+     "got 'half'; allowed: auto or a number"),
+    (["rollout.gpu_memory_utilization=0"], "rollout.gpu_memory_utilization",
+     "must be in (0, 1] or auto, got 0"),
     (["rollout.tis_cap=0"], "rollout.tis_cap", "must be > 0 or null (off), got 0"),
     (["rollout.tis_cap=-2.5"], "rollout.tis_cap", "must be > 0 or null (off), got -2.5"),
     (["trainer.save_every=-1"], "trainer.save_every", "must be >= 0"),
@@ -208,6 +212,12 @@ def test_every_mistake_is_one_line_naming_the_key(argv, key, allowed):
     message = error_of(argv)
     assert message.startswith(f"{key}: ") or message.startswith(f"{key} "), message
     assert allowed in message
+
+
+def test_the_engine_s_share_is_auto_by_default_or_a_number():
+    assert load([]).rollout.gpu_memory_utilization == "auto"
+    assert load(["rollout.gpu_memory_utilization=0.5"]).rollout.gpu_memory_utilization == 0.5
+    assert load(["rollout.gpu_memory_utilization=1"]).rollout.gpu_memory_utilization == 1
 
 
 @pytest.mark.parametrize("argv, key, allowed", [

@@ -7,8 +7,8 @@ import pytest
 
 from rlhf_paro.config import ROLES, ConfigError
 from rlhf_paro.plan import (
-    GIB, choose_strategies, configured_strategies, format_plan, main, make_plan, model_plan,
-    resolve_auto,
+    ENGINE_SHARE_CAP, GIB, choose_strategies, configured_strategies, engine_share, format_plan,
+    main, make_plan, model_plan, resolve_auto,
 )
 from rlhf_paro.sharding.strategy import Strategy
 from tests.confs import INLINE, load
@@ -458,7 +458,8 @@ def test_a_syncing_engine_s_gather_is_the_sync_in_place_of_generation_s():
 
 @pytest.fixture(scope="module")
 def llama_vllm():
-    cfg = load(["conf=ppo_llama7b", "rollout.engine=vllm"], engine_check=False)
+    cfg = load(["conf=ppo_llama7b", "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.4"],
+               engine_check=False)
     return cfg, make_plan(cfg)
 
 
@@ -513,6 +514,66 @@ def test_vllm_s_weights_and_one_sequence_s_cache_must_fit_in_its_share():
     actor = model_plan(load([*argv, "rollout.gpu_memory_utilization=0.17"], engine_check=False),
                        "actor", 32000)
     assert actor.engine_bytes == 0.17 * 80 * GIB
+
+
+def test_engine_share_is_what_the_models_leave_rounded_down_capped_and_at_least_the_least():
+    # [Note: the engine's share, auto] A device of 100 bytes, 20 of them reserved: states 30
+    # and the sync's unit 5 leave 45 while generating; setup peaks of 40 leave 60 as it starts.
+    assert engine_share(100, 0.2, 30, 5, 40, 10) == 0.45
+    # The start the tighter: setup peaks of 70 leave 30.
+    assert engine_share(100, 0.2, 30, 5, 70, 10) == 0.30
+    # Rounded down to the hundredth: 45.9 bytes give 0.45, not 0.46 (more than is left).
+    assert engine_share(100, 0.2, 30, 4.1, 40, 10) == 0.45
+    # Nothing else on the device: the cap, not the whole budget.
+    assert engine_share(100, 0.0, 0, 0, 0, 10) == ENGINE_SHARE_CAP == 0.9
+    # A share below the least (0.04 of a least of 5 bytes): refused.
+    with pytest.raises(ConfigError, match=r"^rollout.gpu_memory_utilization: auto: the run's "
+                                          r"models leave .* allowed: auto with more devices or "
+                                          r"memory, or a number in \(0, 1\]$"):
+        engine_share(100, 0.2, 70, 6, 40, 5)
+
+
+LLAMA_SIZES = {role: 32000 for role in ROLES}
+
+
+def test_auto_gives_the_llama_s_engine_what_its_models_leave_and_the_plan_then_fits(llama_plan):
+    argv = ["conf=ppo_llama7b", "rollout.engine=vllm",
+            *(f"{role}.strategy=auto" for role in ROLES)]
+    cfg = load(argv, engine_check=False)
+    assert cfg.rollout.gpu_memory_utilization == "auto"
+    resolved = resolve_auto(cfg, LLAMA_SIZES)
+    share = resolved.rollout.gpu_memory_utilization
+    # The least: the weights and one sequence's cache, 2048 tokens and the null block of 32
+    # (vllm.BLOCK_TOKENS), 0.1696 of 80 GiB.
+    least = 2 * PSI + 2 * 32 * 32 * 128 * 2 * (2048 + 32)
+    assert least < share * 80 * GIB
+    # At the share, the resolved strategies fit (the budget and the setup peaks), and a
+    # hundredth more would not: the share is all the models leave.
+    fixed = configured_strategies(resolved)
+    plan = make_plan(resolved, fixed=fixed)
+    assert plan.best is not None
+    bigger = make_plan(load([*argv, f"rollout.gpu_memory_utilization={share + 0.01:.2f}",
+                             *(f"{r}.strategy={s}" for r, s in fixed.items())],
+                            engine_check=False), fixed=fixed)
+    assert bigger.best is None
+    # The strategies hf runs with do not leave the engine its least: auto chose leaner ones.
+    assert set(fixed.items()) != {(r, ch.strategy) for r, ch in llama_plan.best.items()}
+    # Before the strategies are chosen the planner's table counts the engine at its least.
+    assert (f"the vllm engine takes at least {least / GIB:.2f} GiB (rollout."
+            "gpu_memory_utilization=auto: what the chosen strategies leave, set as the run "
+            "starts)") in format_plan(cfg, make_plan(cfg))
+
+
+def test_auto_on_cuda_without_memory_gb_and_a_share_too_small_are_one_line_errors():
+    argv = ["conf=ppo_llama7b", "rollout.engine=vllm"]
+    with pytest.raises(ConfigError, match=r"^rollout.gpu_memory_utilization: auto sizes the vllm "
+                                          r"engine on CUDA from cluster.memory_gb, which is null"):
+        resolve_auto(load([*argv, "cluster.memory_gb=null"], engine_check=False), LLAMA_SIZES)
+    # The conf's own strategies hold 57.5 GiB of the 64 GiB budget: no room for the engine's
+    # least, 13.6 GiB.
+    with pytest.raises(ConfigError, match=r"^rollout.gpu_memory_utilization: auto: the run's "
+                                          r"models leave"):
+        resolve_auto(load(argv, engine_check=False), LLAMA_SIZES)
 
 
 def test_the_planner_plans_vllm_where_vllm_is_not_installed(monkeypatch, capsys):

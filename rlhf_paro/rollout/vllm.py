@@ -154,6 +154,30 @@ def kv_cache_bytes(hf_config: Any, dtype: torch.dtype, longest: int, num_seqs: i
     return per_token * BLOCK_TOKENS * blocks
 
 
+def engine_kwargs(cfg: Config, hf_config: Any, device_type: str, seed: int) -> dict[str, Any]:
+    """The keywords of ``vllm.LLM`` (but the model's directory) for the actor's engine: the
+    actor's precision, and its memory. On a CPU device vLLM would take a fixed share of the host
+    for its cache; four models share it here, so the cache holds what a rank can decode at once
+    and no more. On CUDA it takes ``rollout.gpu_memory_utilization`` of the device (set from
+    the planner under auto: ``plan.engine_share``) and is built for sleep mode, which ``sleep``
+    and ``wake`` need."""
+    ro, ppo = cfg.rollout, cfg.ppo
+    longest = max_model_len(cfg, hf_config)
+    if device_type == "cpu":
+        rows = ppo.rollout_batch_size * ro.n // cfg.cluster.num_devices
+        memory: dict[str, Any] = {"kv_cache_memory_bytes": kv_cache_bytes(
+            hf_config, weights_dtype(cfg), longest, max(1, min(ro.max_num_seqs, rows))),
+            "block_size": BLOCK_TOKENS}
+    else:
+        memory = {"gpu_memory_utilization": ro.gpu_memory_utilization,
+                  "enable_sleep_mode": True}
+    return dict(load_format="dummy", skip_tokenizer_init=True, dtype=DTYPES[cfg.actor.precision],
+                seed=seed, max_model_len=longest, max_num_seqs=ro.max_num_seqs,
+                enforce_eager=ro.enforce_eager, enable_prefix_caching=ro.enable_prefix_caching,
+                tensor_parallel_size=ro.tensor_parallel_size, generation_config="vllm",
+                logprobs_mode=logprobs_mode(ppo), **memory)
+
+
 class VLLMRollout:
     """A vLLM engine serving the actor's architecture, its weights synced from the actor."""
 
@@ -167,33 +191,18 @@ class VLLMRollout:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
         from vllm import LLM
 
-        ro, ppo = cfg.rollout, cfg.ppo
+        ppo = cfg.ppo
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.vocab_size = hf_config.vocab_size
         self.device = device
-        longest = max_model_len(cfg, hf_config)
         # The engine reads the config's directory only: its weights come from sync.
         self._config_dir = tempfile.mkdtemp(prefix="rlhf_paro_vllm_")
         weakref.finalize(self, shutil.rmtree, self._config_dir, ignore_errors=True)
         hf_config = hf_config.__class__.from_dict(hf_config.to_dict())
         hf_config.architectures = [architecture(hf_config)]
         hf_config.save_pretrained(self._config_dir)
-        dtype = weights_dtype(cfg)
-        memory: dict[str, Any] = {"gpu_memory_utilization": ro.gpu_memory_utilization}
-        if device.type == "cpu":
-            # On a CPU device vLLM would take a fixed share of the host for its cache; four models
-            # share it here, so the cache holds what a rank can decode at once and no more.
-            rows = ppo.rollout_batch_size * ro.n // cfg.cluster.num_devices
-            memory = {"kv_cache_memory_bytes": kv_cache_bytes(
-                hf_config, dtype, longest, max(1, min(ro.max_num_seqs, rows))),
-                "block_size": BLOCK_TOKENS}
-        self.llm = LLM(model=self._config_dir, load_format="dummy", skip_tokenizer_init=True,
-                       dtype=DTYPES[cfg.actor.precision], seed=seed, max_model_len=longest,
-                       max_num_seqs=ro.max_num_seqs, enforce_eager=ro.enforce_eager,
-                       enable_prefix_caching=ro.enable_prefix_caching,
-                       tensor_parallel_size=ro.tensor_parallel_size,
-                       generation_config="vllm", logprobs_mode=logprobs_mode(ppo),
-                       **memory)
+        self.llm = LLM(model=self._config_dir, **engine_kwargs(cfg, hf_config, device.type,
+                                                               seed))
         # vLLM's first call runs seconds longer than any after it (its kernels' first use): made
         # here, on the dummy weights, so that no step's generation pays for it.
         self.generate(PromptBatch(torch.ones(1, 1, dtype=torch.long),

@@ -25,3 +25,24 @@ def test_the_cpu_cache_holds_every_sequence_in_whole_blocks_besides_the_null_blo
     # whenever longest is not a multiple of the block (33 tokens need two blocks of 32).
     needed = num_seqs * math.ceil(longest / BLOCK_TOKENS)
     assert needed <= blocks - 1 <= needed + num_seqs  # room for all, at most a block spare each
+
+
+def test_a_cuda_engine_sleeps_and_takes_the_resolved_share_a_cpu_one_a_sized_cache():
+    """Defect caught: a CUDA engine built without sleep mode (its sleep() and wake_up() then
+    fail), one not given the planner's share, or a bf16 actor's engine in another dtype."""
+    from rlhf_paro.plan import resolve_auto
+    from rlhf_paro.rollout.vllm import engine_kwargs
+    from tests.confs import INLINE, load
+
+    argv = [*INLINE, "rollout.engine=vllm", "actor.precision=bf16"]
+    hf = SimpleNamespace(**vars(CONFIG), max_position_embeddings=64)
+    cuda = resolve_auto(load([*argv, "cluster.device=cuda", "cluster.memory_gb=1"],
+                             engine_check=False))
+    share = cuda.rollout.gpu_memory_utilization
+    assert share != "auto" and 0 < share <= 0.9
+    kwargs = engine_kwargs(cuda, hf, "cuda", seed=1)
+    assert kwargs["enable_sleep_mode"] is True and kwargs["gpu_memory_utilization"] == share
+    assert kwargs["dtype"] == "bfloat16" and "kv_cache_memory_bytes" not in kwargs
+    cpu = engine_kwargs(load(argv, engine_check=False), hf, "cpu", seed=1)
+    assert "enable_sleep_mode" not in cpu and "gpu_memory_utilization" not in cpu
+    assert cpu["kv_cache_memory_bytes"] > 0 and cpu["dtype"] == "bfloat16"
