@@ -57,6 +57,22 @@ EQUIVALENT: dict[str, str] = {
         "index == secret has returned the win the line before",
     "rlhf_paro/ppo/algorithms.py:register_algorithm:return spec -> return None":
         "no caller reads the spec it returns",
+    # The closing tag is searched for after the opening one: found, it is at len(OPEN_TAG) or more.
+    "rlhf_paro/envs/tools.py:_bodies:end < 0 -> end <= 0": "end is -1 or > len(OPEN_TAG)",
+    "rlhf_paro/envs/tools.py:_bodies:0 -> 1": "end is -1 or > len(OPEN_TAG)",
+    # num % num_parts == 0 was checked: num / num_parts is the same whole number.
+    "rlhf_paro/batching.py:balanced_parts:num // num_parts -> num / num_parts": "exact division",
+    # A row's last column is followed by the next row's tokens: same_row excludes it already.
+    "rlhf_paro/batching.py:response_predictors:cols < width - 1 -> cols <= width - 1":
+        "same_row is false there",
+    "rlhf_paro/batching.py:response_predictors:width - 1 -> width + 1": "same_row is false there",
+    # .sum(-1) as .sum(1) of a 2-D tensor (the other -1, reshape's, is killed).
+    "rlhf_paro/batching.py:balance_groups:-1 -> 1": "(groups, group_size)",
+    "rlhf_paro/batching.py:rank_order:num_minis < 1 -> num_minis <= 1": "sets 1 where it is 1",
+    # Every sequence is in a bin, and the loop sets its start.
+    "rlhf_paro/batching.py:pack:0 -> 1": "overwritten for every sequence",
+    # max(..., default=1) differs for no rows only, where no budget (at least 1) is exceeded.
+    "rlhf_paro/batching.py:split_by_tokens:0 -> 1": "max_tokens_per_micro_batch >= 1",
 }
 
 _COMPARE = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt,

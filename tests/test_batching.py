@@ -203,10 +203,28 @@ def test_rank_order_evens_a_skewed_rollout_and_its_mini_batches_are_consecutive_
     assert all(torch.equal(a, b) for a, b in zip(order, again))  # deterministic
 
 
-def test_rank_order_with_groups_larger_than_a_mini_batch_balances_the_ranks_only():
+@pytest.mark.parametrize("num_tokens", [
+    [50, 50, 50, 50, 40, 40, 40, 40, 5, 5, 5, 5, 9, 9, 9, 9],
+    # Each rank's lighter group first: dealt to mini-batches by tokens, it would go second.
+    [5, 5, 5, 5, 9, 9, 9, 9, 50, 50, 50, 50, 40, 40, 40, 40]])
+def test_rank_order_with_groups_larger_than_a_mini_batch_balances_the_ranks_only(num_tokens):
     # Groups of 4 and mini-batches of 2 rows: a group cannot sit in one mini-batch, so each
     # rank's groups stay in order and only the ranks are evened out.
-    num_tokens = torch.tensor([50, 50, 50, 50, 40, 40, 40, 40, 5, 5, 5, 5, 9, 9, 9, 9])
-    order = batching.rank_order(num_tokens, 4, 2, 2)
+    order = batching.rank_order(torch.tensor(num_tokens), 4, 2, 2)
     assert [rows.tolist() for rows in order] == [[0, 1, 2, 3, 8, 9, 10, 11],
                                                  [4, 5, 6, 7, 12, 13, 14, 15]]
+
+
+def test_split_by_rows_cuts_consecutive_micro_batches_the_last_one_short():
+    rows = torch.tensor([7, 3, 9, 1, 4])
+    assert [m.tolist() for m in batching.split_by_rows(rows, 2)] == [[7, 3], [9, 1], [4]]
+    assert [m.tolist() for m in batching.split_by_rows(rows, 5)] == [[7, 3, 9, 1, 4]]
+
+
+def test_micro_divisor_makes_the_engines_mean_the_global_aggregate():
+    # 3 ranks x 2 agreed micro-batches, 30 tokens in the global mini-batch: the engine averages
+    # 6 micro-batch losses, each a sum divided by 5, so their mean is the global sum / 30.
+    divisor = batching.micro_divisor(30.0, 3, 2)
+    assert divisor == 5.0
+    sums = torch.arange(6, dtype=torch.float64)  # any micro-batches' loss sums
+    assert torch.isclose((sums / divisor).mean(), sums.sum() / 30.0)

@@ -5,8 +5,10 @@ hf engine (docs/design.md, "Multi-turn episodes")."""
 from __future__ import annotations
 
 import _thread
+import builtins
 import json
 import random
+import signal
 import sys
 import threading
 import time
@@ -318,9 +320,15 @@ def test_a_ctrl_c_of_the_run_still_stops_a_step_it_waits_for():
 
     runner = EnvRunner(Slow, "Slow", num_workers=2, timeout_s=30)
     built, _ = runner.start([{}] * 2, [0, 0], str)
-    threading.Timer(0.2, _thread.interrupt_main).start()
-    with pytest.raises(KeyboardInterrupt):
-        runner.step(built, ["a", "b"], str)
+    # Python's own Ctrl-C handler, which a process started in the background (SIGINT ignored)
+    # lacks: there interrupt_main would interrupt nothing.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.2, _thread.interrupt_main).start()
+        with pytest.raises(KeyboardInterrupt):
+            runner.step(built, ["a", "b"], str)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_seeds_reach_a_reset_that_takes_them_and_are_a_function_of_step_and_sample():
@@ -410,6 +418,15 @@ def quit(code: int) -> None:
     sys.exit(code)
 
 
+def fails(kind: str) -> None:
+    """Raises an error of that kind with no message.
+
+    Args:
+        kind: a builtin exception's name
+    """
+    raise getattr(builtins, kind)()
+
+
 def _call(name, arguments):
     return f'<tool_call>{{"name": "{name}", "arguments": {arguments}}}</tool_call>'
 
@@ -435,6 +452,12 @@ def test_json_too_deep_or_not_encodable_is_an_error_the_agent_sees_never_a_crash
     assert said["circular result"] == "error: ValueError: Circular reference detected"
     assert said["surrogate"] == "x?"  # text with UTF-8, as the tokenizer needs
     assert (env.tool_calls, env.tool_errors) == (5, 4)
+
+
+def test_a_tool_error_without_a_message_is_its_kind_alone():
+    env = tools.ToolEnv({"fails": fails})
+    obs, _, done = env.step(_call("fails", '{"kind": "LookupError"}'))
+    assert not done and obs[0]["content"] == "error: LookupError: "
 
 
 def test_a_tool_that_exits_stops_the_run_in_one_line_naming_it():
