@@ -52,29 +52,7 @@ SHARED_SLOTS = 16
 # the raylet through the GCS; a private Ray stops them before its driver exits).
 SHARED_STOP_S = 10.0
 
-# The files whose tests take longest, longest first (``--durations`` of a whole run on 2 cores:
-# test_trainer's about 620 s, down to about 75 s). Run in parallel (``-n 2 --dist loadfile``), a
-# file is one unit of work, and these start first so that no long one is left to run alone at
-# the end; the others follow in collection order. Only the makespan depends on this list.
-LONGEST_FIRST = (
-    "tests/test_trainer.py", "tests/actors/test_async_job.py", "tests/actors/test_grpo_job.py",
-    "tests/actors/test_env_job.py", "tests/actors/test_vllm_job.py",
-    "tests/actors/test_own_models.py", "tests/test_demo_logs.py",
-    "tests/scripts/test_bench_rollout.py", "tests/scripts/test_check_peers.py",
-    "tests/sharding/test_engine_parity.py", "tests/actors/test_ppo_job.py",
-    "tests/rollout/test_vllm.py", "tests/envs/test_openenv.py",
-    "tests/actors/test_deepspeed_job.py", "tests/actors/test_token_budget_job.py",
-    "tests/test_train.py", "tests/actors/test_agent_job.py")
-
 _shared: dict[str, object] = {}
-
-
-def pytest_collection_modifyitems(config, items) -> None:  # noqa: ARG001 - pytest's signature
-    """In a parallel run (pytest-xdist's workers), the files of ``LONGEST_FIRST`` first."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        return
-    rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
 
 
 @contextlib.contextmanager
