@@ -515,7 +515,7 @@ class RolloutConfig:
     # hf only: its key/value cache while decoding. dynamic grows with the sequence; static is
     # Hugging Face's cache of fixed size with its decoding step compiled (torch.compile, once a
     # run: the weights change in place); auto: static on CUDA where the model takes it, else
-    # dynamic.
+    # (and for episodes, whose keys and values the dynamic cache keeps across turns) dynamic.
     hf_cache: str = "auto"
     # vllm only (docs/design.md, "Rollout"). The share of a device's memory the engine may hold,
     # its weights and key/value cache (on CUDA; on a CPU device its key/value cache is sized

@@ -48,9 +48,12 @@ def takes_static_cache(lm_class: type | None) -> bool:
             and lm_class._supports_default_dynamic_cache())
 
 
-def decode_cache(setting: str, device_type: str, lm_class: type | None) -> str:
+def decode_cache(setting: str, device_type: str, lm_class: type | None,
+                 multi_turn: bool = False) -> str:
     """``rollout.hf_cache`` resolved for the actor's class on a device: "static" or
-    "dynamic"; ``ConfigError`` for static with a model that cannot take it."""
+    "dynamic"; ``ConfigError`` for static with a model that cannot take it. ``auto`` keeps
+    the dynamic cache for episodes (``multi_turn``): it carries each episode's keys and values
+    from one turn to the next, where a static cache would prefill the whole context again."""
     takes = takes_static_cache(lm_class)
     if setting == "static" and not takes:
         name = "model" if lm_class is None else lm_class.__name__
@@ -58,7 +61,7 @@ def decode_cache(setting: str, device_type: str, lm_class: type | None) -> str:
                                               f"static cache in one compiled graph; allowed: "
                                               f"dynamic, auto")
     if setting == "auto":
-        return "static" if device_type == "cuda" and takes else "dynamic"
+        return "static" if device_type == "cuda" and takes and not multi_turn else "dynamic"
     return setting
 
 
@@ -66,7 +69,7 @@ def static_decode(cfg: Config, lm: torch.nn.Module, device: torch.device) -> Sta
     """The run's static decoding for the actor's model ``lm`` (a PEFT model: the one it
     wraps), or None for the dynamic cache."""
     base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-    if decode_cache(cfg.rollout.hf_cache, device.type, type(base)) == "dynamic":
+    if decode_cache(cfg.rollout.hf_cache, device.type, type(base), cfg.env.enabled) == "dynamic":
         return None
     return StaticDecode.for_run(cfg.longest_sequence()[1])
 

@@ -219,7 +219,7 @@ def test_an_environment_scores_unless_told_the_reward_section_does(jobs, files, 
     spec = f"env.function={files / 'envs.py'}:Echo"
     train.main(_argv(files, spec))
     train.main(_argv(files, spec, f"reward.function={files / 'envs.py'}:Echo", "env.reward=env"))
-    train.main(_argv(files, spec, f"reward.config={{hidden_size: 32}}", "env.reward=reward"))
+    train.main(_argv(files, spec, "reward.config={hidden_size: 32}", "env.reward=reward"))
     first, env_wins, reward_wins = jobs
     for cfg in (first, env_wins):  # the environment's score; no reward model is built
         assert cfg.reward.env_score and not cfg.reward.runs_model

@@ -60,7 +60,7 @@ def test_compiled_static_decode_gives_the_trainer_s_logprobs_after_updates_in_pl
     assert len(compiled) == 1
 
 
-def test_auto_is_static_on_cuda_where_the_model_takes_it():
+def test_auto_is_static_on_cuda_where_the_model_takes_it_for_single_turn_runs():
     from transformers import LlamaForCausalLM
 
     class Uncompilable(LlamaForCausalLM):
@@ -70,6 +70,9 @@ def test_auto_is_static_on_cuda_where_the_model_takes_it():
     assert decode_cache("auto", "cpu", LlamaForCausalLM) == "dynamic"
     assert decode_cache("auto", "cuda", Uncompilable) == "dynamic"
     assert decode_cache("dynamic", "cuda", LlamaForCausalLM) == "dynamic"
+    # Episodes keep their keys and values across turns on the dynamic cache.
+    assert decode_cache("auto", "cuda", LlamaForCausalLM, multi_turn=True) == "dynamic"
+    assert decode_cache("static", "cuda", LlamaForCausalLM, multi_turn=True) == "static"
     with pytest.raises(ConfigError, match="rollout.hf_cache: static: the actor's Uncompilable "
                                           "cannot decode .*; allowed: dynamic, auto"):
         decode_cache("static", "cpu", Uncompilable)
