@@ -322,12 +322,21 @@ def against_generate(args: argparse.Namespace) -> dict:
                 runs[(name, case.name)].append(run(name, case, seed=round_ * len(cases) + i))
     print(f"{args.layers} blocks, hidden {args.hidden}, {args.heads} heads, vocab {args.vocab}, "
           f"fp32, threads {torch.get_num_threads()}; median of {args.rounds} rounds")
-    lines = ["| case | hf tokens/s | generate tokens/s | hf / generate |", "|---|---|---|---|"]
+    # A round's two calls ran back to back, so their ratio cancels what the machine did over
+    # the rounds; one call's time still moves by several percent, so the ratio is given as
+    # the median of the rounds' with its quartiles.
+    lines = ["| case | hf tokens/s | generate tokens/s | hf / generate (median of rounds) | "
+             "quartiles |", "|---|---|---|---|---|"]
     for case in cases:
         hf, gen = (median_rate(runs[(name, case.name)]) for name in names)
         if runs[("hf", case.name)][-1]["tokens"] != runs[("generate", case.name)][-1]["tokens"]:
             print(f"warning: {case.name}: the two sampled different tokens", file=sys.stderr)
-        lines.append(f"| {case.name} | {hf:.0f} | {gen:.0f} | {hf / gen:.2f} |")
+        ratios = [g["seconds"] / h["seconds"] for h, g in zip(runs[("hf", case.name)],
+                                                               runs[("generate", case.name)])]
+        low, mid, high = (statistics.quantiles(ratios, n=4) if len(ratios) > 1
+                          else ratios * 3)
+        lines.append(f"| {case.name} | {hf:.0f} | {gen:.0f} | {statistics.median(ratios):.2f} "
+                     f"| {low:.2f}-{high:.2f} |")
     print("\n".join(lines))
     # Python calls a decoding step: those of a call of 40 tokens less one of 8, over 32 steps.
     fixed = Case("fixed", 8, 40)
