@@ -48,6 +48,7 @@ def resolve(cfg: Config, say: Callable[[str], None] = print, engine_check: bool 
 
     cfg = demo.make_assets(cfg)
     check_files(cfg)
+    cfg = absolute_paths(cfg)
     algorithms.check(cfg)
     rollout.check(cfg)
     cfg = derive(cfg, say)
@@ -114,6 +115,48 @@ def check_longest_sequence(cfg: Config, longest: int, key: str, what: str,
         raise ConfigError(key, f"{longest} tokens ({what}) exceed {limit}={tokens}; allowed: "
                                f"at most {tokens} tokens in all{hint}, or a model with more "
                                "positions")
+
+
+def _absolute(path: str) -> str:
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _absolute_spec(spec: str | None) -> str | None:
+    """``file.py:NAME`` (or ``file.py:a,b``) with its file absolute."""
+    if spec is None:
+        return None
+    file, _, names = spec.rpartition(":")
+    return f"{_absolute(file)}:{names}"
+
+
+def absolute_paths(cfg: Config) -> Config:
+    """``cfg`` with every local path it names absolute, a relative one taken from this
+    process's working directory, where the user typed it. The workers do not run there: on a
+    joined cluster they start in the raylet's directory, on other nodes in theirs, so a
+    relative path would name another file or none (a run's checkpoints written under another
+    folder, a model directory not found)."""
+    def files(text: str | None) -> str | None:
+        return None if text is None else ",".join(_absolute(f) for f in data_files(text))
+
+    def maybe(path: str | None) -> str | None:
+        return None if path is None else _absolute(path)
+
+    models_ = {role: dataclasses.replace(
+        cfg.model(role), path=maybe(cfg.model(role).path),
+        tokenizer=maybe(cfg.model(role).tokenizer),
+        function=_absolute_spec(cfg.model(role).function),
+        score_function=_absolute_spec(cfg.model(role).score_function)) for role in ROLES}
+    resume = cfg.trainer.resume
+    return dataclasses.replace(
+        cfg, **models_,
+        env=dataclasses.replace(cfg.env, function=_absolute_spec(cfg.env.function),
+                                tools=_absolute_spec(cfg.env.tools)),
+        data=dataclasses.replace(cfg.data, train_files=files(cfg.data.train_files),
+                                 val_files=files(cfg.data.val_files)),
+        trainer=dataclasses.replace(
+            cfg.trainer, output_dir=_absolute(cfg.trainer.output_dir),
+            resume=resume if resume in RESUME_CHOICES else _absolute(resume)),
+        task=dataclasses.replace(cfg.task, cache_dir=maybe(cfg.task.cache_dir)))
 
 
 def check_files(cfg: Config) -> None:

@@ -97,7 +97,9 @@ def test_multirun_runs_the_product_of_the_swept_values_each_in_its_own_directory
         ("IGG", "NIG"), ("IGG", "GGG"), ("IGG", "III"),
         ("GGG", "NIG"), ("GGG", "GGG"), ("GGG", "III")]
     assert {c.trainer.seed for c in jobs} == {1}
-    assert jobs[4].trainer.output_dir == "runs/4_actor.strategy=zero3,critic.strategy=GGG"
+    # Absolute, from the directory the command was typed in: the workers run elsewhere.
+    assert jobs[4].trainer.output_dir == os.path.abspath(
+        "runs/4_actor.strategy=zero3,critic.strategy=GGG")
     assert capsys.readouterr().out.count("[rlhf_paro.train] job ") == 6
 
 

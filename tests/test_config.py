@@ -321,3 +321,27 @@ def test_the_kl_estimator_goes_by_where_the_kl_goes_unless_set(argv, estimator):
     # The schema leaves it unset (null) until resolve: whether the user set it is knowable.
     assert AlgorithmConfig().kl_estimator is None
     assert resolve(load_config([*INLINE, *argv])).algorithm.kl_estimator == estimator
+
+
+def test_every_path_a_run_names_is_absolute_from_where_the_command_was_typed(tmp_path,
+                                                                             monkeypatch):
+    # The workers do not start in the driver's directory (on a joined cluster: the raylet's),
+    # so a relative path reached them as another file: `actor.path=my/policy` found no
+    # tokenizer there, and a run's checkpoints landed under the raylet's directory.
+    from tests.hf_assets import bpe_tokenizer, save_llama, write_prompts, write_reward_functions
+
+    monkeypatch.chdir(tmp_path)
+    save_llama(tmp_path / "my" / "policy", bpe_tokenizer())
+    write_prompts(tmp_path / "prompts.jsonl", 4)
+    write_reward_functions(tmp_path / "rewards.py")
+    cfg = load(["actor.path=my/policy", "data.train_files=prompts.jsonl,./prompts.jsonl",
+                "reward.function=rewards.py:length", "trainer.output_dir=outputs/mine",
+                "task.cache_dir=cache"])
+    there = str(tmp_path)
+    assert (cfg.actor.path, cfg.ref.path, cfg.critic.path) == (f"{there}/my/policy",) * 3
+    assert cfg.data.train_files == f"{there}/prompts.jsonl,{there}/prompts.jsonl"
+    assert cfg.reward.function == f"{there}/rewards.py:length"
+    assert (cfg.trainer.output_dir, cfg.task.cache_dir) == (f"{there}/outputs/mine",
+                                                            f"{there}/cache")
+    assert cfg.trainer.resume == "auto"  # a choice, not a path
+    assert load_config(["trainer.output_dir=outputs/mine"]).trainer.output_dir == "outputs/mine"
