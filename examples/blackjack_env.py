@@ -9,7 +9,8 @@ Each prompt row builds one game (a row such as {"prompt": "You play blackjack ag
 dealer. Answer hit or stick."}; its columns are the constructor's keywords); the agent answers
 "hit" or "stick", so the policy needs a tokenizer that writes those words; the table is described
 in words after every move, and the game's reward (+1 win, -1 loss, 0 draw) is the episode's score
-(env.reward=env, in place of the conf's reward model).
+(env.reward=env, in place of the conf's reward model). `conf=grpo_blackjack_tiny` plays it with a
+tiny Llama of the demo's, fine-tuned to answer hit or stick at random.
 """
 
 import gymnasium as gym

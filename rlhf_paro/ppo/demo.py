@@ -30,6 +30,15 @@ and has assets of its own, in a cache entry of their own (``agent_cache_key``):
 - ``agent_train`` and ``agent_val``: prompt files whose rows carry the hidden symbol
   (``secret``), from which each sample's game is built.
 
+The Blackjack demo (``conf/grpo_blackjack_tiny.yaml``) plays the README's example environment,
+gymnasium's Blackjack, with assets made the same way in an entry of their own:
+
+- ``blackjack`` (``env.function``): ``examples/blackjack_env.py:Blackjack`` of the repository.
+- ``blackjack_actor``: the same architecture with the game's words (the prompt's and every
+  hand's description) in its vocabulary, fine-tuned on games whose every answer is ``hit`` or
+  ``stick`` at random, so it answers each hand with one word and plays a random policy.
+- ``blackjack_train`` and ``blackjack_val``: the prompt (``BLACKJACK_PROMPT``) in every row.
+
 The cache key is everything that determines the assets; a directory appears whole or not at all
 (built under a scratch name, then renamed), so a crash or two runs at once leave nothing half
 written.
@@ -57,6 +66,7 @@ from rlhf_paro.config import (
 )
 from rlhf_paro.envs import guess
 from rlhf_paro.models import build_causal_lm, build_value_model, count_parameters
+from rlhf_paro.ppo import rewards
 from rlhf_paro.ppo import task as task_module
 from rlhf_paro.ppo.task import CountingTask, PreferencePairs, SymbolTokenizer
 from rlhf_paro.rollout.batch import PromptBatch, RolloutBatch, join
@@ -64,19 +74,26 @@ from rlhf_paro.rollout.batch import PromptBatch, RolloutBatch, join
 # Bumped when the task, the data or a training recipe change, so stale caches are not reused.
 _RECIPE_VERSION = 2
 
-# Bumped when the guessing game, its demonstrations or the agent's SFT change.
-_AGENT_RECIPE_VERSION = 1
+# Bumped, per game, when the game, its demonstrations or the agent's SFT change.
+_AGENT_RECIPE_VERSION = {"guess": 1, "blackjack": 1}
 
-# The names ${demo:NAME} takes: the single-turn demo's, then the multi-turn demo's.
+# The names ${demo:NAME} takes: the single-turn demo's, then the multi-turn demos'.
 ASSETS = ("actor", "reward", "train", "val", "score",
-          "agent_actor", "agent_train", "agent_val", "guess")
+          "agent_actor", "agent_train", "agent_val", "guess",
+          "blackjack_actor", "blackjack_train", "blackjack_val", "blackjack")
+# The multi-turn demos' assets: the game each is made for, by the name's prefix (which also
+# prefixes the cache entry's name).
+_AGENT_GAMES = {"agent": "guess", "blackjack": "blackjack"}
 
 # The counting score as ``reward.score_function`` names it.
 SCORE_FUNCTION = f"{Path(task_module.__file__).resolve()}:counting_score"
 # The guessing game as ``env.function`` names it.
 GUESS_ENV = f"{Path(guess.__file__).resolve()}:GuessEnv"
-# Assets that are code in the package: nothing to make.
-_CODE = {"score": SCORE_FUNCTION, "guess": GUESS_ENV}
+# The README's example environment as ``env.function`` names it: examples/ beside the package,
+# so the Blackjack demo runs from a clone of the repository whatever the working directory.
+BLACKJACK_ENV = f"{Path(__file__).resolve().parents[2] / 'examples' / 'blackjack_env.py'}:Blackjack"
+# Assets that are code: nothing to make.
+_CODE = {"score": SCORE_FUNCTION, "guess": GUESS_ENV, "blackjack": BLACKJACK_ENV}
 
 # Training in-process is meant for small models; a big demo model would take hours on a CPU.
 MAX_DEMO_PARAMS = 50_000_000
@@ -85,7 +102,9 @@ MAX_DEMO_PARAMS = 50_000_000
 # Where each asset lies in a cache entry (which also holds meta.json: what was measured when
 # it was made).
 _FILES = {"actor": "actor", "reward": "reward", "train": "train.jsonl", "val": "val.jsonl",
-          "agent_actor": "actor", "agent_train": "train.jsonl", "agent_val": "val.jsonl"}
+          "agent_actor": "actor", "agent_train": "train.jsonl", "agent_val": "val.jsonl",
+          "blackjack_actor": "actor", "blackjack_train": "train.jsonl",
+          "blackjack_val": "val.jsonl"}
 
 
 def cache_root(task: TaskConfig) -> Path:
@@ -113,16 +132,23 @@ _AGENT_TASK_KEYS = ("num_symbols", "model", "sft_steps", "sft_batch_size", "sft_
                     "train_prompts", "val_prompts")
 
 
-def agent_cache_key(task: TaskConfig, max_turns: int) -> str:
-    """Hash of everything that determines the multi-turn demo's assets: the game's alphabet,
+def agent_cache_key(task: TaskConfig, max_turns: int, game: str = "guess") -> str:
+    """Hash of everything that determines a multi-turn demo's assets: the game, its alphabet,
     the model, the SFT and the turns of its demonstrations (``env.max_turns``)."""
     spec = {key: getattr(task, key) for key in _AGENT_TASK_KEYS}
-    spec.update(version=_AGENT_RECIPE_VERSION, game="guess", max_turns=max_turns)
+    spec.update(version=_AGENT_RECIPE_VERSION[game], game=game, max_turns=max_turns)
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _agent_entry(task: TaskConfig, max_turns: int) -> Path:
-    return cache_root(task) / f"agent-{agent_cache_key(task, max_turns)}"
+def _agent_prefix(name: str) -> str | None:
+    """The multi-turn demo an asset name belongs to (``_AGENT_GAMES``' key), or None."""
+    prefix = name.split("_")[0]
+    return prefix if prefix in _AGENT_GAMES and name not in _CODE else None
+
+
+def _agent_entry(task: TaskConfig, max_turns: int, prefix: str = "agent") -> Path:
+    key = agent_cache_key(task, max_turns, _AGENT_GAMES[prefix])
+    return cache_root(task) / f"{prefix}-{key}"
 
 
 def _check_name(name: str) -> None:
@@ -146,8 +172,8 @@ def resolver(name: str, *, _root_: Any) -> str:
         return {} if node is None else OmegaConf.to_container(node, resolve=True)
 
     task = build(TaskConfig, section("task"), "task")
-    if name.startswith("agent_"):
-        entry = _agent_entry(task, build(EnvConfig, section("env"), "env").max_turns)
+    if prefix := _agent_prefix(name):
+        entry = _agent_entry(task, build(EnvConfig, section("env"), "env").max_turns, prefix)
     else:
         entry = _entry(task, build(PPOConfig, section("ppo"), "ppo").max_new_tokens)
     return str(entry / _FILES[name]) if (entry / "meta.json").is_file() else f"${{demo:{name}}}"
@@ -182,8 +208,8 @@ def asset(name: str, task: TaskConfig, response_len: int,
     _check_name(name)
     if name in _CODE:
         return _CODE[name]
-    if name.startswith("agent_"):
-        return str(make_agent(task, max_turns) / _FILES[name])
+    if prefix := _agent_prefix(name):
+        return str(make_agent(task, max_turns, prefix) / _FILES[name])
     return str(make(task, response_len) / _FILES[name])
 
 
@@ -423,23 +449,28 @@ _AGENT_SKILL_MIX = {"random": 0.5, "consistent": 0.3, "bisect": 0.2}
 _AGENT_EVAL_GAMES = 256
 
 
-def make_agent(task: TaskConfig, max_turns: int) -> Path:
-    """The multi-turn demo's cache entry (``agent_actor``, ``agent_train``, ``agent_val``), made
-    now if missing (seconds with the defaults)."""
-    target = _agent_entry(task, max_turns)
+def make_agent(task: TaskConfig, max_turns: int, prefix: str = "agent") -> Path:
+    """A multi-turn demo's cache entry (``PREFIX_actor``, ``PREFIX_train``, ``PREFIX_val``;
+    ``_AGENT_GAMES``), made now if missing (seconds with the defaults)."""
+    target = _agent_entry(task, max_turns, prefix)
     if (target / "meta.json").is_file():
         return target
     counting = CountingTask(task.num_symbols, task.prompt_len, 1)
-    vocab_size = len(_tokenizer_vocab(counting, _AGENT_WORDS))
+    blackjack = _AGENT_GAMES[prefix] == "blackjack"
+    words = _blackjack_words() if blackjack else _AGENT_WORDS
+    vocab_size = len(_tokenizer_vocab(counting, words))
     model_cfg = _demo_model(task, vocab_size)
 
     def build(scratch: Path) -> dict[str, Any]:
-        tokenizer = make_tokenizer(counting, _AGENT_WORDS)
+        tokenizer = make_tokenizer(counting, words)
         meta: dict[str, Any] = {"key": target.name}
-        meta.update(_sft_agent(task, max_turns, model_cfg, vocab_size, tokenizer,
-                               scratch / "actor"))
-        _write_games(scratch / "train.jsonl", task.num_symbols, task.train_prompts, seed=11)
-        _write_games(scratch / "val.jsonl", task.num_symbols, task.val_prompts, seed=12)
+        sft = _sft_blackjack if blackjack else _sft_agent
+        meta.update(sft(task, max_turns, model_cfg, vocab_size, tokenizer, scratch / "actor"))
+        for name, num, seed in (("train", task.train_prompts, 11), ("val", task.val_prompts, 12)):
+            if blackjack:
+                _write_rows(scratch / f"{name}.jsonl", [{"prompt": BLACKJACK_PROMPT}] * num)
+            else:
+                _write_games(scratch / f"{name}.jsonl", task.num_symbols, num, seed)
         return meta
 
     return _made(target, build)
@@ -469,37 +500,59 @@ class _GameTokens:
         return ids, actions
 
 
-def _sft_agent(task: TaskConfig, max_turns: int, model_cfg: ModelConfig, vocab_size: int,
-               tokenizer: Any, directory: Path) -> dict[str, float]:
-    """Next-token cross-entropy on the action tokens of games played by scripted guessers of
-    mixed skill; the prompt and the observations are context only, as in a run."""
+def _padded(episodes: list[tuple[list[int], list[float]]]) -> tuple[torch.Tensor, ...]:
+    """(ids right-padded with <pad>, 1 on real tokens, 1 on action tokens) of episodes."""
+    width = max(len(ids) for ids, _ in episodes)
+    ids = torch.zeros(len(episodes), width, dtype=torch.long)
+    real, actions = torch.zeros_like(ids), torch.zeros(len(episodes), width)
+    for row, (seq, act) in enumerate(episodes):
+        ids[row, :len(seq)] = torch.tensor(seq)
+        real[row, :len(seq)] = 1
+        actions[row, :len(seq)] = torch.tensor(act)
+    return ids, real, actions
+
+
+def _sft_on_episodes(task: TaskConfig, model_cfg: ModelConfig, vocab_size: int,
+                     episode: Callable[[], tuple[list[int], list[float]]],
+                     what: str) -> torch.nn.Module:
+    """A new model trained by next-token cross-entropy on the action tokens of ``episode()``'s
+    episodes (``task.sft_batch_size`` a step); the prompt and the observations are context
+    only, as in a run."""
     model = build_causal_lm(model_cfg, vocab_size, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=task.sft_lr, weight_decay=0.0)
+
+    def loss() -> torch.Tensor:
+        ids, real, actions = _padded([episode() for _ in range(task.sft_batch_size)])
+        logp = model(ids, real, response_len=ids.shape[1] - 1)  # of tokens 1.., from their past
+        mask = actions[:, 1:]
+        return -(logp * mask).sum() / mask.sum()
+
+    _train(model, optimizer, task.sft_steps, loss, what)
+    return model
+
+
+def _save_actor(model: torch.nn.Module, tokenizer: Any, directory: Path) -> None:
+    model.lm.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.lm.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+
+
+def _sft_agent(task: TaskConfig, max_turns: int, model_cfg: ModelConfig, vocab_size: int,
+               tokenizer: Any, directory: Path) -> dict[str, float]:
+    """The guessing game's agent: SFT on games played by scripted guessers of mixed skill."""
     rng = random.Random(21)
     game = _GameTokens(tokenizer, task.num_symbols)
     symbols = guess.alphabet(task.num_symbols)
     skills, weights = list(_AGENT_SKILL_MIX), list(_AGENT_SKILL_MIX.values())
 
-    def loss() -> torch.Tensor:
-        episodes = [game.episode(guess.demonstration(
+    def episode() -> tuple[list[int], list[float]]:
+        return game.episode(guess.demonstration(
             rng.choice(symbols), task.num_symbols, max_turns,
-            rng.choices(skills, weights)[0], rng)[0]) for _ in range(task.sft_batch_size)]
-        width = max(len(ids) for ids, _ in episodes)
-        ids = torch.zeros(len(episodes), width, dtype=torch.long)  # right-padded with <pad>
-        real, actions = torch.zeros_like(ids), torch.zeros(len(episodes), width)
-        for row, (seq, act) in enumerate(episodes):
-            ids[row, :len(seq)] = torch.tensor(seq)
-            real[row, :len(seq)] = 1
-            actions[row, :len(seq)] = torch.tensor(act)
-        logp = model(ids, real, response_len=width - 1)  # of tokens 1.., each from its past
-        mask = actions[:, 1:]
-        return -(logp * mask).sum() / mask.sum()
+            rng.choices(skills, weights)[0], rng)[0])
 
-    _train(model, optimizer, task.sft_steps, loss, "SFT of the agent")
+    model = _sft_on_episodes(task, model_cfg, vocab_size, episode, "SFT of the agent")
     win_rate = play(model, tokenizer, task.num_symbols, max_turns, _AGENT_EVAL_GAMES, seed=22)
-    model.lm.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.lm.save_pretrained(directory, safe_serialization=True)
-    tokenizer.save_pretrained(directory)
+    _save_actor(model, tokenizer, directory)
     return {"sft_steps": task.sft_steps, "sft_win_rate": win_rate}
 
 
@@ -548,7 +601,91 @@ def _write_games(file: Path, num_symbols: int, num: int, seed: int) -> None:
     size (``GuessEnv(**row)``)."""
     rng = random.Random(seed)
     symbols = guess.alphabet(num_symbols)
+    _write_rows(file, [{"prompt": guess.PROMPT, "secret": rng.choice(symbols),
+                        "num_symbols": num_symbols} for _ in range(num)])
+
+
+def _write_rows(file: Path, rows: list[dict[str, Any]]) -> None:
     with open(file, "w") as f:
-        for _ in range(num):
-            f.write(json.dumps({"prompt": guess.PROMPT, "secret": rng.choice(symbols),
-                                "num_symbols": num_symbols}) + "\n")
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+# -- the Blackjack demo: the README's example environment's actor and prompts -------------------
+
+# Every row's prompt: the instruction before the first hand (README, "Multi-turn agents").
+BLACKJACK_PROMPT = "We play Blackjack. Answer each hand with one word: hit or stick."
+# The answers the SFT'd policy gives, each as often: a random policy for GRPO to improve on.
+BLACKJACK_ANSWERS = ("hit", "stick")
+# Demonstrations whose probabilities meta.json reports.
+_BLACKJACK_EVAL_GAMES = 256
+
+
+def _blackjack_env() -> Any:
+    return rewards.load_function(BLACKJACK_ENV, "env.function")()
+
+
+def _blackjack_words() -> tuple[str, ...]:
+    """The words of the prompt, the answers and every hand's description (a total of 4 to 21,
+    12 up with a usable ace; the dealer's card 1 to 10), as the word-level tokenizer splits
+    them (at whitespace: "14;" is a word)."""
+    env = _blackjack_env()
+    texts = [BLACKJACK_PROMPT, *BLACKJACK_ANSWERS]
+    texts += [env.describe((total, dealer, ace)) for total in range(4, 22)
+              for dealer in range(1, 11) for ace in (False, True) if total >= 12 or not ace]
+    return tuple(dict.fromkeys(word for text in texts for word in text.split()))
+
+
+def _blackjack_episode(env: Any, tokenizer: Any, max_turns: int, seed: int,
+                       answer: Callable[[], str]) -> tuple[list[int], list[float], float]:
+    """(ids, 1 on action tokens, score) of the game dealt from ``seed`` whose answers are
+    ``answer()``'s, in the tokens a run's episode holds: the prompt as the data loader encodes it
+    (<bos> added), an answer and <eos>, a hand's description without special tokens."""
+    ids = tokenizer(BLACKJACK_PROMPT)["input_ids"]
+    actions = [0.0] * len(ids)
+    observation, score = env.reset(seed=seed), 0.0
+    for _ in range(max_turns):
+        seen = tokenizer(observation, add_special_tokens=False)["input_ids"]
+        answer_now = answer()
+        act = [*tokenizer(answer_now, add_special_tokens=False)["input_ids"],
+               tokenizer.eos_token_id]
+        ids += seen + act
+        actions += [0.0] * len(seen) + [1.0] * len(act)
+        observation, reward, done = env.step(answer_now)
+        score += reward
+        if done:
+            break
+    return ids, actions, score
+
+
+def _sft_blackjack(task: TaskConfig, max_turns: int, model_cfg: ModelConfig, vocab_size: int,
+                   tokenizer: Any, directory: Path) -> dict[str, float]:
+    """The Blackjack agent: SFT on games of random answers, so it answers each hand with one
+    word and <eos>. meta.json: its mean probabilities, on fresh games, of ``hit`` and of either
+    answer at an answer's first token and of <eos> at its second, and those games' mean score
+    (a random policy's)."""
+    env, rng = _blackjack_env(), random.Random(21)
+
+    def game() -> tuple[list[int], list[float], float]:
+        return _blackjack_episode(env, tokenizer, max_turns, rng.randrange(2**31),
+                                  lambda: rng.choice(BLACKJACK_ANSWERS))
+
+    model = _sft_on_episodes(task, model_cfg, vocab_size, lambda: game()[:2],
+                             "SFT of the Blackjack agent")
+    games = [game() for _ in range(_BLACKJACK_EVAL_GAMES)]
+    ids, real, actions = _padded([game[:2] for game in games])
+    with torch.no_grad():
+        probs = model.lm(input_ids=ids, attention_mask=real).logits.float().softmax(-1)
+    # An answer's first token at an action token whose previous token is not one; its <eos> next.
+    first = (actions[:, 1:] > 0) & (actions[:, :-1] == 0)
+    before = probs[:, :-1][first]  # the distribution each answer's first token was drawn from
+    after = torch.zeros_like(first)
+    after[:, 1:] = first[:, :-1]  # the next token's: the answer's <eos>
+    eos = probs[:, :-1][after][:, tokenizer.eos_token_id]
+    hit, stick = tokenizer.convert_tokens_to_ids(list(BLACKJACK_ANSWERS))
+    _save_actor(model, tokenizer, directory)
+    return {"sft_steps": task.sft_steps,
+            "sft_hit_prob": float(before[:, hit].mean()),
+            "sft_answer_prob": float((before[:, hit] + before[:, stick]).mean()),
+            "sft_eos_prob": float(eos.mean()),
+            "random_policy_score": sum(game[2] for game in games) / len(games)}

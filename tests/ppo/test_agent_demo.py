@@ -180,3 +180,97 @@ def test_play_counts_wins_as_a_run_scores_its_episodes():
     # <eos> first: an empty action forfeits every game.
     silent = _Scripted(len(tok), tok.eos_token_id, tok.eos_token_id)
     assert demo.play(silent, tok, 16, 5, games, seed) == 0.0
+
+
+# -- the Blackjack demo (conf/grpo_blackjack_tiny.yaml) -----------------------------------------
+
+BLACKJACK_SMALL = ["conf=grpo_blackjack_tiny", "task.sft_steps=10", "task.train_prompts=32",
+                   "task.val_prompts=8", "task.model.hidden_size=32",
+                   "task.model.intermediate_size=64"]
+
+
+def _blackjack_tokenizer():
+    pytest.importorskip("gymnasium")
+    return demo.make_tokenizer(CountingTask(16, 4, 1), demo._blackjack_words())
+
+
+def test_the_blackjack_tokenizer_writes_every_hand_and_answer_without_unknown_words():
+    # A word missing from the vocabulary (a total, the ace's wording) would reach the actor as
+    # <unk>: every description the game can give, the prompt and the answers are known words.
+    tok = _blackjack_tokenizer()
+    env = rewards.load_function(demo.BLACKJACK_ENV, "env.function")()
+    # A usable ace counts 11: a total of 12 or more.
+    texts = [env.describe((total, dealer, ace)) for total in range(4, 22)
+             for dealer in range(1, 11) for ace in (False, True) if total >= 12 or not ace]
+    for text in [demo.BLACKJACK_PROMPT, *texts]:
+        assert tok.unk_token_id not in tok(text)["input_ids"], text
+    assert [len(tok(a, add_special_tokens=False)["input_ids"]) for a in demo.BLACKJACK_ANSWERS
+            ] == [1, 1]
+    # The guessing game's key is the one its caches were made under; Blackjack's is apart.
+    task = TaskConfig()
+    assert demo.agent_cache_key(task, 6, "blackjack") != demo.agent_cache_key(task, 6)
+
+
+class _Answering:
+    """A rollout engine that answers every hand with ``word`` and <eos>."""
+
+    def __init__(self, tok, word: str) -> None:
+        self.action = [*tok(word, add_special_tokens=False)["input_ids"], tok.eos_token_id]
+        self.tok = tok
+
+    def generate(self, prompts: PromptBatch, sampling: Sampling):
+        actions = torch.tensor([self.action] * prompts.input_ids.shape[0])
+        return join(prompts, actions, self.tok.eos_token_id)
+
+    def turns(self):
+        return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("word", ["hit", "stick"])
+def test_the_blackjack_sfts_episodes_are_token_for_token_those_a_run_assembles(word):
+    # Games dealt from the same seeds, played through the run's episode loop and as the SFT
+    # writes them: equal ids, action masks and scores ("hit" plays several turns of hands).
+    tok = _blackjack_tokenizer()
+    games, max_turns = 16, 6
+    prompts = PromptBatch.left_padded([tok(demo.BLACKJACK_PROMPT)["input_ids"]] * games,
+                                      tok.pad_token_id)
+    factory = rewards.load_function(demo.BLACKJACK_ENV, "env.function")
+    runner = EnvRunner(factory, "Blackjack", 2, 60.0)
+    try:
+        batch, stats = episodes.run(
+            _Answering(tok, word), prompts, [{"prompt": demo.BLACKJACK_PROMPT}] * games,
+            list(range(games)), runner, Observations(tok, False),
+            lambda ids: tok.decode(ids, skip_special_tokens=True), Sampling(2, greedy=True),
+            episodes.Budget(max_turns, 128), tok.pad_token_id, str)
+    finally:
+        runner.close()
+    width = batch.response_len
+    for row in range(games):
+        ids, actions, score = demo._blackjack_episode(factory(), tok, max_turns, row,
+                                                      lambda: word)
+        real = batch.attention_mask[row].bool()
+        assert batch.sequences[row][real].tolist() == ids, row
+        responded = batch.attention_mask[row, -width:].bool()
+        prompt_len = int(real.sum()) - int(responded.sum())
+        assert [0.0] * prompt_len + batch.action_mask[row][responded].tolist() == actions, row
+        assert batch.scores[row].item() == score
+    assert stats["turns"] > games if word == "hit" else stats["turns"] == games
+
+
+def test_the_blackjack_conf_makes_its_own_assets_and_points_the_users_keys_at_them(tmp_path):
+    pytest.importorskip("gymnasium")
+    cfg = load([*BLACKJACK_SMALL, f"task.cache_dir={tmp_path}"])
+    entries = sorted(p.name for p in tmp_path.iterdir())
+    assert entries == [f"blackjack-{demo.agent_cache_key(cfg.task, 6, 'blackjack')}"]
+    root = tmp_path / entries[0]
+    assert cfg.actor.path == cfg.ref.path == str(root / "actor")
+    assert cfg.env.function == demo.BLACKJACK_ENV and cfg.env.max_turns == 6
+    assert cfg.env_scores and cfg.reward.env_score and not cfg.reward.runs_model
+    rows = [json.loads(line) for line in open(cfg.data.train_files)]
+    assert rows == [{"prompt": demo.BLACKJACK_PROMPT}] * 32
+    meta = json.loads((root / "meta.json").read_text())
+    assert set(meta) == {"key", "sft_steps", "sft_hit_prob", "sft_answer_prob", "sft_eos_prob",
+                         "random_policy_score"}
+    # 256 games of random answers: a score's spread is at most 1, so the mean is within 0.25
+    # (4 standard errors of 1/16) of the random policy's -0.40 (20,000 games).
+    assert abs(meta["random_policy_score"] + 0.40) < 0.25
