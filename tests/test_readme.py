@@ -16,6 +16,8 @@ import ast
 import json
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -161,3 +163,129 @@ def test_the_readme_is_a_guide_under_600_lines():
     # Measurements go to docs/benchmarks.md, design to docs/design.md: the README grew to 1,409
     # lines when they sat between its how-to sections.
     assert len(README.read_text().splitlines()) < 600
+
+
+# --- the commands run, in order (pytest -m guide) ---------------------------------------------
+
+# Commands this machine cannot run as written, and why; the test fails on any other it skips.
+NOT_HERE = {
+    "Running on a GPU": "needs a CUDA device",
+    "Running on a GPU cluster": "needs the reader's Ray cluster (HEAD_IP) and /shared models",
+}
+# The checkpoints section's run lengths at 1/25 (its saves every 10 steps of 50, the run taken on
+# to 60, a resume from step_50): the same sequence of saves, extension and resumes in 3 steps.
+SHORTER = {"trainer.save_every=10": "trainer.save_every=1", "trainer.steps=60": "trainer.steps=3",
+           "step_50": "step_2"}
+STEPS = 2
+# What the reader's terminal shows is not under test here: no wandb run, no progress bar.
+QUIET = ["logger.wandb.mode=disabled", "logger.progress=false"]
+SERVER = re.compile(r"^python -m rlhf_paro\.reward_server .*$", re.M)
+
+
+def _reader_files(root: Path) -> None:
+    """What the README's commands name that a reader brings: ``my/policy`` (a causal LM with a
+    text tokenizer), ``my/reward_model`` (a sequence classifier with one label, the same
+    tokenizer), and each prompt file a command names, the rows its section shows, repeated."""
+    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+
+    from tests.hf_assets import bpe_tokenizer, llama_config
+
+    tokenizer = bpe_tokenizer()
+    for name, cls, extra in (("policy", LlamaForCausalLM, {}),
+                             ("reward_model", LlamaForSequenceClassification, {"num_labels": 1})):
+        config = llama_config(len(tokenizer), **extra)
+        # Room for an episode of six Blackjack hands and the prompts the sections show.
+        config.max_position_embeddings = 1024
+        directory = root / "my" / name
+        cls(config).save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+    (root / "examples").symlink_to(REPO / "examples")
+    for title, argv in COMMANDS:
+        for key in DATA_KEYS:
+            for files in _values(argv, key):
+                rows = _documented_rows(dict(SECTIONS)[title])
+                for file in files.split(","):
+                    (root / file).write_text("".join(json.dumps(rows[0]) + "\n"
+                                                     for _ in range(64)))
+
+
+def _shortened(argv: list[str]) -> list[str]:
+    """``argv`` as the test runs it: the checkpoints section's lengths at 1/25 (``SHORTER``), a
+    run ``STEPS`` steps long unless it names its length or resumes a saved step (one more), and
+    ``QUIET``."""
+    args = [SHORTER.get(arg, arg) for arg in argv]
+    args = [sys.executable, *(arg.replace("step_50", SHORTER["step_50"]) for arg in args[1:])]
+    if argv[2] != "rlhf_paro.train" or PRINTING & set(args):
+        return args
+    resumes = [v for v in _values(args, "trainer.resume") if v not in ("none", "auto")]
+    if not _values(args, "trainer.steps"):
+        args.append(f"trainer.steps={STEPS + 1 if resumes else STEPS}")
+    return [*args, *QUIET]
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.guide
+@pytest.mark.timeout(3600)  # some twenty runs, one after another
+def test_the_readme_s_commands_run_in_order_as_a_reader_types_them(tmp_path):
+    # Catches a command that resolves but fails as a run (a file it names that its section does
+    # not describe, an engine or an environment that breaks at run time, a resume the previous
+    # command's folder does not allow) and a section whose runs collide in one folder tree.
+    import torch
+
+    from tests.conftest import rows, shared_env
+
+    _reader_files(tmp_path)
+    env = shared_env()
+    skipped = set()
+    for title, argv in COMMANDS:
+        section = next((s for s in NOT_HERE if title.startswith(s)), None)
+        if section is not None and not (section == "Running on a GPU"
+                                        and torch.cuda.is_available()):
+            skipped.add(section)
+            continue
+        args = _shortened(argv)
+        server = None
+        if _values(args, "reward.url"):  # the section's server, in the reader's other terminal
+            line = SERVER.search(dict(SECTIONS)[title]).group(0)
+            server = subprocess.Popen([sys.executable, *shlex.split(line)[1:]], cwd=tmp_path, env=env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      text=True)
+            _wait_for_port(8000, server)
+        try:
+            run = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True,
+                                 timeout=900)
+        finally:
+            if server is not None:
+                server.terminate()
+                server.wait(timeout=30)
+        where = f"{title!r}: {shlex.join(args)}"
+        assert run.returncode == 0, f"{where} exits {run.returncode}:\n{run.stderr[-3000:]}"
+        assert run.stdout.strip(), f"{where} printed nothing"
+        if argv[2] != "rlhf_paro.train" or PRINTING & set(args):
+            continue
+        out = tmp_path / _values(args, "trainer.output_dir")[0]
+        if "-m" in args[3:]:  # a sweep: a run of the given length per combination
+            runs = sorted(out.rglob("metrics.jsonl"))
+            assert len(runs) == 6, f"{where} left {len(runs)} runs"
+            assert all(rows(r.parent)[-1]["step"] == STEPS - 1 for r in runs), where
+            continue
+        last = int(_values(args, "trainer.steps")[-1]) - 1  # steps count from 0
+        assert rows(out) and rows(out)[-1]["step"] == last, \
+            f"{where}: the last metrics row is not step {last}"
+    assert skipped == set(NOT_HERE) - ({"Running on a GPU"} if torch.cuda.is_available()
+                                       else set())
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the reward server exited: {proc.stderr.read()[-2000:]}"
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"the reward server did not listen on {port} in {timeout_s} s")

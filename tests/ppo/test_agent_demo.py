@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import json
 import random
-from pathlib import Path
 
 import pytest
 import torch
