@@ -29,7 +29,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from rlhf_paro.compose import (
-    available_confs, load_config, parse_overrides, register_resolver, sweep_values,
+    available_confs, load_config, parse_overrides, quoted, register_resolver, sweep_values,
 )
 from rlhf_paro.config import Config, ConfigError, NothingToRun, cli_errors
 
@@ -88,7 +88,9 @@ def main(argv: list[str], *, prog: str, about: str, prepare: Callable[[Config, s
             job_argv = job.argv
             if multirun:
                 print(f"[{prog}] job {k}: {job.name or 'nothing swept'}", flush=True)
-                job_argv = [*job.argv, f"trainer.output_dir={cfg.trainer.output_dir}"]
+                # Quoted: the job's directory names its values, commas and all, which would
+                # read as a sweep when ``run`` composes the job's definition from its argv.
+                job_argv = [*job.argv, f"trainer.output_dir={quoted(cfg.trainer.output_dir)}"]
             execute(cfg, job_argv)
 
 

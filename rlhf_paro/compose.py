@@ -202,6 +202,13 @@ def split_sweep(text: str) -> list[str]:
     return values + [text[start:]]
 
 
+def quoted(text: str) -> str:
+    """``text`` as an override's value that parses back to ``text`` itself: a YAML single-quoted
+    string, which no comma sweeps (``split_sweep``) and no ``1e-5`` or ``null`` turns into
+    another type."""
+    return "'" + text.replace("'", "''") + "'"
+
+
 def sweep_values(key: str, text: str) -> list[str]:
     """The values that ``key=text`` sweeps over (one: no sweep). A file list's commas are its
     own; so are those of ``env.tools=file.py:a,b``, where a value without a ``:`` is one more

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlhf_paro import plan, train
+from rlhf_paro import plan, runs, train
 from rlhf_paro.cli import _leaves
-from rlhf_paro.compose import load_config
+from rlhf_paro.compose import load_config, quoted
 from rlhf_paro.config import PPOConfig, TaskConfig
 from rlhf_paro.ppo import demo
 from tests.confs import INLINE, TINY_MODEL
@@ -101,6 +101,36 @@ def test_multirun_runs_the_product_of_the_swept_values_each_in_its_own_directory
     assert jobs[4].trainer.output_dir == os.path.abspath(
         "runs/4_actor.strategy=zero3,critic.strategy=GGG")
     assert capsys.readouterr().out.count("[rlhf_paro.train] job ") == 6
+
+
+def test_a_swept_job_records_the_definition_its_next_run_is_checked_against(monkeypatch,
+                                                                           tmp_path, capsys):
+    # ``run`` records each job's definition as composed from the job's argv, which names the
+    # job's directory (commas in it): composed again, it must be the job's own,
+    # so that the same sweep typed again finds each job finished, not another run or a sweep.
+    ran = []
+
+    def run(cfg, argv):
+        ran.append(argv)
+        Path(cfg.trainer.output_dir).mkdir(parents=True)  # as ``runs.locked`` makes it
+        runs.record_definition(load_config(argv))
+        runs.mark_finished(cfg.trainer.output_dir, cfg.trainer.steps)
+
+    monkeypatch.setattr(train, "run", run)
+    monkeypatch.chdir(tmp_path)
+    command = ["-m", "actor.strategy=IGG,GGG", "critic.strategy=NIG,III",
+               "trainer.output_dir=sweep"]
+    train.main(command)
+    assert len(ran) == 4
+    capsys.readouterr()
+    train.main(command)
+    assert len(ran) == 4
+    assert capsys.readouterr().out.count("finished") == 4
+
+
+@pytest.mark.parametrize("text", ["a,b", "it's,x", "1e-5", "null", "[a, b]", "''"])
+def test_a_quoted_value_reads_back_as_the_text_itself(text):
+    assert load_config([f"trainer.output_dir={quoted(text)}"]).trainer.output_dir == text
 
 
 def test_multirun_checks_every_job_before_running_the_first(jobs, capsys):
