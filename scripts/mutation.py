@@ -299,8 +299,10 @@ def _run(copy_root: Path, tests: list[str], timeout: float) -> tuple[str, float]
             os.dup2(log, 2)
             import pytest
 
+            # A basetemp of its own: pytest keeps only the last three of its default ones, so
+            # a few hundred mutants' runs would delete the folders of a suite run beside them.
             code = pytest.main(["-x", "-q", "-m", "not slow", "-p", "no:cacheprovider",
-                                *tests])
+                                "--basetemp", str(copy_root / "pytest-tmp"), *tests])
             os._exit(int(code))
         except BaseException:  # noqa: BLE001 - any error is a failed run
             os._exit(3)
