@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_paro import plan, train
+from rlhf_paro import plan, train, usercode
 from rlhf_paro.compose import load_config
 from rlhf_paro.ppo import data, rewards
 
@@ -84,6 +84,19 @@ def _values(argv: list[str], key: str) -> list[str]:
     return [arg.partition("=")[2] for arg in argv if arg.partition("=")[0] == key]
 
 
+def _write_prompt_files(root: Path, title: str, argv: list[str], copies: int) -> None:
+    """Each prompt file ``argv`` names, under ``root``: the first row its section shows,
+    ``copies`` times."""
+    for key in DATA_KEYS:
+        for files in _values(argv, key):
+            rows = _documented_rows(dict(SECTIONS)[title])
+            assert rows, f"{title!r} names {key}={files} but shows no row of it"
+            for file in files.split(","):
+                path = root / file
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text((json.dumps(rows[0]) + "\n") * copies)
+
+
 SECTIONS = _sections(README.read_text())
 COMMANDS = [(title, argv) for title, text in SECTIONS for argv in _commands(text)]
 
@@ -123,15 +136,7 @@ def test_each_readme_command_resolves_as_written(title, argv, monkeypatch, tmp_p
     (tmp_path / "examples").symlink_to(REPO / "examples")
     monkeypatch.chdir(tmp_path)
     args = argv[3:]
-    section = dict(SECTIONS)[title]
-    for key in DATA_KEYS:
-        for files in _values(args, key):
-            rows = _documented_rows(section)
-            assert rows, f"{title!r} names {key}={files} but shows no row of it"
-            for file in files.split(","):
-                path = tmp_path / file
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(rows[0]) + "\n")
+    _write_prompt_files(tmp_path, title, args, copies=1)
 
     monkeypatch.setattr(train, "run", lambda cfg, job: pytest.fail("--cfg job ran a job"))
     shown = args if PRINTING & set(args) else ["--cfg", "job", *args]
@@ -147,7 +152,7 @@ def test_each_readme_command_resolves_as_written(title, argv, monkeypatch, tmp_p
     for key in FILE_KEYS:
         for spec in _values(args, key):
             file, _, name = spec.rpartition(":")
-            tree = ast.parse(rewards.function_file(spec, key).read_text())
+            tree = ast.parse(usercode.function_file(spec, key).read_text())
             defined = {node.name for node in tree.body
                        if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
             assert name in defined, f"{title!r}: {file} defines no {name}"
@@ -155,7 +160,7 @@ def test_each_readme_command_resolves_as_written(title, argv, monkeypatch, tmp_p
         cfg = load_config(args)
         row = data.first_row(cfg)
         prompt = row.pop(cfg.data.prompt_key)
-        rewards.call_function(rewards.load_function(spec), spec, None, [prompt], [""],
+        rewards.call_function(usercode.load_function(spec), spec, None, [prompt], [""],
                               {name: [value] for name, value in row.items()})
 
 
@@ -174,8 +179,8 @@ NOT_HERE = {
 }
 # The checkpoints section's run lengths at 1/25 (its saves every 10 steps of 50, the run taken on
 # to 60, a resume from step_50): the same sequence of saves, extension and resumes in 3 steps.
-SHORTER = {"trainer.save_every=10": "trainer.save_every=1", "trainer.steps=60": "trainer.steps=3",
-           "step_50": "step_2"}
+SHORTER = {"trainer.save_every=10": "trainer.save_every=1", "trainer.steps=60": "trainer.steps=3"}
+RESUMED = ("step_50", "step_2")  # the checkpoint a resume names, inside its path
 STEPS = 2
 # What the reader's terminal shows is not under test here: no wandb run, no progress bar.
 QUIET = ["logger.wandb.mode=disabled", "logger.progress=false"]
@@ -201,20 +206,15 @@ def _reader_files(root: Path) -> None:
         tokenizer.save_pretrained(directory)
     (root / "examples").symlink_to(REPO / "examples")
     for title, argv in COMMANDS:
-        for key in DATA_KEYS:
-            for files in _values(argv, key):
-                rows = _documented_rows(dict(SECTIONS)[title])
-                for file in files.split(","):
-                    (root / file).write_text("".join(json.dumps(rows[0]) + "\n"
-                                                     for _ in range(64)))
+        _write_prompt_files(root, title, argv, copies=64)
 
 
 def _shortened(argv: list[str]) -> list[str]:
-    """``argv`` as the test runs it: the checkpoints section's lengths at 1/25 (``SHORTER``), a
-    run ``STEPS`` steps long unless it names its length or resumes a saved step (one more), and
-    ``QUIET``."""
+    """``argv`` as the test runs it: the checkpoints section's lengths at 1/25 (``SHORTER``,
+    ``RESUMED``), a run ``STEPS`` steps long unless it names its length or resumes a saved step
+    (one more), and ``QUIET``."""
     args = [SHORTER.get(arg, arg) for arg in argv]
-    args = [sys.executable, *(arg.replace("step_50", SHORTER["step_50"]) for arg in args[1:])]
+    args = [sys.executable, *(arg.replace(*RESUMED) for arg in args[1:])]
     if argv[2] != "rlhf_paro.train" or PRINTING & set(args):
         return args
     resumes = [v for v in _values(args, "trainer.resume") if v not in ("none", "auto")]
@@ -238,13 +238,15 @@ def test_the_readme_s_commands_run_in_order_as_a_reader_types_them(tmp_path):
     _reader_files(tmp_path)
     env = shared_env()
     skipped = set()
-    for title, argv in COMMANDS:
+    for k, (title, argv) in enumerate(COMMANDS):
         section = next((s for s in NOT_HERE if title.startswith(s)), None)
         if section is not None and not (section == "Running on a GPU"
                                         and torch.cuda.is_available()):
             skipped.add(section)
             continue
         args = _shortened(argv)
+        # Progress for `pytest -s`: some twenty runs take about 20 minutes.
+        print(f"[guide] {k + 1}/{len(COMMANDS)} {title}: {shlex.join(argv[1:])}", flush=True)
         server = None
         if _values(args, "reward.url"):  # the section's server, in the reader's other terminal
             line = SERVER.search(dict(SECTIONS)[title]).group(0)
