@@ -33,7 +33,7 @@ from typing import Callable
 
 from rlhf_paro.config import FROZEN_ROLES, MANIFEST, RESUME_CHOICES, ROLES, Config, ConfigError, \
     data_files
-from rlhf_paro import models, rollout
+from rlhf_paro import models, rollout, usercode
 from rlhf_paro.ppo import algorithms, demo, rewards
 
 
@@ -166,7 +166,7 @@ def check_files(cfg: Config) -> None:
         model = cfg.model(role)
         for key in ("function", "score_function"):
             if getattr(model, key) is not None:
-                rewards.function_file(getattr(model, key), f"{role}.{key}")
+                usercode.function_file(getattr(model, key), f"{role}.{key}")
         # Checked when the run starts, not at the first step: a missing token would stop it there.
         if model.url is not None and model.token_env is not None:
             token = os.environ.get(model.token_env)
@@ -186,7 +186,7 @@ def check_files(cfg: Config) -> None:
                                               "existing local directory, models are never "
                                               "downloaded")
     if cfg.env.function is not None:
-        rewards.function_file(cfg.env.function, "env.function")
+        usercode.function_file(cfg.env.function, "env.function")
     if cfg.env.tools is not None and not Path(cfg.env.tools.rpartition(":")[0]).expanduser() \
             .is_file():
         raise ConfigError("env.tools", f"no file {cfg.env.tools.rpartition(':')[0]!r}; "

@@ -52,6 +52,7 @@ from typing import Any, NoReturn
 import h11
 
 from rlhf_paro.config import ConfigError, cli_errors
+from rlhf_paro import usercode
 from rlhf_paro.ppo import rewards
 
 PATH = "/score"
@@ -358,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
             raise ConfigError("--host", f"{args.host} is not a loopback address, so anyone who "
                                         "reaches it could use the server; allowed: 127.0.0.1, "
                                         "or another host with --token-env")
-        function = rewards.load_function(args.spec, "spec")
+        function = usercode.load_function(args.spec, "spec")
     try:
         server = RewardServer((args.host, args.port), function, args.spec, token,
                               max(int(args.max_body_mb * 2**20), 1), args.timeout_s)

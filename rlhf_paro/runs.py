@@ -385,7 +385,7 @@ def finished_steps(output_dir: str) -> int | None:
 def check_inputs(cfg: Config) -> dict[str, int]:
     """Every user file a run reads, read once before anything runs: the tokenizers, the prompt
     files, the reward function. Returns the vocabulary each model must hold."""
-    from rlhf_paro.ppo import rewards
+    from rlhf_paro import usercode
 
     vocab_sizes = data.vocab_sizes(cfg)
     if cfg.data.train_files is not None:
@@ -407,7 +407,7 @@ def check_inputs(cfg: Config) -> dict[str, int]:
     for key in ("function", "score_function"):
         spec = getattr(cfg.reward, key)
         if spec is not None:
-            rewards.load_function(spec, f"reward.{key}")
+            usercode.load_function(spec, f"reward.{key}")
     if cfg.trainer.eval_every and cfg.data.val_files is None:
         raise ConfigError("trainer.eval_every", "evaluates on data.val_files, which is not set")
     return vocab_sizes

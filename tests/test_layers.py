@@ -10,7 +10,9 @@ Every ``import`` and ``from`` statement counts, at the top of a module, inside a
                   composed from confs and the command line (``compose``). It validates
                   strategies with ``sharding``, so it sits above it; every layer from here up
                   reads it. Names it cannot check without the math (KL estimators) are checked
-                  when the config is resolved.
+                  when the config is resolved. ``usercode``: the user's ``file.py:NAME``
+                  (reward functions, environments, tools) loaded, below both ``ppo`` and
+                  ``envs``, which read it.
     3  ppo        what a worker is made of, without Ray: the PPO math, the task, the reward
                   model (``ppo/``), and
                   - ``resolve``: the config's last step, which makes the demo's assets, checks
@@ -47,6 +49,7 @@ LAYERS = {
     "rlhf_paro.sharding": 1,
     "rlhf_paro.config": 2,
     "rlhf_paro.compose": 2,
+    "rlhf_paro.usercode": 2,  # file.py:NAME of the command line, loaded for ppo and envs alike
     "rlhf_paro.resolve": 3,
     "rlhf_paro.models": 3,
     "rlhf_paro.batching": 3,  # the rollout's layout and the packed one (pure torch)
@@ -142,6 +145,57 @@ def test_the_rollout_imports_nothing_of_ppo_or_resolve():
                        for line, name in imported_names(module, path)
                        if any(_within(name, upper) for upper in uppers)]
     assert not upward, "imports pointing up inside layer 3:\n" + "\n".join(upward)
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports through any chain of imports of ``graph``."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for target in graph.get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_the_rollout_reaches_nothing_of_ppo_or_resolve_through_any_chain():
+    # The direct check above misses a chain through a third package: rollout/episodes.py
+    # imported envs, which loaded the user's environment through ppo.rewards.
+    graph = import_graph(modules())
+    upward = [f"{module} reaches {target}" for module in graph for lower, uppers in BELOW.items()
+              if _within(module, lower) for target in sorted(reachable(graph, module))
+              if any(_within(target, upper) for upper in uppers)]
+    assert not upward, "chains of imports pointing up inside layer 3:\n" + "\n".join(upward)
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph of the LAYERS entries: an edge where a module of one imports a module
+    of another."""
+    packages: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        entry = layer_entry(module)
+        packages.setdefault(entry, set()).update(
+            layer_entry(t) for t in targets if layer_entry(t) != entry)
+    return packages
+
+
+def test_no_packages_import_one_another_in_a_cycle():
+    # Modules may form no cycle, and neither may the packages of one layer: envs and ppo did
+    # (ppo.demo imports envs.guess; envs loaded the user's environment through ppo.rewards).
+    found = cycles(package_graph(import_graph(modules())))
+    assert not found, "package cycles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_the_chain_and_package_checks_find_the_envs_ppo_loop():
+    # The layout before usercode: each edge alone points sideways or down, the chain does not.
+    graph = {"rlhf_paro.rollout.episodes": {"rlhf_paro.envs"},
+             "rlhf_paro.envs": {"rlhf_paro.ppo.rewards"},
+             "rlhf_paro.ppo.demo": {"rlhf_paro.envs.guess"},
+             "rlhf_paro.envs.guess": set(), "rlhf_paro.ppo.rewards": {"rlhf_paro.config"}}
+    assert reachable(graph, "rlhf_paro.rollout.episodes") == {
+        "rlhf_paro.envs", "rlhf_paro.ppo.rewards", "rlhf_paro.config"}
+    assert cycles(package_graph(graph)) == [["rlhf_paro.envs", "rlhf_paro.ppo"]]
 
 
 def import_graph(found: dict[str, Path]) -> dict[str, set[str]]:

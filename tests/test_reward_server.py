@@ -26,6 +26,7 @@ import psutil
 import pytest
 
 from rlhf_paro.config import Config, ConfigError, ModelConfig
+from rlhf_paro import usercode
 from rlhf_paro.ppo import rewards
 from rlhf_paro.ppo.rewards import RewardFunctionError
 from rlhf_paro.resolve import check_files
@@ -172,7 +173,7 @@ def status_of(answer: bytes) -> tuple[int, dict]:
 
 def test_with_the_token_the_server_answers_what_the_function_gives_in_process(server, spec):
     got = rewards.call_server(server, 5, PROMPTS, RESPONSES, COLUMNS, 10.0, TOKEN)
-    assert got == rewards.call_function(rewards.load_function(spec), spec, 5, PROMPTS,
+    assert got == rewards.call_function(usercode.load_function(spec), spec, 5, PROMPTS,
                                         RESPONSES, COLUMNS)
     # "x = 2": 5 characters / 4 with 3 words; "5": 1 / 4, no extras.
     assert got.scores == [1.25, 0.25] and got.extras == {"words": [3.0, None]}

@@ -21,6 +21,7 @@ import torch
 from rlhf_paro.actors.worker import Worker, peak_bytes
 from rlhf_paro.config import ConfigError
 from rlhf_paro.metrics import INFERENCE, RankReport
+from rlhf_paro import usercode
 from rlhf_paro.ppo import data, rewards
 from rlhf_paro.ppo.task import task_from_config
 from rlhf_paro.rollout import RolloutBatch
@@ -35,13 +36,13 @@ class RewardWorker(Worker):
         files = self.cfg.data.train_files is not None
         self.tokenizer = data.actor_tokenizer(self.cfg) if files else None
         spec = self.model_cfg.function
-        self.function = rewards.load_function(spec) if spec else None
+        self.function = usercode.load_function(spec) if spec else None
         self.url = self.model_cfg.url
         # Read here, on the worker's node, so that the token never travels in the config.
         self.token = _token(self.model_cfg.token_env) if self.url else None
         self.has_model = self.model_cfg.runs_model
         score_spec = self.model_cfg.score_function
-        self.score_function = (rewards.load_function(score_spec, "reward.score_function")
+        self.score_function = (usercode.load_function(score_spec, "reward.score_function")
                                if score_spec else None)
         # The reward model's own tokenizer, when it differs from the actor's.
         self.reward_tokenizer = (data.reward_tokenizer(self.cfg, self.tokenizer)

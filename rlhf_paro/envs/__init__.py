@@ -35,6 +35,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Sequence
 
+from rlhf_paro import usercode
 from rlhf_paro.config import Config, ConfigError
 
 # How often the driver of a batch of environment calls looks for one past its deadline.
@@ -49,11 +50,6 @@ class StepResult(NamedTuple):
     observation: Any  # text, chat messages, or None
     reward: float
     done: bool
-
-
-def _one_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
 
 def check_step(value: Any, name: str, where: str) -> StepResult:
@@ -102,15 +98,13 @@ def check_observation(observation: Any, what: str, where: str) -> None:
 def load(cfg: Config) -> tuple[Callable[..., Any], str]:
     """(factory of one sample's environment, its name for error lines) of ``env.function`` or
     ``env.tools``; ``ConfigError`` naming the key when the file or the name is not there."""
-    from rlhf_paro.ppo import rewards
-
     env = cfg.env
     if env.tools is not None:
         from rlhf_paro.envs import tools
 
         functions = tools.load_tools(env.tools)
         return (lambda **row: tools.ToolEnv(functions, **row)), "env.tools"
-    factory = rewards.load_function(env.function, "env.function")
+    factory = usercode.load_function(env.function, "env.function")
     if not callable(factory):
         raise ConfigError("env.function", f"{env.function} is a {type(factory).__name__}; "
                                           "allowed: a class or a function that builds one "
@@ -135,13 +129,13 @@ def check_factory(cfg: Config, row: dict[str, Any]) -> None:
         env = factory(**row)
     except TypeError as err:
         raise ConfigError("env.function", f"{name}(**row) refuses the prompt rows' columns "
-                          f"{', '.join(sorted(row))} ({_one_line(err)}); allowed: a class "
+                          f"{', '.join(sorted(row))} ({usercode.described(err)}); allowed: a class "
                           "whose constructor takes those columns (or **row)") from None
     except KeyboardInterrupt:  # here, in the driver's own thread: a Ctrl-C
         raise
     except BaseException as err:  # the user's constructor: anything it raises, sys.exit too
         raise ConfigError("env.function", f"{name}(**row) raised on the first prompt row "
-                                          f"({_one_line(err)})") from None
+                                          f"({usercode.described(err)})") from None
     for method in ("reset", "step"):
         if not callable(getattr(env, method, None)):
             raise ConfigError("env.function", f"{name} has no {method}() method; allowed: an "
@@ -199,12 +193,12 @@ class EnvRunner:
             try:
                 env = self.factory(**rows[i])
             except BaseException as err:  # in a thread: the environment's own
-                raise EnvError(f"{self.name}(**row) raised {where(i)} ({_one_line(err)})"
+                raise EnvError(f"{self.name}(**row) raised {where(i)} ({usercode.described(err)})"
                                ) from None
             try:
                 obs = env.reset(seed=seeds[i]) if takes_seed(env.reset) else env.reset()
             except BaseException as err:  # in a thread: the environment's own
-                raise EnvError(f"{self.name}.reset raised {where(i)} ({_one_line(err)})"
+                raise EnvError(f"{self.name}.reset raised {where(i)} ({usercode.described(err)})"
                                ) from None
             check_observation(obs, f"{self.name}.reset", where(i))
             return env, obs
@@ -220,7 +214,7 @@ class EnvRunner:
             try:
                 value = envs[i].step(actions[i])
             except BaseException as err:  # in a thread: the environment's own
-                raise EnvError(f"{self.name}.step raised {where(i)} ({_one_line(err)})"
+                raise EnvError(f"{self.name}.step raised {where(i)} ({usercode.described(err)})"
                                ) from None
             return check_step(value, self.name, where(i))
 
@@ -238,7 +232,7 @@ class EnvRunner:
             try:
                 envs[i].close()
             except BaseException as err:  # in a thread: the environment's own
-                raise EnvError(f"{self.name}.close raised {where(i)} ({_one_line(err)})"
+                raise EnvError(f"{self.name}.close raised {where(i)} ({usercode.described(err)})"
                                ) from None
 
         self._run([lambda i=i: one(i) for i in closing], "close", lambda k: where(closing[k]))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
+from rlhf_paro import usercode
 from rlhf_paro.config import ConfigError
 
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
@@ -31,12 +32,10 @@ class ToolExit(Exception):
 def load_tools(spec: str) -> dict[str, Callable[..., Any]]:
     """The functions ``a, b`` of ``file.py:a,b`` by name; ``ConfigError`` naming ``env.tools``
     for a file or function that is not there, or one without the docstring a schema needs."""
-    from rlhf_paro.ppo import rewards
-
     file, _, names = spec.rpartition(":")
     functions = {}
     for name in (n.strip() for n in names.split(",")):
-        function = rewards.load_function(f"{file}:{name}", "env.tools")
+        function = usercode.load_function(f"{file}:{name}", "env.tools")
         if not callable(function):
             raise ConfigError("env.tools", f"{name} in {file} is not a function")
         functions[name] = function

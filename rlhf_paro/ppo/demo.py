@@ -61,12 +61,12 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from rlhf_paro import usercode
 from rlhf_paro.config import (
     Config, ConfigError, EnvConfig, ModelConfig, PPOConfig, TaskConfig, build, build_config,
 )
 from rlhf_paro.envs import guess
 from rlhf_paro.models import build_causal_lm, build_value_model, count_parameters
-from rlhf_paro.ppo import rewards
 from rlhf_paro.ppo import task as task_module
 from rlhf_paro.ppo.task import CountingTask, PreferencePairs, SymbolTokenizer
 from rlhf_paro.rollout.batch import PromptBatch, RolloutBatch, join
@@ -622,7 +622,7 @@ _BLACKJACK_EVAL_GAMES = 256
 
 
 def _blackjack_env() -> Any:
-    return rewards.load_function(BLACKJACK_ENV, "env.function")()
+    return usercode.load_function(BLACKJACK_ENV, "env.function")()
 
 
 def _blackjack_words() -> tuple[str, ...]:

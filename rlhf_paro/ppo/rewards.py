@@ -15,23 +15,19 @@ stops the run with ``RewardFunctionError``, one line naming the function or serv
 from __future__ import annotations
 
 import asyncio
-import difflib
 import functools
-import importlib.util
-import inspect
 import json
 import math
 import numbers
 import re
-import reprlib
 import sys
 import time
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from pathlib import Path
 from typing import Any, Callable
 
-from rlhf_paro.config import ConfigError, check_function_spec
+from rlhf_paro.config import ConfigError
+from rlhf_paro.usercode import described, one_line
 
 # The function's own arguments: a column of these names would be passed twice (a TypeError
 # blaming the function, or a reward server's 500), so the prompt files may not have one.
@@ -72,52 +68,6 @@ class RewardOutput:
         return out
 
 
-def function_file(spec: str, key: str = "reward.function") -> Path:
-    """The file of ``file.py:name``; ``ConfigError`` naming ``key`` when there is none."""
-    check_function_spec(key, spec)
-    file = spec.rpartition(":")[0]
-    if not Path(file).expanduser().is_file():
-        raise ConfigError(key, f"no file {file!r}; allowed: an existing .py file")
-    return Path(file).expanduser().resolve()
-
-
-def load_function(spec: str, key: str = "reward.function") -> RewardFunction:
-    """The function ``name`` of ``file.py:name``, the file run as a fresh module."""
-    path = function_file(spec, key)
-    file, _, name = spec.rpartition(":")
-    module_spec = importlib.util.spec_from_file_location(f"rlhf_paro_user_{path.stem}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    # Registered before it runs, as an import would: a dataclass in the file looks itself up.
-    sys.modules[module_spec.name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except KeyboardInterrupt:
-        raise
-    except BaseException as err:  # the user's file, whatever it raises, sys.exit() included
-        del sys.modules[module_spec.name]
-        raise ConfigError(key, f"{file} fails on import: {_described(err)}") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        what = (f"has no class or function {name!r}" if fn is None else
-                f"defines {name} = {reprlib.repr(fn)}, not a class or function")
-        raise ConfigError(key, f"{file} {what}{_defined_names(module, name)}")
-    return fn
-
-
-def _defined_names(module: Any, name: str) -> str:
-    """What ``module`` defines that ``file.py:NAME`` could name, each said as what it is (class
-    or function), the close ones to ``name`` first: the end of the error's line."""
-    found = {attr: "class" if inspect.isclass(obj) else "function"
-             for attr, obj in vars(module).items()
-             if (inspect.isclass(obj) or inspect.isfunction(obj)) and not attr.startswith("_")
-             and getattr(obj, "__module__", None) == module.__name__}
-    if not found:
-        return "; it defines no class or function"
-    close = difflib.get_close_matches(name, list(found), n=1, cutoff=0.6)
-    hint = f" (did you mean {found[close[0]]} {close[0]}?)" if close else ""
-    return f"{hint}; allowed: " + ", ".join(f"{kind} {attr}" for attr, kind in found.items())
-
-
 def call_function(fn: RewardFunction, spec: str, step: int | None, prompts: list[str],
                   responses: list[str], columns: dict[str, list[Any]]) -> RewardOutput:
     """``fn``'s rewards, checked (``check_rewards``). ``step`` None: outside a run (the reward
@@ -132,7 +82,7 @@ def call_function(fn: RewardFunction, spec: str, step: int | None, prompts: list
         out = fn(list(prompts), list(responses),
                  **{name: list(values) for name, values in columns.items()})
     except BaseException as err:  # the user's function, whatever it raises
-        raise RewardFunctionError(f"{where} raised {_described(err)}") from None
+        raise RewardFunctionError(f"{where} raised {described(err)}") from None
     return check_rewards(out, len(responses), where)
 
 
@@ -221,7 +171,7 @@ def call_server(url: str, step: int, prompts: list[str], responses: list[str],
     except RewardFunctionError:
         raise
     except Exception as err:  # anything else is the answer's doing: never the actor's
-        raise RewardFunctionError(f"{where}: {hide(_described(err))}") from None
+        raise RewardFunctionError(f"{where}: {hide(described(err))}") from None
 
 
 def _call_server(where: str, url: str, prompts: list[str], responses: list[str],
@@ -231,7 +181,7 @@ def _call_server(where: str, url: str, prompts: list[str], responses: list[str],
         body = json.dumps({"prompts": prompts, "responses": responses, "columns": columns})
     except (TypeError, ValueError) as err:
         raise RewardFunctionError(f"{where}: the prompts' columns do not go as JSON: "
-                                  f"{_described(err)}") from None
+                                  f"{described(err)}") from None
     headers = {"Content-Type": "application/json", "Accept": "application/json"}
     if token:
         if not header_text(token):
@@ -250,7 +200,7 @@ def _call_server(where: str, url: str, prompts: list[str], responses: list[str],
             if 300 <= status < 400:
                 raise RewardFunctionError(
                     f"{where}: HTTP {status}: the server redirects to "
-                    f"{hide(_one_line(location)) or 'nowhere'}; redirects are not followed (the "
+                    f"{hide(one_line(location)) or 'nowhere'}; redirects are not followed (the "
                     "token would go with them): set reward.url to the address that answers")
             if status in (401, 403):
                 why = ("refused the token" if token else
@@ -275,7 +225,7 @@ def _call_server(where: str, url: str, prompts: list[str], responses: list[str],
         raise RewardFunctionError(f"{where}: the answer is JSON nested deeper than "
                                   f"{sys.getrecursionlimit()} levels") from None
     except ValueError as err:
-        raise RewardFunctionError(f"{where}: the answer is not JSON ({hide(_one_line(str(err)))})"
+        raise RewardFunctionError(f"{where}: the answer is not JSON ({hide(one_line(str(err)))})"
                                   ) from None
     if not isinstance(answer, dict) or "rewards" not in answer:
         raise RewardFunctionError(f"{where}: the answer has no 'rewards'; expected "
@@ -337,7 +287,7 @@ def _post(url: str, body: bytes, headers: dict[str, Any], timeout_s: float
     except (asyncio.TimeoutError, httpx.TimeoutException):
         raise _TimedOut from None
     except (httpx.NetworkError, httpx.RemoteProtocolError, httpx.ProxyError) as err:
-        raise _Unreachable(_described(err)) from None
+        raise _Unreachable(described(err)) from None
 
 
 # --- checking items -------------------------------------------------------------------------
@@ -386,16 +336,6 @@ def _kind(value: Any) -> str:
 
 # --- one-line messages ----------------------------------------------------------------------
 
-def _one_line(text: str, limit: int = 300) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line if len(line) <= limit else line[:limit] + "..."
-
-
-def _described(err: BaseException) -> str:
-    message = _one_line(str(err))
-    return f"{type(err).__name__}: {message}" if message else type(err).__name__
-
-
 def _error_text(body: bytes, status: int) -> str:
     """What a failed answer says: its JSON ``error`` (as ``reward_server`` sends), else its
     first line, else the status's name."""
@@ -408,4 +348,4 @@ def _error_text(body: bytes, status: int) -> str:
         phrase = HTTPStatus(status).phrase
     except ValueError:  # a status of the server's own
         phrase = "no reason given"
-    return _one_line(str(said or "")) or phrase
+    return one_line(str(said or "")) or phrase

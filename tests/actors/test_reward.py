@@ -14,7 +14,8 @@ import torch.distributed as dist
 from rlhf_paro.actors.reward import RewardWorker
 from rlhf_paro.actors.worker import Worker
 from rlhf_paro.config import Config, ConfigError, DataConfig, ModelConfig
-from rlhf_paro.ppo import data, rewards
+from rlhf_paro import usercode
+from rlhf_paro.ppo import data
 from rlhf_paro.ppo.task import task_from_config
 from rlhf_paro.rollout import PromptBatch, RolloutBatch, join
 from rlhf_paro.reward_server import RewardServer
@@ -47,7 +48,7 @@ def assets(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(assets):
     spec = f"{assets['fns']}:words"
-    server = RewardServer(("127.0.0.1", 0), rewards.load_function(spec), spec, "tok")
+    server = RewardServer(("127.0.0.1", 0), usercode.load_function(spec), spec, "tok")
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

@@ -250,9 +250,9 @@ def test_env_keys_check_themselves():
 # -- faults at run time: one line naming the environment, the step and the sample -------------------
 
 def _runner(files, name, timeout_s=5.0):
-    from rlhf_paro.ppo import rewards
+    from rlhf_paro import usercode
 
-    factory = rewards.load_function(f"{files / 'envs.py'}:{name}", "env.function")
+    factory = usercode.load_function(f"{files / 'envs.py'}:{name}", "env.function")
     return EnvRunner(factory, name, num_workers=4, timeout_s=timeout_s)
 
 

@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_paro import envs, models
+from rlhf_paro import envs, models, usercode
 from rlhf_paro.config import ConfigError, ModelConfig
-from rlhf_paro.ppo import rewards
 from rlhf_paro.rollout import PromptBatch, Sampling
 from rlhf_paro.rollout import episodes
 from rlhf_paro.rollout.hf import HFRollout
@@ -37,7 +36,7 @@ def test_without_the_extra_the_example_fails_in_one_line_naming_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "openenv", None)  # as if not installed
     monkeypatch.delitem(sys.modules, "rlhf_paro.envs.openenv", raising=False)
     with pytest.raises(ConfigError) as info:
-        rewards.load_function(EXAMPLE, "env.function")
+        usercode.load_function(EXAMPLE, "env.function")
     assert str(info.value) == (
         f"env.function: {EXAMPLE.rpartition(':')[0]} fails on import: ModuleNotFoundError: "
         "OpenEnv environments need the openenv extra: pip install -e '.[openenv]'")
@@ -50,7 +49,7 @@ def echo():
     echoes each message's words backwards: observations the model's own text cannot pass for."""
     pytest.importorskip("openenv.core", reason='needs the openenv extra: pip install -e '
                                                '".[openenv]"')
-    wrapper = rewards.load_function(EXAMPLE, "env.function")
+    wrapper = usercode.load_function(EXAMPLE, "env.function")
     example = sys.modules[wrapper.__module__]
 
     class Recorded(example.EchoEnvironment):
@@ -184,7 +183,7 @@ def test_the_example_reaches_a_server_started_apart_by_its_address(echo):
                 break
         else:
             pytest.fail(f"the server ended with {server.wait()} before it listened")
-        Wrapper = rewards.load_function(EXAMPLE, "env.function")
+        Wrapper = usercode.load_function(EXAMPLE, "env.function")
         env = type("Apart", (Wrapper,), {"url": url, "served": None})(prompt="count : a")
         assert env.reset(seed=3) is None  # the reset's empty echo
         assert env.step("a b") == ("a b", pytest.approx(0.2), False)

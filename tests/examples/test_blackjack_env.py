@@ -14,7 +14,7 @@ pytest.importorskip("gymnasium")
 from rlhf_paro import models  # noqa: E402
 from rlhf_paro.config import ModelConfig  # noqa: E402
 from rlhf_paro.envs import EnvRunner, Observations  # noqa: E402
-from rlhf_paro.ppo import rewards  # noqa: E402
+from rlhf_paro import usercode  # noqa: E402
 from rlhf_paro.rollout import PromptBatch, Sampling, episodes  # noqa: E402
 from tests.envs.test_envs import _Engine  # noqa: E402
 from tests.hf_assets import bpe_tokenizer  # noqa: E402
@@ -28,7 +28,7 @@ def test_blackjack_games_run_as_episodes_of_described_turns():
         "model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
         "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
         "max_position_embeddings": 512}), len(tok), seed=0)
-    factory = rewards.load_function(f"{EXAMPLE}:Blackjack", "env.function")
+    factory = usercode.load_function(f"{EXAMPLE}:Blackjack", "env.function")
     prompts = [tok("Play blackjack.")["input_ids"]] * 8
     torch.manual_seed(0)
     engine = _Engine(model)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_paro.config import ConfigError
+from rlhf_paro import usercode
 from rlhf_paro.ppo import rewards
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -36,7 +37,7 @@ CASES = [
 
 
 def test_the_stdlib_math_reward_scores_and_flags_an_answer():
-    score = rewards.load_function(f"{EXAMPLES}/math_reward.py:score")
+    score = usercode.load_function(f"{EXAMPLES}/math_reward.py:score")
     responses, answers, expected = [c[0] for c in CASES], [c[1] for c in CASES], CASES
     out = rewards.call_function(score, "math_reward.py:score", 1, ["q"] * len(CASES), responses,
                                 {"answer": answers, "level": ["easy"] * len(CASES)})
@@ -49,12 +50,12 @@ def test_the_stdlib_math_reward_scores_and_flags_an_answer():
 def test_the_math_verify_reward_without_the_package_is_one_line_at_load():
     with pytest.raises(ConfigError, match=r"math_verify_reward\.py fails on import: ImportError: "
                                           r"needs the optional package math-verify: pip install"):
-        rewards.load_function(f"{EXAMPLES}/math_verify_reward.py:score")
+        usercode.load_function(f"{EXAMPLES}/math_verify_reward.py:score")
 
 
 def test_the_math_verify_reward_judges_as_mathematics():
     pytest.importorskip("math_verify")
-    score = rewards.load_function(f"{EXAMPLES}/math_verify_reward.py:score")
+    score = usercode.load_function(f"{EXAMPLES}/math_verify_reward.py:score")
     out = rewards.call_function(
         score, "math_verify_reward.py:score", 1, ["q"] * 4,
         ["so \\boxed{2(x+1)}", "\\boxed{\\frac{1}{2}}", "It is \\boxed{999}", "no idea"],

@@ -14,7 +14,8 @@ import torch
 
 from rlhf_paro.config import TaskConfig
 from rlhf_paro.envs import EnvRunner, Observations, guess
-from rlhf_paro.ppo import demo, rewards
+from rlhf_paro import usercode
+from rlhf_paro.ppo import demo
 from rlhf_paro.ppo.task import CountingTask
 from rlhf_paro.rollout import episodes
 from rlhf_paro.rollout.base import Sampling
@@ -72,7 +73,7 @@ def test_the_conf_makes_the_agents_assets_alone_and_points_the_users_keys_at_the
     assert len(rows) == 32 and {tuple(sorted(r)) for r in rows} == {
         ("num_symbols", "prompt", "secret")}
     assert len({r["secret"] for r in rows}) > 8  # hidden symbols drawn over the alphabet
-    game = rewards.load_function(cfg.env.function, "env.function")(**rows[0])
+    game = usercode.load_function(cfg.env.function, "env.function")(**rows[0])
     assert game.step(rows[0]["secret"]) == (None, 1.0, True)
     meta = json.loads((root / "meta.json").read_text())
     assert set(meta) == {"key", "sft_steps", "sft_win_rate"} and 0 <= meta["sft_win_rate"] <= 1
@@ -197,7 +198,7 @@ def test_the_blackjack_tokenizer_writes_every_hand_and_answer_without_unknown_wo
     # A word missing from the vocabulary (a total, the ace's wording) would reach the actor as
     # <unk>: every description the game can give, the prompt and the answers are known words.
     tok = _blackjack_tokenizer()
-    env = rewards.load_function(demo.BLACKJACK_ENV, "env.function")()
+    env = usercode.load_function(demo.BLACKJACK_ENV, "env.function")()
     # A usable ace counts 11: a total of 12 or more.
     texts = [env.describe((total, dealer, ace)) for total in range(4, 22)
              for dealer in range(1, 11) for ace in (False, True) if total >= 12 or not ace]
@@ -233,7 +234,7 @@ def test_the_blackjack_sfts_episodes_are_token_for_token_those_a_run_assembles(w
     games, max_turns = 16, 6
     prompts = PromptBatch.left_padded([tok(demo.BLACKJACK_PROMPT)["input_ids"]] * games,
                                       tok.pad_token_id)
-    factory = rewards.load_function(demo.BLACKJACK_ENV, "env.function")
+    factory = usercode.load_function(demo.BLACKJACK_ENV, "env.function")
     runner = EnvRunner(factory, "Blackjack", 2, 60.0)
     try:
         batch, stats = episodes.run(

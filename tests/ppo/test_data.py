@@ -9,7 +9,7 @@ import pytest
 import ray
 import torch
 
-from rlhf_paro import models
+from rlhf_paro import models, usercode
 from rlhf_paro.compose import load_config
 from rlhf_paro.config import ConfigError, ModelConfig
 from rlhf_paro.ppo import data, rewards
@@ -287,12 +287,12 @@ def test_reward_function_failures_name_the_function_and_the_step(assets):
     args = (["p"] * 2, ["r"] * 2, {"start": [1, 2]})
     with pytest.raises(rewards.RewardFunctionError, match=r"fns.py:broken at step 7 raised "
                                                           r"ValueError: no score for you"):
-        rewards.call_function(rewards.load_function(spec), spec, 7, *args)
+        rewards.call_function(usercode.load_function(spec), spec, 7, *args)
     spec = f"{assets['fns']}:short"
     with pytest.raises(rewards.RewardFunctionError, match="at step 3 returned 1 values for 2"):
-        rewards.call_function(rewards.load_function(spec), spec, 3, *args)
+        rewards.call_function(usercode.load_function(spec), spec, 3, *args)
     spec = f"{assets['fns']}:length"
-    out = rewards.call_function(rewards.load_function(spec), spec, 1, *args)
+    out = rewards.call_function(usercode.load_function(spec), spec, 1, *args)
     assert out.scores == [1 / 8, 1 / 8] and out.extras == {}
 
 

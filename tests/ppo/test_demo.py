@@ -9,7 +9,8 @@ import torch
 
 from rlhf_paro.config import ModelConfig
 from rlhf_paro.models import build_model
-from rlhf_paro.ppo import data, demo, rewards
+from rlhf_paro import usercode
+from rlhf_paro.ppo import data, demo
 from rlhf_paro.ppo.task import CountingTask, task_from_config
 from tests.confs import load
 
@@ -69,7 +70,7 @@ def test_counting_score_on_text_equals_the_tasks_score_on_ids():
     tok = task.tokenizer
     texts = [tok.decode(p[1:]) for p in prompts]
     decoded = [tok.decode([i for i in r.tolist() if i >= tok.num_special]) for r in responses]
-    fn = rewards.load_function(demo.SCORE_FUNCTION)
+    fn = usercode.load_function(demo.SCORE_FUNCTION)
     got = fn(texts, decoded, num_symbols=[16] * 64, response_len=[8] * 64)
     assert got == task.score(prompts, responses).tolist()
     assert max(got) > 0  # the sample is not degenerate

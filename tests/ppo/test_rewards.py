@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rlhf_paro.config import ConfigError
+from rlhf_paro import usercode
 from rlhf_paro.ppo import rewards
 from rlhf_paro.ppo.rewards import RewardFunctionError, RewardOutput
 
@@ -114,23 +115,23 @@ def test_a_file_that_exits_or_raises_on_import_is_a_config_error_naming_it(tmp_p
         file = tmp_path / "fails.py"
         file.write_text(body + "\n\ndef score(prompts, responses):\n    return [1.0]\n")
         with pytest.raises(ConfigError) as err:
-            rewards.load_function(f"{file}:score")
+            usercode.load_function(f"{file}:score")
         assert str(err.value) == f"reward.function: {file} fails on import: {said}"
     # Ctrl-C while a file loads still stops the program.
     file.write_text("raise KeyboardInterrupt\n")
     with pytest.raises(KeyboardInterrupt):
-        rewards.load_function(f"{file}:score")
+        usercode.load_function(f"{file}:score")
 
 
 def test_load_function_checks_the_spec_and_the_name(tmp_path):
     file = tmp_path / "fns.py"
     file.write_text("def score(prompts, responses):\n    return [1.0]\n")
-    assert rewards.load_function(f"{file}:score")(["p"], ["r"]) == [1.0]
+    assert usercode.load_function(f"{file}:score")(["p"], ["r"]) == [1.0]
     with pytest.raises(ConfigError, match=r"^spec: got 'fns\.py'; allowed: path/to/file\.py:"):
-        rewards.load_function("fns.py", "spec")
+        usercode.load_function("fns.py", "spec")
     with pytest.raises(ConfigError, match=r"has no class or function 'nope'; allowed: function "
                                           r"score$"):
-        rewards.load_function(f"{file}:nope")
+        usercode.load_function(f"{file}:nope")
 
 
 def test_a_function_that_empties_its_lists_is_checked_against_the_lists_as_given():
