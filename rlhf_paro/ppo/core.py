@@ -161,15 +161,13 @@ def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
     return (x * mask).sum()
 
 
-def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Mean of ``x`` over valid tokens (of the whole tensor, or along ``dim``).
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``x`` over the valid tokens of the whole tensor.
 
     Data-parallel invariant when combined as ``sum(masked_sum) / sum(mask.sum())`` over ranks;
     the mean of per-rank means is not (ranks hold different numbers of valid tokens).
     """
-    if dim is None:
-        return masked_sum(x, mask) / mask.sum()
-    return (x * mask).sum(dim) / mask.sum(dim)
+    return masked_sum(x, mask) / mask.sum()
 
 
 def masked_moments(x: Tensor, mask: Tensor) -> Tensor:

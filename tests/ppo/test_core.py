@@ -26,6 +26,17 @@ def test_kl_estimators_match_hand_values():
     assert core.kl_estimate(logp, ref_logp, "k3").item() == pytest.approx(ln2 - 0.5)
 
 
+def test_a_log_ratio_past_20_is_taken_as_20_in_k3_and_the_policy_ratio():
+    # A policy drifted far from the reference or from the rollout's: e^30 is finite in float32
+    # but means nothing, so both exponentials see the log-ratio clamped to +-20 (_MAX_LOG_RATIO).
+    zero, far = t([[0.0]]), t([[30.0]])
+    assert core.kl_estimate(zero, far, "k3").item() == pytest.approx(math.exp(20) - 21)
+    assert core.kl_estimate(far, zero, "k3").item() == pytest.approx(math.exp(-20) - 1 + 20)
+    loss, metrics = core.policy_loss(far, zero, t([[-1.0]]), t([[1]]), clip_eps=0.2)
+    assert loss.item() == pytest.approx(math.exp(20))  # max(-A * ratio, -A * 1.2) = ratio
+    assert metrics["ratio_mean"] == pytest.approx(math.exp(20))
+
+
 def test_kl_estimate_rejects_unknown_kind_naming_the_allowed_ones():
     with pytest.raises(ValueError, match="k1, k2, k3"):
         core.kl_estimate(t([[0.0]]), t([[0.0]]), "k4")
