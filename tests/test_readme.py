@@ -209,6 +209,17 @@ def _reader_files(root: Path) -> None:
         _write_prompt_files(root, title, argv, copies=64)
 
 
+def _not_here(title: str) -> str | None:
+    """The ``NOT_HERE`` entry of a section's title: the longest that begins it ("Running on a
+    GPU" begins "Running on a GPU cluster" too)."""
+    return max((s for s in NOT_HERE if title.startswith(s)), key=len, default=None)
+
+
+def test_each_section_this_machine_cannot_run_is_its_own_entry():
+    assert {_not_here(title) for title, _ in COMMANDS} - {None} == set(NOT_HERE)
+    assert _not_here("Running on a GPU cluster") == "Running on a GPU cluster"
+
+
 def _shortened(argv: list[str]) -> list[str]:
     """``argv`` as the test runs it: the checkpoints section's lengths at 1/25 (``SHORTER``,
     ``RESUMED``), a run ``STEPS`` steps long unless it names its length or resumes a saved step
@@ -239,7 +250,7 @@ def test_the_readme_s_commands_run_in_order_as_a_reader_types_them(tmp_path):
     env = shared_env()
     skipped = set()
     for k, (title, argv) in enumerate(COMMANDS):
-        section = next((s for s in NOT_HERE if title.startswith(s)), None)
+        section = _not_here(title)
         if section is not None and not (section == "Running on a GPU"
                                         and torch.cuda.is_available()):
             skipped.add(section)
