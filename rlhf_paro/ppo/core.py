@@ -359,14 +359,15 @@ class Experience:
 
 @dataclass(frozen=True)
 class ExperienceSpec:
-    """How a run turns scores into advantages (the ``algorithm`` and ``ppo`` sections)."""
+    """How a run turns scores into advantages (the ``algorithm`` and ``ppo`` sections). No
+    field has a default: the config's are the defaults, and a second set here could differ."""
 
     estimator: str  # a registered advantage estimator
-    kl_estimator: str = "k1"
-    kl_in_loss: bool = False  # the KL is a loss term (then not in the reward)
-    gamma: float = 1.0
-    lam: float = 1.0
-    whiten: bool = True
+    kl_estimator: str
+    kl_in_loss: bool  # the KL is a loss term (then not in the reward)
+    gamma: float
+    lam: float
+    whiten: bool
 
 
 @torch.no_grad()

@@ -113,6 +113,29 @@ def test_masked_whiten_uses_valid_tokens_only():
     # shift_mean=False adds the mean back after scaling: 1, 2, 3.
     torch.testing.assert_close(core.masked_whiten(x, mask, shift_mean=False),
                                t([[1.0, 2.0, 3.0, 0.0]]))
+    # Two valid tokens are the fewest with an unbiased variance: 1, 3 -> mean 2, variance 2.
+    two = core.masked_whiten(t([[1.0, 3.0, 7.0]]), t([[1, 1, 0]]))
+    torch.testing.assert_close(two, t([[-1 / math.sqrt(2), 1 / math.sqrt(2), 0.0]]))
+    with pytest.raises(ValueError, match="at least 2 valid tokens, got 1"):
+        core.masked_whiten(x, t([[0, 1, 0, 0]]))
+
+
+def test_a_registered_estimator_stays_callable_by_its_name_and_runs_without_autograd(
+        monkeypatch):
+    # ``register_adv_estimator`` is a decorator: the module keeps the function it decorates.
+    monkeypatch.setitem(core.ADV_ESTIMATORS, "mine", None)
+
+    @core.register_adv_estimator("mine")
+    def mine(inputs):
+        doubled = inputs.rewards * 2
+        return doubled, doubled.requires_grad
+
+    assert callable(mine) and mine.__name__ == "mine"
+    rewards = t([[1.0, 2.0]]).requires_grad_()
+    inputs = core.AdvantageInputs(rewards, t([[1, 1]]), t([0]))
+    adv, graded = core.advantages("mine", inputs)
+    assert not graded and adv.tolist() == [[2.0, 4.0]]
+    assert mine(inputs)[1]  # called directly, it is the function itself, with autograd
 
 
 def test_policy_loss_clips_hand_values():
@@ -595,8 +618,9 @@ def test_make_experience_by_hand_for_one_grpo_group_without_a_reference():
     # Scores 1 and 0 in one group: mean 0.5, unbiased std sqrt(0.5), so the advantages are
     # +-0.5 / (sqrt(0.5) + 1e-6) on every valid token; no reference: KL 0.
     mask = t([[1, 1, 0], [1, 1, 1]])
-    exp = core.make_experience(core.ExperienceSpec("grpo"), torch.zeros_like(mask), None,
-                               t([1.0, 0.0]), mask, torch.tensor([0, 0]), None, kl_coef=0.5)
+    spec = core.ExperienceSpec("grpo", "k1", False, gamma=1.0, lam=1.0, whiten=True)
+    exp = core.make_experience(spec, torch.zeros_like(mask), None, t([1.0, 0.0]), mask,
+                               torch.tensor([0, 0]), None, kl_coef=0.5)
     a = 0.5 / (math.sqrt(0.5) + 1e-6)
     torch.testing.assert_close(exp.advantages, t([[a, a, 0], [-a, -a, -a]]))
     assert exp.kl.abs().sum() == 0 and exp.ref_logp is None
