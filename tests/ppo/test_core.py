@@ -365,6 +365,9 @@ def test_adaptive_kl_controller_follows_ziegler():
     fixed = core.kl_controller(0.05, adaptive=False, target=6.0, horizon=10000)
     fixed.update(100.0, 1000)
     assert fixed.value == 0.05
+    adaptive = core.kl_controller(0.1, adaptive=True, target=6.0, horizon=10000)
+    adaptive.update(current_kl=12.0, n_steps=1000)
+    assert adaptive.value == pytest.approx(0.102)
 
 
 # --- data-parallel invariance ---------------------------------------------------------------------
