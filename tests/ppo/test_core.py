@@ -118,6 +118,9 @@ def test_masked_whiten_uses_valid_tokens_only():
     torch.testing.assert_close(two, t([[-1 / math.sqrt(2), 1 / math.sqrt(2), 0.0]]))
     with pytest.raises(ValueError, match="at least 2 valid tokens, got 1"):
         core.masked_whiten(x, t([[0, 1, 0, 0]]))
+    # Equal values have no spread: zeros, not a division by zero (the eps under the root).
+    torch.testing.assert_close(core.masked_whiten(t([[2.0, 2.0, 5.0]]), t([[1, 1, 0]])),
+                               t([[0.0, 0.0, 0.0]]))
 
 
 def test_a_registered_estimator_stays_callable_by_its_name_and_runs_without_autograd(
@@ -186,10 +189,11 @@ def test_policy_loss_with_weights_multiplies_each_token_s_term():
 def test_value_loss_clips_hand_values():
     # token 0: V=1.0, old=0, R=0.5 -> V_clip=0.2: max(0.25, 0.09) = 0.25 -> 0.125
     # token 1: V=0.3, old=0, R=1.0 -> V_clip=0.2: max(0.49, 0.64) = 0.64 -> 0.32 (clipped)
-    values, old, ret = t([[1.0, 0.3]]), t([[0.0, 0.0]]), t([[0.5, 1.0]])
-    loss, metrics = core.value_loss(values, old, ret, t([[1, 1]]), clip_eps=0.2)
-    assert loss.item() == pytest.approx((0.125 + 0.32) / 2)
-    assert metrics["vf_clipfrac"] == pytest.approx(0.5)
+    # token 2: V=-0.3, old=0, R=-1.0 -> V_clip=-0.2: the same, clipped from below
+    values, old, ret = t([[1.0, 0.3, -0.3]]), t([[0.0, 0.0, 0.0]]), t([[0.5, 1.0, -1.0]])
+    loss, metrics = core.value_loss(values, old, ret, t([[1, 1, 1]]), clip_eps=0.2)
+    assert loss.item() == pytest.approx((0.125 + 0.32 + 0.32) / 3)
+    assert metrics["vf_clipfrac"] == pytest.approx(2 / 3)
 
 
 def test_aggregation_modes_hand_values():
@@ -349,6 +353,9 @@ def test_unknown_names_are_rejected_naming_the_allowed_ones():
         core.policy_loss(mask, mask, mask, mask, clip_eps=0.2, agg="seq_sum")
     with pytest.raises(ValueError, match="k1, k2, k3"):
         core.kl_loss(mask, mask, mask, "k4")
+    for divisor in (0.0, -1.0):  # a step's count is never 0: a divisor of 0 is a caller's bug
+        with pytest.raises(ValueError, match="must be positive, got"):
+            core.aggregate(mask, mask, "token_mean", divisor)
     with pytest.raises(ValueError, match="allowed: dr_grpo, gae, grpo, reinforce_pp, rloo"):
         core.advantages("ppo", core.AdvantageInputs(_hand_rewards(), MASK, GROUP))
 
@@ -368,6 +375,9 @@ def test_adaptive_kl_controller_follows_ziegler():
     adaptive = core.kl_controller(0.1, adaptive=True, target=6.0, horizon=10000)
     adaptive.update(current_kl=12.0, n_steps=1000)
     assert adaptive.value == pytest.approx(0.102)
+    for target, horizon in ((0.0, 10000), (6.0, 0)):  # either alone is refused
+        with pytest.raises(ValueError, match="must be positive"):
+            core.AdaptiveKLController(0.1, target, horizon)
 
 
 # --- data-parallel invariance ---------------------------------------------------------------------
