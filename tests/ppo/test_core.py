@@ -156,6 +156,9 @@ def test_policy_loss_clips_hand_values():
     assert metrics["clipfrac"] == pytest.approx(2 / 3)
     assert metrics["num_tokens"] == 3
     assert metrics["ratio_mean"] == pytest.approx((1.5 + 0.5 + 0.5) / 3)
+    # k3 of the old policy against the new one, e^r - 1 - r with r = log(new / old) per token.
+    k3 = [math.exp(r) - 1 - r for r in (math.log(1.5), math.log(0.5), math.log(0.5))]
+    assert metrics["approx_kl"] == pytest.approx(sum(k3) / 3)
 
 
 def test_tis_weights_are_the_capped_trainer_over_rollout_ratio_without_grad():
@@ -190,10 +193,18 @@ def test_value_loss_clips_hand_values():
     # token 0: V=1.0, old=0, R=0.5 -> V_clip=0.2: max(0.25, 0.09) = 0.25 -> 0.125
     # token 1: V=0.3, old=0, R=1.0 -> V_clip=0.2: max(0.49, 0.64) = 0.64 -> 0.32 (clipped)
     # token 2: V=-0.3, old=0, R=-1.0 -> V_clip=-0.2: the same, clipped from below
-    values, old, ret = t([[1.0, 0.3, -0.3]]), t([[0.0, 0.0, 0.0]]), t([[0.5, 1.0, -1.0]])
-    loss, metrics = core.value_loss(values, old, ret, t([[1, 1, 1]]), clip_eps=0.2)
-    assert loss.item() == pytest.approx((0.125 + 0.32 + 0.32) / 3)
-    assert metrics["vf_clipfrac"] == pytest.approx(2 / 3)
+    # token 3: V=1.0, old=0.9, R=0 -> V_clip=1.0 (a move of 0.1, inside eps): max(1, 1) -> 0.5
+    values, old = t([[1.0, 0.3, -0.3, 1.0]]), t([[0.0, 0.0, 0.0, 0.9]])
+    ret = t([[0.5, 1.0, -1.0, 0.0]])
+    loss, metrics = core.value_loss(values, old, ret, t([[1, 1, 1, 1]]), clip_eps=0.2)
+    assert loss.item() == pytest.approx((0.125 + 0.32 + 0.32 + 0.5) / 4)
+    assert metrics["vf_clipfrac"] == pytest.approx(2 / 4)
+    assert metrics["value_mean"] == pytest.approx((1.0 + 0.3 - 0.3 + 1.0) / 4)
+    assert metrics["value_mse"] == pytest.approx((0.25 + 0.49 + 0.49 + 1.0) / 4)
+    # One valid token: its own values, not halved; padding's 7 ignored.
+    _, one = core.value_loss(t([[2.0, 7.0]]), t([[0.0, 0.0]]), t([[0.0, 0.0]]), t([[1, 0]]),
+                             clip_eps=0.2)
+    assert (one["value_mean"], one["value_mse"], one["num_tokens"]) == (2.0, 4.0, 1.0)
 
 
 def test_aggregation_modes_hand_values():
