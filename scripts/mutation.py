@@ -72,6 +72,16 @@ EQUIVALENT: dict[str, str] = {
     "rlhf_paro/batching.py:pack:0 -> 1": "overwritten for every sequence",
     # max(..., default=1) differs for no rows only, where no budget (at least 1) is exceeded.
     "rlhf_paro/batching.py:split_by_tokens:0 -> 1": "max_tokens_per_micro_batch >= 1",
+    # The per-token tensors of ppo/core.py are (B, T): dimension 1 is the last one.
+    "rlhf_paro/ppo/core.py:last_token_index:-1 -> 1": "(B, T), four times",
+    "rlhf_paro/ppo/core.py:gae:-1 -> 1": "(B, T)",
+    "rlhf_paro/ppo/core.py:_group_outcomes:-1 -> 1": "(B, T)",
+    "rlhf_paro/ppo/core.py:agg_count:-1 -> 1": "(B, T)",
+    "rlhf_paro/ppo/core.py:aggregate:-1 -> 1": "(B, T), twice",
+    # gae with values 0 returns advantages + 0: its two results are the same tensor's values.
+    "rlhf_paro/ppo/core.py:_return_to_go:0 -> 1": "returns = advantages when V = 0",
+    # masked_whiten takes moments=None as the tensor's own, which the identity passes.
+    "rlhf_paro/ppo/core.py:_no_collective:return x -> return None": "None is its own moments",
 }
 
 _COMPARE = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt,

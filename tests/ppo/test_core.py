@@ -62,6 +62,9 @@ def test_gae_without_discount_is_reward_to_go_minus_value():
     adv, ret = core.gae(t([[0.0, 0.0, 1.0]]), t([[0.5, 0.5, 0.5]]), t([[1, 1, 1]]), 1.0, 1.0)
     torch.testing.assert_close(adv, t([[0.5, 0.5, 0.5]]))
     torch.testing.assert_close(ret, t([[1.0, 1.0, 1.0]]))
+    # A response of one token: A = r - V.
+    adv, ret = core.gae(t([[1.0]]), t([[0.25]]), t([[1]]), 0.9, 0.5)
+    assert (adv.tolist(), ret.tolist()) == ([[0.75]], [[1.0]])
 
 
 def test_gae_with_discount_and_padding():
@@ -118,6 +121,9 @@ def test_masked_whiten_uses_valid_tokens_only():
     torch.testing.assert_close(two, t([[-1 / math.sqrt(2), 1 / math.sqrt(2), 0.0]]))
     with pytest.raises(ValueError, match="at least 2 valid tokens, got 1"):
         core.masked_whiten(x, t([[0, 1, 0, 0]]))
+    # A spread near eps is damped by it: 0 and 1e-4 have variance 5e-9, so +-5e-5 / sqrt(1.5e-8).
+    tiny = core.masked_whiten(t([[0.0, 1e-4]]), t([[1, 1]]))
+    torch.testing.assert_close(tiny, t([[-1.0, 1.0]]) * 5e-5 / math.sqrt(5e-9 + 1e-8))
     # Equal values have no spread: zeros, not a division by zero (the eps under the root).
     torch.testing.assert_close(core.masked_whiten(t([[2.0, 2.0, 5.0]]), t([[1, 1, 0]])),
                                t([[0.0, 0.0, 0.0]]))
@@ -156,6 +162,15 @@ def test_policy_loss_clips_hand_values():
     assert metrics["clipfrac"] == pytest.approx(2 / 3)
     assert metrics["num_tokens"] == 3
     assert metrics["ratio_mean"] == pytest.approx((1.5 + 0.5 + 0.5) / 3)
+    # The same ratios from other old log-probs; a ratio inside the range is not counted clipped
+    # (its two terms are equal); one valid token's metrics are its own.
+    shift = t([[0.7, -1.3, 2.0, 0.0]])
+    moved, _ = core.policy_loss(logp + shift, old + shift, adv, mask, clip_eps=0.2)
+    assert moved.item() == pytest.approx(-0.3)
+    _, inside = core.policy_loss(t([[0.1, 0.0]]), t([[0.0, 0.0]]), t([[1.0, 1.0]]), t([[1, 0]]),
+                                 clip_eps=0.2)
+    assert (inside["clipfrac"], inside["ratio_mean"], inside["num_tokens"]) == (
+        0.0, pytest.approx(math.exp(0.1)), 1.0)
     # k3 of the old policy against the new one, e^r - 1 - r with r = log(new / old) per token.
     k3 = [math.exp(r) - 1 - r for r in (math.log(1.5), math.log(0.5), math.log(0.5))]
     assert metrics["approx_kl"] == pytest.approx(sum(k3) / 3)
@@ -224,6 +239,12 @@ def test_aggregation_modes_hand_values():
         assert core.agg_count(mask, agg) == 2
     with pytest.raises(ValueError, match="seq_mean_token_sum only"):
         core.aggregate(x, mask, "token_mean", token_sum_norm=3.0)
+    # A row without a valid token is no sequence; a single valid token is its own mean.
+    empty_row = t([[1, 1, 1], [0, 0, 0]])
+    assert core.agg_count(empty_row, "seq_mean_token_mean") == 1
+    one = t([[0, 1, 0], [0, 0, 0]])
+    for agg in ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean"):
+        assert core.aggregate(x, one, agg).item() == 2.0
 
 
 def test_kl_loss_k3_gradient_is_closed_form():
@@ -241,6 +262,9 @@ def test_kl_loss_k3_gradient_is_closed_form():
     torch.testing.assert_close(grad, mask * (1 - e_r) / count, rtol=0, atol=bound)
     k3 = e_r - 1 - (ref_logp - logp.detach())
     assert metrics["kl"] == pytest.approx(float((mask * k3).sum() / count))
+    # One valid token: its own estimate (k1 here), padding's ignored.
+    _, one = core.kl_loss(t([[0.0, 0.0]]), t([[-0.5, 9.0]]), t([[1, 0]]), "k1")
+    assert one["kl"] == 0.5
 
 
 # Outcome supervision on two groups given out of order (ids 7 and 3 interleaved) of three and two
@@ -386,6 +410,11 @@ def test_adaptive_kl_controller_follows_ziegler():
     adaptive = core.kl_controller(0.1, adaptive=True, target=6.0, horizon=10000)
     adaptive.update(current_kl=12.0, n_steps=1000)
     assert adaptive.value == pytest.approx(0.102)
+    ctl.update(current_kl=0.0, n_steps=1000)  # error -1 clipped to -0.2 -> * 0.98
+    assert ctl.value == pytest.approx(0.102 * 0.99 * 0.98)
+    small = core.AdaptiveKLController(0.1, target=0.5, horizon=1)  # any positive pair is valid
+    small.update(current_kl=0.55, n_steps=1)
+    assert small.value == pytest.approx(0.11)
     for target, horizon in ((0.0, 10000), (6.0, 0)):  # either alone is refused
         with pytest.raises(ValueError, match="must be positive"):
             core.AdaptiveKLController(0.1, target, horizon)
