@@ -96,6 +96,11 @@ class HugeReset(Echo):
     def reset(self):
         return "a " * 5_000_000
 
+class Greets(Echo):
+    """Observes "a b" at its reset, then as Echo."""
+    def reset(self):
+        return "a b"
+
 class ExitsOnBuild(Echo):
     def __init__(self, **row):
         import sys
@@ -526,7 +531,7 @@ class _Engine:
         return getattr(self.hf, name)
 
 
-def _episodes(files, name, max_turns=4, max_total_tokens=40, tok=None):
+def _episodes(files, name, max_turns=4, max_total_tokens=40, tok=None, greedy=False):
     from rlhf_paro import models
     from rlhf_paro.config import ModelConfig
 
@@ -541,7 +546,8 @@ def _episodes(files, name, max_turns=4, max_total_tokens=40, tok=None):
     return episodes.run(_Engine(model), PromptBatch.left_padded(prompts, 0), rows, [0] * 6,
                         _runner(files, name), Observations(tok, chat=False),
                         lambda ids: tok.decode(ids, skip_special_tokens=True),
-                        Sampling(max_new_tokens=6), episodes.Budget(max_turns, max_total_tokens),
+                        Sampling(max_new_tokens=6, greedy=greedy),
+                        episodes.Budget(max_turns, max_total_tokens),
                         0, lambda i: f"at sample {i}")
 
 
@@ -554,6 +560,28 @@ def test_an_observation_past_the_budget_ends_the_episode_truncated(files):
     assert torch.equal(batch.action_mask, batch.response_attention.float())
     assert batch.scores.tolist() == [1.0] * 6
     assert int(batch.attention_mask.sum(-1).max()) <= 40
+
+
+def test_a_reset_s_observation_ends_the_prompt_and_must_leave_room_for_one_action(files):
+    # Greets observes "a b" (2 tokens) at its reset, after each prompt's 4 ("<s> count : X"):
+    # the prompt is those 6 tokens, and its first action follows them.
+    tok = word_tokenizer(chat=False)
+    greeting = tok("a b", add_special_tokens=False)["input_ids"]
+    batch, stats = _episodes(files, "Greets", max_turns=1, max_total_tokens=7)
+    width = batch.sequences.shape[1] - batch.action_mask.shape[1]
+    assert width == 6 and stats["observation_tokens"] == 6 * len(greeting) == 12
+    assert all(row[4:6] == greeting for row in batch.sequences[:, :width].tolist())
+    # 7 tokens leave one for an action (each row is 7 long); 6 leave none, refused in one line.
+    assert batch.attention_mask.sum(-1).tolist() == [7] * 6
+    with pytest.raises(EnvError, match=r"^Greets.reset's observation \(3 characters\) leaves no "
+                                       r"room for an action within env.max_total_tokens=6 "):
+        _episodes(files, "Greets", max_turns=1, max_total_tokens=6)
+
+
+def test_a_greedy_rollout_of_episodes_has_no_log_probs(files):
+    # An evaluation samples nothing: the engine's log-probs would be of the argmax, never used.
+    assert _episodes(files, "Echo", max_turns=2, greedy=True)[0].logprobs is None
+    assert _episodes(files, "Echo", max_turns=2)[0].logprobs is not None
 
 
 def test_max_turns_and_max_total_tokens_bound_every_episode(files):
