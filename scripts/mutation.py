@@ -72,6 +72,19 @@ EQUIVALENT: dict[str, str] = {
     "rlhf_paro/batching.py:pack:0 -> 1": "overwritten for every sequence",
     # max(..., default=1) differs for no rows only, where no budget (at least 1) is exceeded.
     "rlhf_paro/batching.py:split_by_tokens:0 -> 1": "max_tokens_per_micro_batch >= 1",
+    "rlhf_paro/batching.py:pack:-1 -> 1": "(B, T), twice",
+    # Every part starts from the same sum: a common offset changes no comparison of the sums.
+    "rlhf_paro/batching.py:balanced_parts:0.0 -> 1.0": "the same start for every part",
+    # num_minis < 2 sets 1 where it is 1 (the assignment's own 1 -> 2 is killed).
+    "rlhf_paro/batching.py:rank_order:1 -> 2": "sets 1 where it is 1",
+    # A rollout's rows are whole groups, and every rank holds as many groups: exact divisions.
+    "rlhf_paro/batching.py:rank_order:len(num_tokens) // group_size -> len(num_tokens) / "
+    "group_size": "rows are whole groups",
+    "rlhf_paro/batching.py:rank_order:len(num_tokens) // group_size // num_ranks -> "
+    "len(num_tokens) // group_size / num_ranks": "each rank holds as many groups",
+    # _encoded returns at most max_total_tokens - length - 1 tokens: the sum is under the budget.
+    "rlhf_paro/rollout/episodes.py:run:episode.length + len(ids) >= budget.max_total_tokens -> "
+    "episode.length + len(ids) > budget.max_total_tokens": "never equal to the budget",
     # The per-token tensors of ppo/core.py are (B, T): dimension 1 is the last one.
     "rlhf_paro/ppo/core.py:last_token_index:-1 -> 1": "(B, T), four times",
     "rlhf_paro/ppo/core.py:gae:-1 -> 1": "(B, T)",

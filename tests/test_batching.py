@@ -115,6 +115,8 @@ def test_split_by_tokens_fills_each_micro_batch_up_to_the_budget_in_order():
     assert [m.tolist() for m in batching.split_by_tokens(rows, num_tokens, 6)] == [
         [4], [0], [1, 3], [2, 5]]
     assert [m.tolist() for m in batching.split_by_tokens(rows, num_tokens, 21)] == [rows.tolist()]
+    # No rows (a rank's empty share) are no micro-batch, not an empty one.
+    assert batching.split_by_tokens(rows[:0], num_tokens, 8) == []
 
 
 def test_split_by_tokens_names_the_longest_sequence_when_it_does_not_fit():

@@ -87,6 +87,11 @@ class Past32(Echo):
     def step(self, action):
         return "a", 3e38, False
 
+class AtMax32(Echo):
+    """One step rewards float32's largest number, and ends."""
+    def step(self, action):
+        return None, 3.4028234663852886e38, True
+
 class Huge(Echo):
     """Answers with 10 MB of text (5M words)."""
     def step(self, action):
@@ -578,6 +583,26 @@ def test_a_reset_s_observation_ends_the_prompt_and_must_leave_room_for_one_actio
         _episodes(files, "Greets", max_turns=1, max_total_tokens=6)
 
 
+def test_an_action_that_fills_the_budget_exactly_is_stepped_and_scored(files):
+    # 4 prompt tokens of 10 leave 6, max_new_tokens: an action of 6 tokens fits, so its
+    # environment steps on it and its reward counts; only a longer one would be cut.
+    batch, stats = _episodes(files, "Echo", max_turns=1, max_total_tokens=10)
+    lengths = batch.action_mask.sum(-1)
+    assert int((lengths == 6).sum()) >= 2, lengths.tolist()  # the case under test occurs
+    assert stats["steps"] == 6 and stats["truncated_max_total_tokens"] == 0
+    assert all(score > 0 for score in batch.scores.tolist())  # Echo: the action's word count
+
+
+def test_observations_carry_log_prob_zero(files):
+    # The engine's log-probs are of the policy's own tokens; an observation's are 0, never
+    # another number that a loss masked wrongly would read.
+    batch, stats = _episodes(files, "Echo", max_turns=2)
+    observed = batch.response_attention.bool() & ~batch.action_mask.bool()
+    assert int(observed.sum()) == stats["observation_tokens"] > 0
+    assert batch.logprobs[observed].abs().sum() == 0
+    assert (batch.logprobs[batch.action_mask.bool()] < 0).all()
+
+
 def test_a_greedy_rollout_of_episodes_has_no_log_probs(files):
     # An evaluation samples nothing: the engine's log-probs would be of the argmax, never used.
     assert _episodes(files, "Echo", max_turns=2, greedy=True)[0].logprobs is None
@@ -644,6 +669,11 @@ def test_a_score_past_float32_is_the_environments_error(files, name, says):
     # It was an inf score, and later the actor's "skipped 8 optimizer steps in a row".
     with pytest.raises(EnvError, match=says):
         _episodes(files, name)
+
+
+def test_a_score_of_float32_s_largest_number_is_held(files):
+    batch, _ = _episodes(files, "AtMax32")
+    assert batch.scores.tolist() == [float(torch.finfo(torch.float32).max)] * 6
 
 
 def test_chat_messages_without_a_chat_template_name_the_environment_and_the_sample(files):
