@@ -624,6 +624,10 @@ def test_max_turns_and_max_total_tokens_bound_every_episode(files):
     holes = (batch.response_attention.bool() & ~batch.action_mask.bool()).sum()
     assert holes == stats["observation_tokens"] and holes > 0
     assert stats["action_tokens"] == float(batch.action_mask.sum())
+    # And each action is at most max_new_tokens (6) long, though the budget leaves more room.
+    runs = [len(run) for row in batch.action_mask.long().tolist()
+            for run in "".join(map(str, row)).split("0") if run]
+    assert runs and max(runs) <= 6, runs
 
 
 class _Recording:
