@@ -85,6 +85,9 @@ EQUIVALENT: dict[str, str] = {
     # _encoded returns at most max_total_tokens - length - 1 tokens: the sum is under the budget.
     "rlhf_paro/rollout/episodes.py:run:episode.length + len(ids) >= budget.max_total_tokens -> "
     "episode.length + len(ids) > budget.max_total_tokens": "never equal to the budget",
+    # How often a batch of environment calls is checked for one past its deadline: when a
+    # timeout is noticed, not what any call returns (the timeout tests allow for it).
+    "rlhf_paro/envs/__init__.py::0.05 -> 0.1": "a polling interval",
     # The per-token tensors of ppo/core.py are (B, T): dimension 1 is the last one.
     "rlhf_paro/ppo/core.py:last_token_index:-1 -> 1": "(B, T), four times",
     "rlhf_paro/ppo/core.py:gae:-1 -> 1": "(B, T)",

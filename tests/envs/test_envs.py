@@ -628,6 +628,7 @@ def test_max_turns_and_max_total_tokens_bound_every_episode(files):
     runs = [len(run) for row in batch.action_mask.long().tolist()
             for run in "".join(map(str, row)).split("0") if run]
     assert runs and max(runs) <= 6, runs
+    assert stats["tool_calls"] == stats["tool_errors"] == 0  # an environment without tools
 
 
 class _Recording:
