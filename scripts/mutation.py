@@ -88,6 +88,8 @@ EQUIVALENT: dict[str, str] = {
     # How often a batch of environment calls is checked for one past its deadline: when a
     # timeout is noticed, not what any call returns (the timeout tests allow for it).
     "rlhf_paro/envs/__init__.py::0.05 -> 0.1": "a polling interval",
+    # Its callers only test its truth: None is as false as False.
+    "rlhf_paro/envs/__init__.py:takes_seed:return False -> return None": "read as a condition",
     # The per-token tensors of ppo/core.py are (B, T): dimension 1 is the last one.
     "rlhf_paro/ppo/core.py:last_token_index:-1 -> 1": "(B, T), four times",
     "rlhf_paro/ppo/core.py:gae:-1 -> 1": "(B, T)",

@@ -87,6 +87,13 @@ class Past32(Echo):
     def step(self, action):
         return "a", 3e38, False
 
+class Slow(Echo):
+    """Echo, 0.02 s a step."""
+    def step(self, action):
+        import time
+        time.sleep(0.02)
+        return super().step(action)
+
 class AtMax32(Echo):
     """One step rewards float32's largest number, and ends."""
     def step(self, action):
@@ -488,6 +495,48 @@ def test_tool_schemas_come_from_signatures_and_docstrings(tmp_path):
     assert schema["function"]["parameters"]["required"] == ["a", "b"]
     with pytest.raises(ConfigError, match="^env.tools: no tool schema from bare"):
         tools.load_tools(f"{tmp_path / 't.py'}:add,bare")
+
+
+def test_env_tools_load_as_a_tool_environment_and_give_the_template_their_schemas(files):
+    from rlhf_paro.compose import load_config
+
+    tooled = load_config([f"env.tools={files / 'envs.py'}:add,lookup", "env.reward=reward",
+                          "data.apply_chat_template=true"])
+    factory, name = envs.load(tooled)
+    assert name == "env.tools" and isinstance(factory(prompt="p"), tools.ToolEnv)
+    assert [s["function"]["name"] for s in envs.tool_schemas(tooled)] == ["add", "lookup"]
+    plain = load_config([f"env.function={files / 'envs.py'}:Echo", "env.reward=env"])
+    assert envs.tool_schemas(plain) is None and envs.load(plain)[1] == "Echo"
+
+
+@pytest.mark.parametrize("observation", [[], [1], [{"role": "tool"}], [{"content": "a"}], 3])
+def test_an_observation_that_is_neither_text_nor_chat_messages_is_refused(observation):
+    with pytest.raises(EnvError, match=r"^E.step returned the observation .* at step 1; allowed: "
+                                       r"None, text, or chat messages"):
+        envs.check_observation(observation, "E.step", "at step 1")
+    for fine in (None, "a", {"role": "tool", "content": "a"}, [{"role": "tool", "content": ""}]):
+        envs.check_observation(fine, "E.step", "at step 1")
+
+
+def test_a_template_s_pieces_and_the_contents_between_them():
+    # How an observation's contents are told apart from the chat template's own text.
+    from rlhf_paro.envs import _between, _interleaved
+
+    pieces = ["<a>", "</a><b>", "</b>"]
+    assert _interleaved(pieces, ["X", "Y"]) == "<a>X</a><b>Y</b>"
+    assert _between("<a> X </a><b>Y</b>", pieces) == [" X ", "Y"]
+    assert _between("<a></a><b></b>", pieces) == ["", ""]
+    for text in ("<a>X<b>Y</b>", "X</a><b>Y</b>", "<a>X</a><b>Y", "<a></b>"):
+        assert _between(text, pieces) is None, text
+    assert _between("<a>", ["<a>"]) is None  # no content to hold
+
+
+def test_the_runner_counts_steps_and_their_time(files):
+    # Slow sleeps 0.02 s a step: the steps' time is at least that much each (a sleep never ends
+    # early); a step is an action that was not cut by the budget.
+    batch, stats = _episodes(files, "Slow", max_turns=2)
+    assert stats["steps"] == stats["turns"] - stats["truncated_max_total_tokens"] > 0
+    assert stats["step_time_s"] >= 0.02 * stats["steps"]
 
 
 # Tools rendered Hermes-style, turns as <|im_start|>role ... <|im_end|> (written here for the test).
