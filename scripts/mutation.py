@@ -85,6 +85,8 @@ EQUIVALENT: dict[str, str] = {
     # _encoded returns at most max_total_tokens - length - 1 tokens: the sum is under the budget.
     "rlhf_paro/rollout/episodes.py:run:episode.length + len(ids) >= budget.max_total_tokens -> "
     "episode.length + len(ids) > budget.max_total_tokens": "never equal to the budget",
+    "rlhf_paro/rollout/episodes.py:run:episode.length + len(ids) -> episode.length - len(ids)":
+        "under the budget either way",
     # How often a batch of environment calls is checked for one past its deadline: when a
     # timeout is noticed, not what any call returns (the timeout tests allow for it).
     "rlhf_paro/envs/__init__.py::0.05 -> 0.1": "a polling interval",
