@@ -529,6 +529,8 @@ def test_a_template_s_pieces_and_the_contents_between_them():
     for text in ("<a>X<b>Y</b>", "X</a><b>Y</b>", "<a>X</a><b>Y", "<a></b>"):
         assert _between(text, pieces) is None, text
     assert _between("<a>", ["<a>"]) is None  # no content to hold
+    assert _between("<a></a>", ["<a>", "</a>"]) == [""]  # as short as the pieces allow
+    assert _between("|y", ["", "|", ""]) == ["", "y"]  # a piece at the very start
 
 
 def test_the_runner_counts_steps_and_their_time(files):
@@ -557,11 +559,32 @@ def test_chat_observations_are_what_the_template_adds_after_the_models_turn():
     # after it, the tool's turn, and the next generation prompt.
     assert tok.decode(obs) == ("\n<|im_start|>tool\n<tool_response>5</tool_response><|im_end|>\n"
                                "<|im_start|>assistant\n")
+    # Exactly as many tokens as the limit are kept; one fewer allowed, none are.
+    chat = Observations(tok, chat=True)
+    assert chat.encode([{"role": "tool", "content": "5"}], len(obs)) == obs
+    assert chat.encode([{"role": "tool", "content": "5"}], len(obs) - 1) is None
     text = Observations(word_tokenizer(chat=False), chat=False)
     assert text.encode("a b", 100) == word_tokenizer(chat=False)("a b", add_special_tokens=False)[
         "input_ids"]
     with pytest.raises(EnvError, match="needs data.apply_chat_template=true"):
         text.encode({"role": "tool", "content": "a"}, 100)
+
+
+def test_a_template_that_never_renders_the_eos_cuts_after_the_whole_conversation():
+    # Without the eos in what the template rendered before, the observation is all it adds.
+    tok = bpe_tokenizer()
+    tok.add_special_tokens({"eos_token": "<|im_end|>"})
+    tok.chat_template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant:{% endif %}")
+    obs = Observations(tok, chat=True).encode([{"role": "tool", "content": "5"}], 100)
+    assert tok.decode(obs) == "tool: 5\nassistant:"
+
+
+def test_a_reset_whose_signature_cannot_be_read_is_called_without_a_seed():
+    # Builtins without a signature (max, iter) say nothing of a seed keyword: none is passed.
+    assert not envs.takes_seed(max) and not envs.takes_seed(iter)
+    assert envs.takes_seed(lambda seed=None: None) and envs.takes_seed(lambda **kw: None)
+    assert not envs.takes_seed(lambda: None)
 
 
 # -- budgets, on the hf engine -------------------------------------------------------------------
