@@ -531,6 +531,7 @@ def test_a_template_s_pieces_and_the_contents_between_them():
     assert _between("<a>", ["<a>"]) is None  # no content to hold
     assert _between("<a></a>", ["<a>", "</a>"]) == [""]  # as short as the pieces allow
     assert _between("|y", ["", "|", ""]) == ["", "y"]  # a piece at the very start
+    assert _between("abc", ["ab", "bc"]) is None  # the first and last pieces overlap
 
 
 def test_the_runner_counts_steps_and_their_time(files):
