@@ -537,9 +537,12 @@ def test_a_template_s_pieces_and_the_contents_between_them():
 def test_the_runner_counts_steps_and_their_time(files):
     # Slow sleeps 0.02 s a step: the steps' time is at least that much each (a sleep never ends
     # early); a step is an action that was not cut by the budget.
+    # Nor more than the runner's 4 threads can spend in the wall time of the whole rollout.
+    start = time.monotonic()
     batch, stats = _episodes(files, "Slow", max_turns=2)
+    wall = time.monotonic() - start
     assert stats["steps"] == stats["turns"] - stats["truncated_max_total_tokens"] > 0
-    assert stats["step_time_s"] >= 0.02 * stats["steps"]
+    assert 0.02 * stats["steps"] <= stats["step_time_s"] <= 4 * wall
 
 
 # Tools rendered Hermes-style, turns as <|im_start|>role ... <|im_end|> (written here for the test).
