@@ -90,6 +90,13 @@ EQUIVALENT: dict[str, str] = {
     # How often a batch of environment calls is checked for one past its deadline: when a
     # timeout is noticed, not what any call returns (the timeout tests allow for it).
     "rlhf_paro/envs/__init__.py::0.05 -> 0.1": "a polling interval",
+    # Each call's time is written when it ends; a call that never ran ended the batch in error.
+    "rlhf_paro/envs/__init__.py:EnvRunner._run:0.0 -> 1.0": "overwritten for every call",
+    # max(..., default=1) differs for an empty vocabulary only; a tokenizer has entries.
+    "rlhf_paro/envs/__init__.py:Observations.__init__:1 -> 2": "no tokenizer is empty",
+    # A mark found at 0 needs an empty rendering of the conversation before it, which always
+    # renders its two turns first.
+    "rlhf_paro/envs/__init__.py:Observations._rendered:0 -> 1": "the base renders first",
     # Its callers only test its truth: None is as false as False.
     "rlhf_paro/envs/__init__.py:takes_seed:return False -> return None": "read as a condition",
     # The per-token tensors of ppo/core.py are (B, T): dimension 1 is the last one.
