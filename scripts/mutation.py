@@ -97,6 +97,8 @@ EQUIVALENT: dict[str, str] = {
     # A mark found at 0 needs an empty rendering of the conversation before it, which always
     # renders its two turns first.
     "rlhf_paro/envs/__init__.py:Observations._rendered:0 -> 1": "the base renders first",
+    "rlhf_paro/envs/__init__.py:Observations._rendered:at >= 0 -> at > 0":
+        "the base renders first",
     # Its callers only test its truth: None is as false as False.
     "rlhf_paro/envs/__init__.py:takes_seed:return False -> return None": "read as a condition",
     # The per-token tensors of ppo/core.py are (B, T): dimension 1 is the last one.
