@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
+from rlhf_paro import usercode
 from rlhf_paro.actors.worker import Worker, peak_bytes
 from rlhf_paro.config import ConfigError
 from rlhf_paro.metrics import INFERENCE, RankReport
-from rlhf_paro import usercode
 from rlhf_paro.ppo import data, rewards
 from rlhf_paro.ppo.task import task_from_config
 from rlhf_paro.rollout import RolloutBatch
