@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 
 import pytest
@@ -118,34 +119,50 @@ def test_a_resume_under_other_strategies_runs_on(runs, tmp_path):
         assert all(math.isfinite(v) for v in compared(row).values()), row
 
 
-# Two devices, 2 to 4 steps: the faults a scheduler or a stuck worker brings.
-TWO = ["cluster.num_devices=2", "cluster.group_size=2", "trainer.keep_checkpoints=0"]
+# One device: the faults a scheduler or a stuck worker brings (what they check does not depend
+# on the ranks; more of them only start more workers).
+ONE = ["cluster.num_devices=1", "cluster.group_size=1", "trainer.keep_checkpoints=0"]
+HUNG_S = 20  # trainer.step_timeout_s of the run whose actor is stopped
+# A step of these runs takes about 0.1 s on a quiet machine, less on a fast one: a signal sent
+# once a step is logged lands in a later step that the machine decides. Runs that are to be
+# stopped are long enough to be running when it lands; the tests read which step it was from
+# the run's line.
+LONG = "trainer.steps=40"
+
+
+def _step_of(line: str, pattern: str) -> int:
+    found = re.search(pattern, line)
+    assert found, line
+    return int(found[1])
 
 
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("faults")
     cache, out = root / "cache", root / "run"
-    # SIGTERM during step 2: the step ends, then the preemption checkpoint step_3 (step_2 is
-    # save_every's).
-    preempted = train(out, *TWO, "trainer.steps=4", "trainer.save_every=2", cache=cache,
+    # SIGTERM once step 1 is logged: the step in progress (k) ends, then the preemption
+    # checkpoint step_{k+1}, the run's only one (save_every=0).
+    preempted = train(out, *ONE, LONG, "trainer.save_every=0", cache=cache,
                       kill_after_step=1, kill=signal.SIGTERM, kill_driver=True)
-    resumed = train(out, *TWO, "trainer.steps=4", "trainer.save_every=2", cache=cache)
-    # step_4, the newest, damaged: auto goes on from step_3; actor rank 1 stopped in step 5.
-    newest = checkpoint.checkpoint_dir(out, 4)
+    k = _step_of(error_line(preempted), r"stopped by SIGTERM after step (\d+);")
+    # On from step_{k+1} to k+3, a checkpoint a step.
+    resumed = train(out, *ONE, f"trainer.steps={k + 3}", "trainer.save_every=1", cache=cache)
+    # step_{k+3}, the newest, damaged: auto goes on from step_{k+2}; the actor is stopped once
+    # step k+3 is logged (no run logged it before).
+    newest = checkpoint.checkpoint_dir(out, k + 3)
     damaged = sorted(p for p in (newest / "actor").rglob("*") if p.is_file())[0]
     data = bytearray(damaged.read_bytes())
     data[-1] ^= 0xFF
     damaged.write_bytes(bytes(data))
-    # The timeout bounds the workers' setup too: 15 s was too short for it on a loaded 2-core
-    # machine.
-    hung = train(out, *TWO, "trainer.steps=6", "trainer.step_timeout_s=30", cache=cache,
-                 kill_after_step=4, kill=signal.SIGSTOP)
+    # The timeout bounds the workers' setup too: 15 s was too short for the setup of 8 workers
+    # on a loaded 2-core machine; these 4 take about 7 s on a quiet one.
+    hung = train(out, *ONE, LONG, f"trainer.step_timeout_s={HUNG_S}", cache=cache,
+                 kill_after_step=k + 3, kill=signal.SIGSTOP, kill_role=("actor", 0))
     # SIGTERM while step_2 is being written: the save ends, and so does the run.
-    in_save = train(root / "in_save", *TWO, "trainer.steps=4", "trainer.save_every=2",
+    in_save = train(root / "in_save", *ONE, "trainer.steps=4", "trainer.save_every=2",
                     cache=cache, kill_in_save=2, kill=signal.SIGTERM)
-    return {"preempted": preempted, "resumed": resumed, "hung": hung, "in_save": in_save,
-            "damaged": newest, "damaged_file": damaged}
+    return {"preempted": preempted, "stopped_at": k, "resumed": resumed, "hung": hung,
+            "in_save": in_save, "damaged": newest, "damaged_file": damaged}
 
 
 def test_sigterm_during_a_save_finishes_the_save_and_stops_in_one_line(faults):
@@ -164,17 +181,20 @@ def test_sigterm_during_a_save_finishes_the_save_and_stops_in_one_line(faults):
 
 
 def test_sigterm_stops_after_the_step_with_a_checkpoint_that_resumes(faults):
-    preempted, resumed = faults["preempted"], faults["resumed"]
+    preempted, resumed, k = faults["preempted"], faults["resumed"], faults["stopped_at"]
     out = preempted.out
     line = error_line(preempted)
     assert preempted.returncode == 143, preempted.stderr
-    step_3 = checkpoint.checkpoint_dir(out, 3)
-    assert line.startswith(f"error: stopped by SIGTERM after step 2; newest checkpoint: {step_3}"
-                           "; resume with: python -m rlhf_paro.train "), line
+    # Sent once step 1 was logged: it landed in a later step, which ended first; the
+    # checkpoint after it is the preemption's (save_every=0 saves nothing else).
+    assert k >= 2 and [r["step"] for r in preempted.rows] == list(range(k + 1))
+    after = checkpoint.checkpoint_dir(out, k + 1)
+    assert line.startswith(f"error: stopped by SIGTERM after step {k}; newest checkpoint: "
+                           f"{after}; resume with: python -m rlhf_paro.train "), line
     assert line.endswith("trainer.resume=auto") and preempted.left == []
     assert resumed.returncode == 0, resumed.stderr
-    assert f"resumed from {step_3}: step 3 of 4" in resumed.stdout
-    assert [r["step"] for r in resumed.rows] == [0, 1, 2, 3]
+    assert f"resumed from {after}: step {k + 1} of {k + 3}" in resumed.stdout
+    assert [r["step"] for r in resumed.rows] == list(range(k + 3))
     workers = json.loads((out / "workers.json").read_text())
     assert all(isinstance(pid, int) for pids in workers.values() for pid in pids), workers
     # Exports are for others to read, as checkpoints are (umask 022 here).
@@ -188,20 +208,21 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_that_resumes(faults):
 
 
 def test_resume_auto_skips_a_damaged_newest_checkpoint_and_a_stopped_rank_is_named(faults):
-    hung, newest = faults["hung"], faults["damaged"]
+    hung, newest, k = faults["hung"], faults["damaged"], faults["stopped_at"]
     name = faults["damaged_file"].relative_to(newest).as_posix()
     assert (f"skipped {newest}: it does not match its manifest ({name} has changed (SHA-256 "
             "differs))") in hung.stdout, hung.stdout
-    assert f"resumed from {checkpoint.checkpoint_dir(hung.out, 3)}: step 3 of 6" in hung.stdout
+    kept = checkpoint.checkpoint_dir(hung.out, k + 2)
+    assert f"resumed from {kept}: step {k + 2} of 40" in hung.stdout
     line = error_line(hung)
     assert hung.returncode == 1
-    assert line.startswith("error: actor rank 1 did not answer in "), line
-    assert " within trainer.step_timeout_s=30 (its process is stopped) at step 5; newest " \
-           f"checkpoint: {checkpoint.checkpoint_dir(hung.out, 3)}; resume with: " in line, line
+    assert line.startswith("error: actor rank 0 did not answer in "), line
+    # Stopped once step k+3 was logged: the step it did not answer in is a later one.
+    stalled = _step_of(line, r"\(its process is stopped\) at step (\d+);")
+    assert stalled > k + 3 and hung.rows[-1]["step"] == stalled - 1, line
+    assert (f" within trainer.step_timeout_s={HUNG_S} (its process is stopped) at step "
+            f"{stalled}; newest checkpoint: {kept}; resume with: ") in line, line
     assert hung.left == [], hung.left
-
-
-ONE = ["cluster.num_devices=1", "cluster.group_size=1", "trainer.keep_checkpoints=0"]
 
 
 @pytest.fixture(scope="module")

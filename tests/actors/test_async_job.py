@@ -135,7 +135,10 @@ def test_a_resumed_run_repeats_the_straight_run_with_the_rollout_launched_ahead(
 
 
 def test_a_dead_replica_is_one_line_naming_it(root):
-    run = train(root / "killed", *GRPO, *REPLICA, "rollout.max_staleness=1", "trainer.steps=6",
+    # Steps of this run take about 0.1 s on a quiet machine: with few of them left after step 1,
+    # the run could end before the kill lands (its last rollouts generated already), exit 0 and
+    # print no line. 40 steps cost nothing more: the run stops at the kill.
+    run = train(root / "killed", *GRPO, *REPLICA, "rollout.max_staleness=1", "trainer.steps=40",
                 cache=root / "cache", kill_role=("rollout", 0), kill_after_step=1)
     line = error_line(run)
     assert run.returncode == 1 and run.left == [], (run.stderr, run.left)

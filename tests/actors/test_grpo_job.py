@@ -2,7 +2,7 @@
 per prompt, a kill and resume that continue exactly, and the reward from a server.
 
     straight   conf=grpo_tiny, 4 steps from scratch, a checkpoint every 2 steps
-    killed     6 steps in its own directory, 3 checkpoints kept; actor rank 1 is SIGKILLed once
+    killed     40 steps in its own directory, every checkpoint kept; the actor is SIGKILLed once
                step 1 is logged (its step_2 checkpoint is written before the row)
     resumed    trainer.resume=<killed's step_2> in killed's directory: goes on to step 4, whatever
                the kill left after step_2 (a 4-step run killed after step 2 could finish before
@@ -29,9 +29,10 @@ from tests.conftest import Run, compared, error_line, marked, train
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-N = 2
-# A small grpo_tiny: 4 prompts x 4 samples a step, two ranks, one optimizer step a step.
-SMALL = ["conf=grpo_tiny", f"cluster.num_devices={N}", "cluster.group_size=1",
+# A small grpo_tiny: 4 prompts x 4 samples a step, one rank (what these runs check does not
+# depend on the ranks: a resume of several ranks is tests/test_trainer.py's, GRPO's groups over
+# ranks tests/actors/test_action_mask.py's), one optimizer step a step.
+SMALL = ["conf=grpo_tiny", "cluster.num_devices=1", "cluster.group_size=1",
          "task.model.hidden_size=32", "task.model.intermediate_size=64", "task.sft_steps=10",
          "task.train_prompts=64", "task.val_prompts=8", "ppo.rollout_batch_size=4",
          "ppo.mini_batch_size=16", "actor.micro_batch_size=4", "ref.micro_batch_size=8",
@@ -47,8 +48,9 @@ def runs(tmp_path_factory) -> dict[str, Run]:
     straight = train(root / "straight", *SMALL, "trainer.steps=4", cache=cache,
                      watch=_critic_processes)
     assert straight.returncode == 0, straight.stderr
-    killed = train(root / "killed", *SMALL, "trainer.steps=6", "trainer.keep_checkpoints=3",
-                   cache=cache, kill_after_step=1)
+    # Steps take a fraction of a second: 40 of them keep the run going until the kill lands.
+    killed = train(root / "killed", *SMALL, "trainer.steps=40", "trainer.keep_checkpoints=0",
+                   cache=cache, kill_after_step=1, kill_role=("actor", 0))
     resumed = train(root / "killed", *SMALL, "trainer.steps=4",
                     f"trainer.resume={checkpoint.checkpoint_dir(root / 'killed', 2)}",
                     cache=cache)
@@ -130,7 +132,7 @@ def test_a_reward_function_that_kills_its_worker_is_named_with_the_step(tmp_path
     fns = root / "leaving.py"
     fns.write_text("import os\n\n\ndef score(prompts, responses, **columns):\n    os._exit(3)\n")
     spec = f"{fns}:score"
-    run = train(root / "run", *SMALL, "cluster.num_devices=1", "trainer.steps=1",
+    run = train(root / "run", *SMALL, "trainer.steps=1",
                 f"reward.function={spec}", cache=root / "cache")
     assert run.returncode == 1 and run.left == []
     assert error_line(run).startswith(

@@ -14,7 +14,8 @@ from tests.conftest import train
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 # Prompts of at most 8 tokens (the demo's are shorter) + 8 new tokens: 16 holds any sequence.
-SHORT = [*SMALL, "data.max_prompt_length=8", "trainer.steps=2", "trainer.save_every=0"]
+SHORT = [*SMALL, "cluster.num_devices=2", "data.max_prompt_length=8", "trainer.steps=2",
+         "trainer.save_every=0"]
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow,
 
 # grpo_tiny's small run with heads of 32 (vLLM's CPU attention takes none smaller), the actor's
 # parameters sharded in a group of both ranks.
-SMALL = [*GRPO, "cluster.group_size=2", "task.model.hidden_size=64",
+SMALL = [*GRPO, "cluster.num_devices=2", "cluster.group_size=2", "task.model.hidden_size=64",
          "task.model.intermediate_size=64", "rollout.engine=vllm"]
 
 
