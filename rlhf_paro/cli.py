@@ -16,14 +16,18 @@ Every job is built and checked before the first one runs.
 from __future__ import annotations
 
 import ast
+import atexit
 import dataclasses
 import inspect
 import io
 import itertools
+import os
 import re
+import sys
+import threading
 import tokenize
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, NoReturn
 
 import yaml
 from omegaconf import OmegaConf
@@ -92,6 +96,33 @@ def main(argv: list[str], *, prog: str, about: str, prepare: Callable[[Config, s
                 # read as a sweep when ``run`` composes the job's definition from its argv.
                 job_argv = [*job.argv, f"trainer.output_dir={quoted(cfg.trainer.output_dir)}"]
             execute(cfg, job_argv)
+
+
+def exit_when_done(main: Callable[[], None]) -> NoReturn:
+    """Run an entry point's ``main`` as ``python -m`` does, then end the process with its exit
+    status without Python's teardown of the interpreter.
+
+    When ``main`` returns or exits, the command's work is done: its files are closed, its Ray
+    workers stopped, its lines printed. What Python does after that is free the modules of
+    torch, Ray and transformers one object at a time: about a second a run spent on nothing
+    (1.1 s of a 12 s ``rlhf_paro.train`` run, 1.8 s of a vLLM one, on a 2-core machine). The exit
+    handlers still run (``atexit``: logging's flush among them) and the standard streams are
+    flushed. A thread of a library still running, or an exit that is not a status (an
+    exception, Ctrl-C, a message), gets Python's usual exit instead.
+    """
+    try:
+        main()
+        status: Any = 0
+    except SystemExit as done:
+        status = 0 if done.code is None else done.code
+    others = [t for t in threading.enumerate()
+              if t is not threading.main_thread() and t.is_alive() and not t.daemon]
+    if others or not isinstance(status, int):
+        raise SystemExit(status)
+    atexit._run_exitfuncs()  # noqa: SLF001 - the handlers Python would run at exit
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(status)
 
 
 def register_demo_resolver() -> None:

@@ -1207,4 +1207,4 @@ def _prepare(cfg: Config, conf: str) -> Config:
 
 
 if __name__ == "__main__":
-    main()
+    cli.exit_when_done(main)

@@ -228,4 +228,4 @@ def require_gpus(cfg: Config, conf: str) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.exit_when_done(main)

@@ -490,3 +490,43 @@ def test_a_sequence_longer_than_vllm_takes_the_model_at_is_one_line(jobs, capsys
     # The hf engine has no limit of its own: the model's 64 positions hold 38 tokens.
     train.main([*argv, "rollout.engine=hf"])
     assert len(jobs) == 1
+
+
+# An entry point that ends with ``code`` after writing unflushed output, with an exit handler
+# and, with ``thread``, a non-daemon thread that writes a file when it ends 0.3 s later.
+ENDS = '''
+import atexit, sys, threading, time
+from pathlib import Path
+from rlhf_paro.cli import exit_when_done
+
+out, code, thread = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "thread"
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+
+def main():
+    sys.stdout.write("unflushed")
+    sys.stderr.write("err")
+    if thread:
+        threading.Thread(target=lambda: (time.sleep(0.3), (out / "thread").write_text("done")),
+                         daemon=False).start()
+    if code != "none":
+        raise SystemExit(int(code) if code.isdigit() else code)
+
+exit_when_done(main)
+'''
+
+
+@pytest.mark.parametrize("code, status", [("none", 0), ("3", 3), ("a message", 1)])
+@pytest.mark.parametrize("thread", [False, True])
+def test_an_entry_point_ends_with_its_status_its_output_and_its_exit_handlers(tmp_path, code,
+                                                                             status, thread):
+    # Buffered output, as a user's pipe gets it (PYTHONUNBUFFERED would hide a lost buffer).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    done = subprocess.run([sys.executable, "-c", ENDS, str(tmp_path), code,
+                           "thread" if thread else "no"], capture_output=True, text=True,
+                          timeout=60, cwd=REPO, env=env)
+    assert done.returncode == status, done.stderr
+    assert done.stdout == "unflushed"
+    assert done.stderr == "err" + ("a message\n" if code == "a message" else "")
+    assert (tmp_path / "atexit").read_text() == "ran"
+    # A thread still running is waited for, as Python's own exit does.
+    assert (tmp_path / "thread").is_file() == thread
