@@ -8,8 +8,8 @@ time, so every test below reads the same runs):
                SIGKILLed during step 5
     finished   trainer.resume=auto in killed's directory: goes on from its step_4 to step 6, with
                actor rank 1's loss NaN at step 5 (one skipped optimizer step, within the limit)
-    nan_stop   resumed from straight's step_2; critic rank 0's loss NaN at step 2, no skipped step
-               allowed
+    nan_stop   resumed from straight's step_2 on one device; critic rank 0's loss NaN at step 2,
+               no skipped step allowed
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -45,9 +47,10 @@ def runs(tmp_path_factory) -> dict[str, Run]:
     finished = train(root / "killed", *PAIR, "trainer.steps=6", "trainer.save_every=2",
                      "trainer.keep_checkpoints=1", "trainer.max_skipped_steps=1",
                      cache=cache, nan_loss="actor:1:5")
-    nan_stop = train(root / "nan_stop", *PAIR, f"trainer.resume={step_2}", "trainer.steps=4",
-                     "trainer.save_every=1", "trainer.max_skipped_steps=0", cache=cache,
-                     nan_loss="critic:0:2")
+    # Half the workers: a checkpoint of two ranks loads on one (RESUMABLE_SECTIONS, "cluster").
+    nan_stop = train(root / "nan_stop", "cluster.num_devices=1", "cluster.group_size=1",
+                     f"trainer.resume={step_2}", "trainer.steps=4", "trainer.save_every=1",
+                     "trainer.max_skipped_steps=0", cache=cache, nan_loss="critic:0:2")
     return {"straight": straight, "killed": killed, "finished": finished, "nan_stop": nan_stop}
 
 
@@ -226,21 +229,21 @@ def test_resume_auto_skips_a_damaged_newest_checkpoint_and_a_stopped_rank_is_nam
 
 
 @pytest.fixture(scope="module")
-def outputs(tmp_path_factory) -> dict[str, Run]:
-    """A run of 2 steps with a checkpoint each; the same directory resumed after its
-    metrics.jsonl was deleted; and a run resumed from its step_2 into a directory where the
+def outputs(faults, tmp_path_factory) -> dict[str, Run | Path]:
+    """``in_save``'s run (steps 0 and 1, the checkpoint step_2), copied: resumed after its
+    metrics.jsonl was deleted; and resumed from its step_2 into a directory where the
     checkpoints cannot be written (``checkpoints`` is a file there: no write permission stops
     root)."""
     root = tmp_path_factory.mktemp("outputs")
-    cache = root / "cache"
-    first = train(root / "first", *ONE, "trainer.steps=2", "trainer.save_every=1", cache=cache)
-    assert first.returncode == 0, first.stderr
-    (first.out / "metrics.jsonl").unlink()
-    deleted = train(root / "first", *ONE, "trainer.steps=3", cache=cache)
+    first = root / "first"
+    shutil.copytree(faults["in_save"].out, first)
+    cache = faults["in_save"].out.parent / "cache"
+    (first / "metrics.jsonl").unlink()
+    deleted = train(first, *ONE, "trainer.steps=3", cache=cache)
     blocked = root / "blocked"
     blocked.mkdir()
     (blocked / checkpoint.CHECKPOINTS).write_text("")
-    unwritable = train(blocked, *ONE, f"trainer.resume={checkpoint.checkpoint_dir(first.out, 2)}",
+    unwritable = train(blocked, *ONE, f"trainer.resume={checkpoint.checkpoint_dir(first, 2)}",
                        "trainer.steps=4", "trainer.save_every=1", cache=cache)
     return {"first": first, "deleted": deleted, "unwritable": unwritable}
 
@@ -262,7 +265,7 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_its_steps_row_is_ke
     assert line.startswith(f"error: cannot write the checkpoint {target} (FileExistsError: "
                            f"[Errno 17] File exists: '{unwritable.out / checkpoint.CHECKPOINTS}'"
                            f"); newest checkpoint: "
-                           f"{checkpoint.checkpoint_dir(outputs['first'].out, 2)}; resume with: "
+                           f"{checkpoint.checkpoint_dir(outputs['first'], 2)}; resume with: "
                            ), line
     assert [r["step"] for r in unwritable.rows] == [2]
     assert unwritable.left == []
