@@ -4,10 +4,10 @@
   in the confs names the demo's assets (``rlhf_paro.cli.register_demo_resolver``).
 - One Ray cluster for the job tests (``shared_ray``): a run that joins it (``ray.address``)
   skips starting and stopping a Ray of its own, about half of what a small run costs beyond its
-  workers; an in-process ``PPOTrainer`` joins it too (``join_shared_ray``). Runs stay apart by
-  output directory and Ray job; a test about Ray's own start-up (a refused address, token
-  authentication, a lost node) and one whose workers must read the driver's environment
-  (``train(..., private=True)``) keep a private Ray.
+  workers. Runs stay apart by output directory and Ray job; a test about Ray's own start-up (a
+  refused address, token authentication, a lost node), one whose workers must read the
+  driver's environment (``train(..., private=True)``) and an in-process ``PPOTrainer`` keep a
+  private Ray.
 - ``train``: ``python -m rlhf_paro.train`` on the tiny job, as a user runs it, with the faults
   the job tests inject (a killed worker or driver, a signal during a save, a NaN loss), and what
   it left: rows, the one error line, processes still alive.
@@ -96,16 +96,6 @@ def shared_env() -> dict[str, str]:
     """This process's environment for a driver that joins the shared cluster."""
     return {**os.environ, "RAY_ADDRESS": shared_ray(),
             "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-
-
-def join_shared_ray() -> None:
-    """This process as a driver of the shared cluster: an in-process ``PPOTrainer``'s, whose
-    workers need nothing of this process's environment beyond what the cluster started with."""
-    import ray
-
-    address = shared_ray()
-    with _loopback_without_auth():
-        ray.init(address=address)
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:  # noqa: ARG001 - pytest's signature

@@ -10,9 +10,9 @@ import pytest
 import ray
 import torch
 
+from rlhf_paro.actors.group import init_ray
 from rlhf_paro.metrics import read_jsonl
 from tests.confs import load
-from tests.conftest import join_shared_ray
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -39,7 +39,7 @@ def job(tmp_path_factory):
         f"trainer.steps={STEPS}", f"trainer.save_every={STEPS}",
         "logger.wandb.mode=disabled", "logger.progress=false",
     ])
-    join_shared_ray()
+    init_ray(None, num_cpus=N, num_devices=N)
     from rlhf_paro.trainer import PPOTrainer
 
     trainer = PPOTrainer(cfg)

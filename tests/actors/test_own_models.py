@@ -14,9 +14,9 @@ import pytest
 import ray
 import torch
 
+from rlhf_paro.actors.group import init_ray
 from rlhf_paro.metrics import read_jsonl
 from tests.confs import load
-from tests.conftest import join_shared_ray
 from tests import hf_assets
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -64,7 +64,7 @@ def runs(tmp_path_factory):
     val = hf_assets.write_prompts(root / "val.jsonl", 6, chat=True, seed=1)
     plain = hf_assets.write_prompts(root / "train.jsonl", 32)
     fns = hf_assets.write_reward_functions(root / "fns.py")
-    join_shared_ray()
+    init_ray(None, num_cpus=N, num_devices=N)
     out = {}
     out["llama"] = run([
         *COMMON, f"actor.path={llama}", f"reward.function={fns}:length",

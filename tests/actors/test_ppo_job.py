@@ -8,13 +8,13 @@ import pytest
 import ray
 
 from rlhf_paro import models
+from rlhf_paro.actors.group import init_ray
 from rlhf_paro.metrics import COMM_PHASES, ROLES, read_jsonl, required_keys
 from rlhf_paro.ppo.task import task_from_config
 from rlhf_paro.sharding import Strategy
 from rlhf_paro.sharding.cost import traffic
 from rlhf_paro.sharding.layout import unit_sizes
 from tests.confs import load
-from tests.conftest import join_shared_ray
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -47,7 +47,7 @@ def job(tmp_path_factory):
         # ~1e-6, and the run goes through the path a mismatched engine would take.
         "rollout.tis_cap=2.0",
     ])
-    join_shared_ray()
+    init_ray(None, num_cpus=N, num_devices=N)
     from rlhf_paro.trainer import PPOTrainer
 
     trainer = PPOTrainer(cfg)
