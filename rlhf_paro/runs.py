@@ -118,28 +118,24 @@ def deal_rows(rows: list[dict[str, Any]], order: list[torch.Tensor]) -> list[dic
 
 
 def evaluate(models: dict[str, Any], prompts: Prompts, step: int, wait: Wait,
-             replicas: Any = None) -> dict[str, float]:
+             source: Any) -> dict[str, float]:
     """Greedy responses to every validation prompt, scored: ``eval/reward_mean`` and
     ``eval/score_mean``. The validation set goes in rollout-batch pieces, all ranks busy; the
-    rollout ``replicas`` generate when they are the run's (their weights sent already)."""
+    run's rollout ``source`` generates them (``sources.py``; holding the newest weights)."""
     reward = models["reward"]
-    generator = replicas or models["actor"]
     total = {"count": 0.0, "reward": 0.0, "task_score": 0.0}
     batch = prompts.cfg.ppo.rollout_batch_size
     num_ranks = prompts.cfg.cluster.num_devices
-    shards = generator.num_ranks
+    shards = source.num_shards
     every = math.lcm(num_ranks, shards)
     for start in range(0, len(prompts.val), batch):
         index = list(range(start, min(len(prompts.val), start + batch)))
         while len(index) % every:  # every rank needs rows: repeat the last prompt
             index.append(index[-1])
         per_slice, rows = prompts.split(prompts.val.rows(index), shards=shards)
-        episode_rows = (rows,) if prompts.cfg.env.enabled else ()
-        rollouts, _ = zip(*generator.call("generate", per_slice, *episode_rows, num_returns=2,
-                                          greedy=True, step=step))
-        rollouts = list(rollouts)
-        if shards != num_ranks:  # the replicas' slices cut again into the reward's ranks
-            whole = RolloutBatch.concat(wait(rollout=rollouts)["rollout"],
+        rollouts, _ = source.generate(per_slice, rows, step, greedy=True)
+        if shards != num_ranks:  # the generators' slices cut again into the reward's ranks
+            whole = RolloutBatch.concat(wait(**{source.role: rollouts})[source.role],
                                         prompts.tokenizer.pad_token_id)
             order = list(torch.arange(len(whole)).chunk(num_ranks))
             rollouts = [whole.select(i) for i in order]

@@ -35,10 +35,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import ray
-import torch
 from omegaconf import OmegaConf
 
-from rlhf_paro import batching, report, runs
+from rlhf_paro import report, runs, sources
 from rlhf_paro.actors import checkpoint
 from rlhf_paro.actors.actor import ActorWorker
 from rlhf_paro.actors.critic import CriticWorker
@@ -48,7 +47,6 @@ from rlhf_paro.actors.group import (
 )
 from rlhf_paro.actors.ref import RefWorker
 from rlhf_paro.actors.reward import RewardWorker
-from rlhf_paro.actors.rollout import RolloutWorker
 from rlhf_paro.config import RAY_ADDRESS_ALLOWED, Config, ConfigError
 from rlhf_paro.envs import EnvError
 from rlhf_paro.metrics import (
@@ -59,6 +57,7 @@ from rlhf_paro.ppo.data import rollout_tokenizer
 from rlhf_paro.ppo.rewards import RewardFunctionError
 from rlhf_paro.ppo.task import task_from_config
 from rlhf_paro.rollout import RolloutBatch
+from rlhf_paro.sources import Launched
 
 WORKERS = {"actor": ActorWorker, "critic": CriticWorker, "reward": RewardWorker,
            "ref": RefWorker}
@@ -78,28 +77,13 @@ def _running(cfg: Config, err: WorkerError) -> str:
 
 
 @dataclasses.dataclass
-class _Launched:
-    """A step's rollout on its way (``pipeline.LAUNCH`` to ``COLLECT``)."""
-
-    step: int
-    version: int  # updates of the policy that generates it
-    rollouts: list[Any] = dataclasses.field(default_factory=list)  # refs, or the rollouts
-    stats: list[Any] = dataclasses.field(default_factory=list)  # sums per generator (refs)
-    rows: list[Any] | None = None  # the prompts' texts and columns, per slice
-    dealt: bool = False  # ``rollouts`` and ``rows`` are the training ranks' already
-    # (scores, their sums, the reward's reports or None) started with it (``_score``)
-    scores: tuple[list[Any], list[Any], list[Any] | None] | None = None
-    calls: list[Call] = dataclasses.field(default_factory=list)  # its calls, for a hang
-
-
-@dataclasses.dataclass
 class _StepContext:
     """What one step's stages hand one another."""
 
     step: int
     start: float
     times: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds per stage
-    launched: _Launched | None = None
+    launched: Launched | None = None
     gen: dict[str, float] = dataclasses.field(default_factory=dict)
     exp: dict[str, float] = dataclasses.field(default_factory=dict)
     mismatch: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -162,7 +146,7 @@ class PPOTrainer:
         self.placement = place(num_devices, cluster.group_size, **wait)
         # Each replica a device of its own, on any node.
         try:
-            self.replica_placement = place(replicas, 1, **wait) if replicas else None
+            replica_placement = place(replicas, 1, **wait) if replicas else None
         except BaseException:
             self.placement.remove()
             raise
@@ -173,29 +157,23 @@ class PPOTrainer:
         self.models = {role: ModelGroup(WORKERS[role], role, cfg, self.placement, use_gpu,
                                         self.issued)
                        for role in algorithms.roles(cfg)}
-        # Rollout replicas on devices of their own (rollout.num_devices), each alone on its own.
-        self.replicas = (ModelGroup(RolloutWorker, "rollout", cfg, self.replica_placement,
-                                    use_gpu, self.issued, share=1.0)
-                         if self.replica_placement is not None else None)
+        self.pad_token_id = rollout_tokenizer(cfg).pad_token_id  # of the rollouts it deals
+        # Where each step's rollout comes from: the actor's ranks, or replicas on devices of
+        # their own (rollout.num_devices), each alone on its own.
+        self.source = sources.make(cfg, self.models["actor"], self.wait, self.pad_token_id,
+                                   replica_placement, self.issued, use_gpu)
         # The models join their process groups and build their engines at once.
         self.pids = self.wait(**{role: group.rendezvous() for role, group in self.models.items()})
-        if self.replicas is not None:
-            self._start_replicas()
+        self.pids.update(self.source.start())
         self.issued.clear()
         # A step's stages by name (ppo/pipeline.py runs them in order), the rollouts launched
         # ahead.
         self.stages = {pipeline.LAUNCH: self._launch, pipeline.COLLECT: self._collect,
                        pipeline.EXPERIENCE: self._experience, pipeline.TRAIN: self._train}
-        self._launched: dict[int, _Launched] = {}
+        self._launched: dict[int, Launched] = {}
         self.updates = 0  # the policy's version: its updates so far
-        self._weights_sent = -1  # the version the replicas hold
-        # A reward that reads nothing trained scores a rollout launched ahead as soon as it is
-        # generated, while training goes on (a function, a server, the environment's score).
-        self.scores_ahead = (self.replicas is not None and cfg.rollout.max_staleness > 0
-                             and not cfg.reward.runs_model)
         # From data.train_files, or made by the task.
         self.prompts = runs.Prompts(cfg, task_from_config(cfg))
-        self.pad_token_id = rollout_tokenizer(cfg).pad_token_id  # of the rollouts it deals
         alg = cfg.algorithm
         self.kl_ctl = core.kl_controller(alg.kl_coef, alg.adaptive_kl, alg.kl_target,
                                          alg.kl_horizon)
@@ -213,11 +191,10 @@ class PPOTrainer:
         ``trainer.step_timeout_s`` a ``NoAnswerError`` (``actors/group.py``, ``get``). A stop
         asked for before the steps is a ``StopRequested`` at once; during them it waits for the
         step's end."""
+        placements = {**dict.fromkeys(self.models, self.placement), **self.source.placements()}
         return get(calls, {role: group.workers for role, group in self.groups().items()},
                    self.cfg.trainer.step_timeout_s, self.issued, self.pids,
-                   None if self._in_steps else (lambda: self.stop.requested),
-                   {role: self.replica_placement if role == "rollout" else self.placement
-                    for role in self.groups()})
+                   None if self._in_steps else (lambda: self.stop.requested), placements)
 
     def fit(self) -> str:
         """Run the steps from ``start_step`` to ``trainer.steps``, logging each and saving
@@ -248,10 +225,9 @@ class PPOTrainer:
                             if n > trainer.max_skipped_steps}
                     if trainer.eval_every and (done % trainer.eval_every == 0
                                                or done == trainer.steps):
-                        if self.replicas is not None and self._weights_sent != self.updates:
-                            self._send_weights()
+                        self.source.sync(self.updates)
                         row.update(runs.evaluate(self.models, self.prompts, done, self.wait,
-                                                 self.replicas))
+                                                 self.source))
                     if trainer.export_every and done % trainer.export_every == 0:
                         runs.export(self.models, trainer.output_dir, self.wait, done)
                     # A run that stops here keeps its last checkpoint from before the skips.
@@ -329,7 +305,7 @@ class PPOTrainer:
             scratch = checkpoint.scratch(output_dir, step)
             self.wait(**{role: group.call("save_checkpoint", directory=str(scratch))
                          for role, group in self.models.items()})
-            self._save_launched(scratch)
+            sources.save_launched(self.source, self._launched, scratch)
             checkpoint.write_json(scratch / checkpoint.TRAINER_FILE, {
                 "step": step, "kl_coef": self.kl_ctl.value, "wandb_id": self.wandb_id,
                 "prompts": self.prompts.state(),
@@ -348,28 +324,6 @@ class PPOTrainer:
                                        f"({type(cause).__name__}: {cause})") from None
         return {"timing_s/checkpoint": time.perf_counter() - start,
                 "checkpoint/bytes": float(sum(size for size, _ in digests.values()))}
-
-    def _save_launched(self, directory: Path) -> None:
-        """The rollouts launched ahead of the next step, waited for and written with the
-        checkpoint.
-
-        [Note: rollouts launched ahead]
-        Saved, not generated again on resume: each was generated by a policy older than the
-        checkpoint's (the one after update t - K), which only its rollout keeps. Written, the
-        resumed run collects them as the straight run did, and launches the next with the
-        checkpoint's policy, as the straight run would have: the same rows."""
-        for step, launched in sorted(self._launched.items()):
-            key = "rollout" if self.replicas is not None else "actor"
-            batches = [b for b in launched.rollouts if not isinstance(b, ray.ObjectRef)] or \
-                self.wait(**{key: launched.rollouts})[key]
-            stats = (launched.stats if isinstance(launched.stats[0], dict)
-                     else self.wait(**{key: launched.stats})[key])
-            rows = launched.rows
-            if rows is not None and isinstance(rows[0], ray.ObjectRef):
-                rows = self.wait(**{key: rows})[key]
-            checkpoint.write_rollouts(directory, step, batches, {
-                "version": launched.version, "num_ranks": len(batches), "stats": stats,
-                "rows": rows})
 
     def _digests(self, directory: Path, names: list[str]) -> dict[str, tuple[int, str]]:
         """(bytes, SHA-256) of each file, shared among all workers (each flushes its share)."""
@@ -463,9 +417,7 @@ class PPOTrainer:
         state = json.loads((directory / checkpoint.TRAINER_FILE).read_text())
         self.start_step = state["step"]
         for step, (batches, meta) in checkpoint.read_rollouts(directory, RolloutBatch).items():
-            self._launched[step] = _Launched(step=step, version=meta["version"],
-                                             rollouts=batches, stats=meta["stats"],
-                                             rows=meta["rows"], dealt=True)
+            self._launched[step] = Launched.from_checkpoint(step, batches, meta)
         self.kl_ctl.value = state["kl_coef"]
         self.prompts.load_state(state["prompts"])
         checkpoint.set_rng_state(state["rng"])
@@ -495,52 +447,16 @@ class PPOTrainer:
         began = time.perf_counter()
         cfg = self.cfg
         issued_before = len(self.issued)
-        shards = self.replicas.num_ranks if self.replicas else cfg.cluster.num_devices
-        # Sliced here, before anything is sent: each generator receives only its own prompts.
-        prompts, rows = self.prompts.next(cfg.ppo.rollout_batch_size, cfg.rollout.n, shards)
-        # An environment's episodes are built from the prompts' rows (columns).
-        episode_rows = (rows,) if cfg.env.enabled else ()
-        launched = _Launched(step=step, version=self.updates, rows=rows)
-        if self.replicas is None:
-            rollouts, stats = zip(*self.models["actor"].call(
-                "generate", prompts, *episode_rows, step=step, num_returns=2))
-            launched.rollouts, launched.stats = list(rollouts), list(stats)
-        else:
-            if self._weights_sent != self.updates:
-                self._send_weights()
-            rollouts, stats = zip(*self.replicas.call("generate", prompts, *episode_rows,
-                                                      step=step, num_returns=2))
-            launched.stats = list(stats)
-            launched.rollouts, launched.rows = self._deal_ahead(list(rollouts), rows)
-            launched.dealt = True
-            if self.scores_ahead:
-                launched.scores = self._score(launched.rollouts, launched.rows, step)
+        # Sliced here, before anything is sent: each generator receives only its own prompts
+        # (an environment's episodes are built from the prompts' rows, their columns).
+        prompts, rows = self.prompts.next(cfg.ppo.rollout_batch_size, cfg.rollout.n,
+                                          self.source.num_shards)
+        launched = self.source.launch(step, prompts, rows, self.updates)
+        if self.source.scores_ahead:
+            launched.scores = self._score(launched.rollouts, launched.rows, step)
         launched.calls = self.issued[issued_before:]
         self._launched[step] = launched
         now.times["launch"] = now.times.get("launch", 0.0) + time.perf_counter() - began
-
-    def _send_weights(self) -> None:
-        """The actor's weights to every replica (``comm/transfer.py``): the actor's ranks gather
-        and send while the replicas take them, once the replicas are done with what they were
-        generating."""
-        self.models["actor"].call("send_weights")
-        self.replicas.call("receive_weights")
-        self._weights_sent = self.updates
-
-    def _deal_ahead(self, rollouts: list[ray.ObjectRef], rows: list[Any] | None
-                    ) -> tuple[list[ray.ObjectRef], list[Any] | None]:
-        """The replicas' rollouts as the training ranks' (each rank's ref of its own), without
-        the driver waiting: as generated when there are as many replicas as ranks and the
-        ranks are not balanced, else dealt by a task that runs once they are there
-        (``deal``)."""
-        cfg = self.cfg
-        num_ranks = cfg.cluster.num_devices
-        if len(rollouts) == num_ranks and not cfg.deals_rollouts:
-            return rollouts, rows
-        parts = list(_deal_task.options(num_returns=2 * num_ranks).remote(
-            self.pad_token_id, cfg.rollout.n, num_ranks, cfg.ppo.mini_batch_size // num_ranks,
-            cfg.ppo.balance_batch, rows, *rollouts))
-        return parts[:num_ranks], (None if rows is None else parts[num_ranks:])
 
     def _score(self, rollouts: list[Any], rows: list[Any] | None, step: int
                ) -> tuple[list[ray.ObjectRef], list[ray.ObjectRef], list[ray.ObjectRef] | None]:
@@ -562,30 +478,19 @@ class PPOTrainer:
         return list(scores), list(sums), list(reports)
 
     def _collect(self, step: int, now: _StepContext) -> None:
-        """Wait for step ``step``'s rollout (``pipeline.COLLECT``) and, colocated, deal it to
-        the ranks by real tokens ([Note: balanced ranks]); the wait is the trainer's idle time
-        when the rollout runs ahead."""
+        """Wait for step ``step``'s rollout (``pipeline.COLLECT``), dealt to the training ranks
+        by the source; the wait is the trainer's idle time when the rollout runs ahead."""
         began = time.perf_counter()
         launched = self._launched.pop(step)
-        if isinstance(launched.stats[0], dict):  # restored from a checkpoint
-            stats = launched.stats
-        else:
-            key = "actor" if self.replicas is None else "rollout"
-            stats = self.wait(**{key: launched.stats})[key]
-            if launched.dealt:  # the dealt rollouts are what the experience reads: there now
-                self.wait(rollout=launched.rollouts)
-        now.gen = _sum(stats)
+        now.gen = _sum(self.source.collect(launched))
         now.launched = launched
-        if self.replicas is None and self.cfg.deals_rollouts:
-            launched.rollouts, launched.rows = self.balance(launched.rollouts, launched.rows)
-            launched.dealt = True
         now.times["wait_rollout"] = time.perf_counter() - began
 
     def _experience(self, step: int, now: _StepContext) -> None:
         """Old log-probs, reference log-probs, values and scores of the collected rollout, then
         the actor's experience (``pipeline.EXPERIENCE``)."""
         began = time.perf_counter()
-        actor, reward = self.models["actor"], self.models["reward"]
+        actor = self.models["actor"]
         critic, ref = self.models.get("critic"), self.models.get("ref")
         absent = [None] * self.cfg.cluster.num_devices
         launched = now.launched
@@ -636,8 +541,7 @@ class PPOTrainer:
         row.update(reward_extras(gen))
         row.update(env_metrics(gen))
         row.update(now.mismatch)
-        if self.replicas is not None:
-            row.update(replica_metrics(gen, done - now.start, self.replicas.num_ranks))
+        row.update(self.source.metrics(gen, done - now.start))
         generated = times.get("launch", 0.0) + times["wait_rollout"]
         row.update({
             "ppo/reward_mean": exp["reward"] / exp["count"],
@@ -660,56 +564,16 @@ class PPOTrainer:
         })
         return row
 
-    def balance(self, rollouts: list[ray.ObjectRef], rows: list[Any] | None
-                ) -> tuple[list[ray.ObjectRef], list[Any] | None]:
-        """The step's rollout dealt to the actor's ranks by real tokens ([Note: balanced ranks],
-        ``batching.rank_order``); returns each rank's rows (the actor takes them with its
-        ``old_logprobs`` call, the other models as their rollout) and the prompts' rows dealt
-        alike. The rollouts are token ids and masks, small next to anything a model computes
-        from them."""
-        cfg = self.cfg
-        whole = RolloutBatch.concat(self.wait(actor=rollouts)["actor"], self.pad_token_id)
-        dealt, rows = deal(whole, cfg.rollout.n, cfg.cluster.num_devices,
-                           cfg.ppo.mini_batch_size // cfg.cluster.num_devices, True, rows)
-        return [ray.put(batch) for batch in dealt], rows
-
     def groups(self) -> dict[str, ModelGroup]:
-        """Every group of workers: the models', and the rollout replicas'."""
-        return {**self.models, **({"rollout": self.replicas} if self.replicas else {})}
-
-    def _start_replicas(self) -> None:
-        """The replicas' engines, and the transfer group of each actor rank and the replicas it
-        serves (``comm/transfer.py``), on a store this driver holds."""
-        from rlhf_paro.comm import transfer
-
-        actor, replicas = self.models["actor"], self.replicas
-        num_ranks, num_replicas = actor.num_ranks, replicas.num_ranks
-        host = ray.util.get_node_ip_address()
-        self._store, port = transfer.serve_store(host)
-        manifest = self.wait(actor=actor.call("weight_manifest"))["actor"][0]
-        nodes = self.wait(actor=actor.call("node"), rollout=replicas.call("node"))
-        joins = {}
-        for rank in range(num_ranks):
-            served = transfer.served(rank, num_ranks, num_replicas)
-            if served:
-                same = [nodes["rollout"][j] == nodes["actor"][rank] for j in served]
-                joins.setdefault("actor", []).append(actor.workers[rank].join_transfer.remote(
-                    host, port, same))
-        setups = [w.setup.remote(host, port, transfer.serving(j, num_ranks),
-                                 transfer.served(transfer.serving(j, num_ranks), num_ranks,
-                                                 num_replicas).index(j) + 1,
-                                 len(transfer.served(transfer.serving(j, num_ranks), num_ranks,
-                                                     num_replicas)) + 1, manifest)
-                  for j, w in enumerate(replicas.workers)]
-        self.pids["rollout"] = self.wait(rollout=setups, **joins)["rollout"]
+        """Every group of workers: the models', and the rollout source's own."""
+        return {**self.models, **self.source.groups()}
 
     def shutdown(self) -> None:
         """Kill every worker (even one blocked in a collective) and free their devices."""
-        for group in self.groups().values():
+        for group in self.models.values():
             group.shutdown()
         self.placement.remove()
-        if self.replica_placement is not None:
-            self.replica_placement.remove()
+        self.source.shutdown()
 
 
 def run_info(cfg: Config) -> dict[str, Any]:
@@ -754,42 +618,6 @@ def env_metrics(sums: dict[str, float]) -> dict[str, float]:
         "env/tool_calls": sums["env_tool_calls"] / episodes,
         "env/tool_errors": sums["env_tool_errors"] / episodes,
     }
-
-
-def deal(whole: RolloutBatch, group_size: int, num_ranks: int, mini_size: int, balance: bool,
-         rows: list[Any] | None) -> tuple[list[RolloutBatch], list[Any] | None]:
-    """A step's whole rollout cut into the training ranks' (``balance``: by real tokens, groups
-    of ``rollout.n`` whole, [Note: balanced ranks]; else in order), each trimmed to its own
-    widths, and the prompts' rows dealt alike."""
-    if balance:
-        order = batching.rank_order(whole.num_tokens(), group_size, num_ranks, mini_size)
-    else:
-        order = list(torch.arange(len(whole)).chunk(num_ranks))
-    return ([whole.select(index).trimmed() for index in order],
-            None if rows is None else runs.deal_rows(rows, order))
-
-
-@ray.remote(num_cpus=0)
-def _deal_task(pad_token_id: int, group_size: int, num_ranks: int, mini_size: int,
-               balance: bool, rows: list[Any] | None, *rollouts: RolloutBatch) -> tuple:
-    """``deal`` of the replicas' rollouts, run by Ray as soon as they are generated: one
-    result per training rank's rollout, then one per rank's rows."""
-    dealt, dealt_rows = deal(RolloutBatch.concat(rollouts, pad_token_id), group_size, num_ranks,
-                             mini_size, balance, rows)
-    return (*dealt, *(dealt_rows or [None] * num_ranks))
-
-
-def replica_metrics(sums: dict[str, float], step_s: float, num_replicas: int
-                    ) -> dict[str, float]:
-    """``rollout/*`` of the replicas on devices of their own, from the sums their generations
-    gave: seconds a replica generated and took weights for the step's rollout (means over
-    replicas), what is left of the step's wall time (idle, or generating the next), and the
-    weights' bytes they received."""
-    generate = sums.get("replica_generate_s", 0.0) / num_replicas
-    sync = sums.get("replica_sync_s", 0.0) / num_replicas
-    return {"rollout/time_s/generate": generate, "rollout/time_s/sync": sync,
-            "rollout/time_s/idle": max(0.0, step_s - generate - sync),
-            "rollout/sync/received_bytes": sums.get("replica_received_bytes", 0.0)}
 
 
 def reward_extras(sums: dict[str, float]) -> dict[str, float]:

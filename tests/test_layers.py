@@ -28,7 +28,8 @@ Every ``import`` and ``from`` statement counts, at the top of a module, inside a
                   - ``metrics``: the per-rank report the workers fill and its fold into a row;
                     plain data that ``actors`` imports, so below it.
     4  actors     the Ray workers of the four models and their placement
-    5  the PPO loop that drives the workers (``trainer``) and the entry points (``train``,
+    5  the PPO loop that drives the workers (``trainer``), where its rollouts come from
+       (``sources``: the actor's ranks or replicas of their own), the entry points (``train``,
        ``plan``, ``report``) with their command line (``cli``), and what a run reads and
        writes besides metrics (``runs``: prompts, evaluation, exports)
 
@@ -60,6 +61,7 @@ LAYERS = {
     "rlhf_paro.envs": 3,  # multi-turn environments: the contract and its runner (no Ray)
     "rlhf_paro.actors": 4,
     "rlhf_paro.trainer": 5,
+    "rlhf_paro.sources": 5,  # the trainer's rollout sources (Ray groups of actors)
     "rlhf_paro.train": 5,
     "rlhf_paro.cli": 5,
     "rlhf_paro.plan": 5,

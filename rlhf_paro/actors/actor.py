@@ -124,7 +124,7 @@ class ActorWorker(TrainedWorker):
 
     def set_rollout(self, batch: RolloutBatch) -> None:
         """Replace this rank's rollout with ``batch``: the rows the driver dealt it
-        ([Note: balanced ranks], ``trainer.balance``)."""
+        ([Note: balanced ranks], ``sources.Colocated.balance``)."""
         self._rollout = batch
 
     @torch.no_grad()

@@ -117,7 +117,7 @@ def test_concat_keeps_the_environments_scores_in_row_order_only_when_every_batch
 
 
 def test_concat_of_one_batch_is_that_batch():
-    # One rank's rollout is concatenated alone (trainer.balance with one training rank).
+    # One rank's rollout is concatenated alone (sources.Colocated.balance with one training rank).
     a = dataclasses.replace(_batch([2, 1], [[5, 2], [6, 2]]), scores=torch.tensor([0.5, 1.0]))
     alone = RolloutBatch.concat([a], PAD)
     assert all(torch.equal(getattr(alone, f.name), getattr(a, f.name))
