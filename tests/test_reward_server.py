@@ -283,7 +283,16 @@ def test_stalled_clients_cost_no_memory_and_are_cut_off_within_the_timeout(serve
             assert status_of(answer)[0] == 401
         assert time.perf_counter() - start < TIMEOUT_S / 2
         ours = {sock.getsockname()[1] for sock in [*stalled, half, slow]}
-        assert ours <= {c.raddr.port for c in served.connections() if c.raddr}  # all held
+
+        def held() -> set[int]:
+            return ours & {c.raddr.port for c in served.connections() if c.raddr}
+
+        # All eight held. A connection the server has not accepted yet waits in the listen
+        # backlog, on no descriptor of the server's: the last two can still be there when the
+        # six answers are read (seen once in a CI run); well before any timeout, they are not.
+        while held() != ours and time.perf_counter() - start < TIMEOUT_S / 2:
+            time.sleep(0.02)
+        assert held() == ours
         served.answers_at_once()  # while all eight are held
         # Each connection holds at most a read's 64 KiB and h11's 16 KiB head, not what it
         # declared (384 MiB in all): 32 MiB is room for the allocator's own growth.
@@ -298,9 +307,6 @@ def test_stalled_clients_cost_no_memory_and_are_cut_off_within_the_timeout(serve
                                                     f"{TIMEOUT_S:g} s"})
         # The six are dropped once their lingering ends, TIMEOUT_S after their answer. 2 s more
         # is room for a loaded machine; each cut is a timer, not the client going away.
-        def held() -> set[int]:
-            return ours & {c.raddr.port for c in served.connections() if c.raddr}
-
         while held() and time.perf_counter() - start < TIMEOUT_S + 2:
             time.sleep(0.1)
         assert held() == set()
