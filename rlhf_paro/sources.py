@@ -27,6 +27,7 @@ import torch
 from rlhf_paro import batching, runs
 from rlhf_paro.actors import checkpoint
 from rlhf_paro.actors.group import Call, ModelGroup, Placement
+from rlhf_paro.actors.rollout import RolloutWorker
 from rlhf_paro.config import Config
 from rlhf_paro.rollout import RolloutBatch
 
@@ -269,8 +270,6 @@ def make(cfg: Config, actor: ModelGroup, wait: Wait, pad_token_id: int,
     own, one replica each), or the actor's ranks where it is None."""
     if placement is None:
         return Colocated(cfg, actor, wait, pad_token_id)
-    from rlhf_paro.actors.rollout import RolloutWorker
-
     replicas = ModelGroup(RolloutWorker, "rollout", cfg, placement, use_gpu, issued, share=1.0)
     return Replicas(cfg, replicas, wait, pad_token_id, actor, placement)
 

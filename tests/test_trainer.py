@@ -130,7 +130,8 @@ HUNG_S = 20  # trainer.step_timeout_s of the run whose actor is stopped
 # once a step is logged lands in a later step that the machine decides. Runs that are to be
 # stopped are long enough to be running when it lands; the tests read which step it was from
 # the run's line.
-LONG = "trainer.steps=40"
+LONG_STEPS = 40
+LONG = f"trainer.steps={LONG_STEPS}"
 
 
 def _step_of(line: str, pattern: str) -> int:
@@ -216,7 +217,7 @@ def test_resume_auto_skips_a_damaged_newest_checkpoint_and_a_stopped_rank_is_nam
     assert (f"skipped {newest}: it does not match its manifest ({name} has changed (SHA-256 "
             "differs))") in hung.stdout, hung.stdout
     kept = checkpoint.checkpoint_dir(hung.out, k + 2)
-    assert f"resumed from {kept}: step {k + 2} of 40" in hung.stdout
+    assert f"resumed from {kept}: step {k + 2} of {LONG_STEPS}" in hung.stdout
     line = error_line(hung)
     assert hung.returncode == 1
     assert line.startswith("error: actor rank 0 did not answer in "), line
