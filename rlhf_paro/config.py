@@ -526,6 +526,11 @@ class RolloutConfig:
     tensor_parallel_size: int = 1  # devices one engine spans; must divide cluster.group_size
     enforce_eager: bool = True  # no CUDA graphs: an engine built every run starts sooner
     enable_prefix_caching: bool = True  # rollout.n samples of a prompt share its prefill
+    # Multi-turn episodes on an engine that takes requests (vllm): each episode a loop of its
+    # own, its next action submitted the moment its environment answers while the engine decodes
+    # the others' (docs/design.md, "Multi-turn episodes"); false: turn by turn, each turn's
+    # actions one batched call after the slowest environment step of the turn before.
+    streaming: bool = True
     # Devices of their own for the rollout (docs/design.md, "Asynchronous rollouts"): 0, the
     # engines live in the actor's ranks and share their devices; D > 0, D more devices each
     # host one engine replica, which takes the actor's weights after every update.

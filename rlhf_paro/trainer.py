@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import shutil
 import time
 from pathlib import Path
@@ -589,10 +590,21 @@ def run_info(cfg: Config) -> dict[str, Any]:
     }
 
 
-def _sum(dicts: list[dict[str, float]]) -> dict[str, float]:
-    """Key by key sums over ranks; a key some ranks lack (a reward extra) counts 0 there."""
+def _sum(dicts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Key by key over ranks: sums, where a key some ranks lack (a reward extra) counts 0
+    there; a ``<key>:min`` or ``<key>:max`` the least or the most of the ranks that have it; a
+    list (a value per call, ``step_latencies_s``) all ranks' values in one."""
     keys = dict.fromkeys(k for d in dicts for k in d)
-    return {k: sum(d.get(k, 0.0) for d in dicts) for k in keys}
+    out: dict[str, Any] = {}
+    for key in keys:
+        values = [d[key] for d in dicts if key in d]
+        if isinstance(values[0], list):
+            out[key] = [v for value in values for v in value]
+        elif key.endswith((":min", ":max")):
+            out[key] = (min if key.endswith(":min") else max)(values)
+        else:
+            out[key] = sum(values)
+    return out
 
 
 def env_metrics(sums: dict[str, float]) -> dict[str, float]:
@@ -617,7 +629,27 @@ def env_metrics(sums: dict[str, float]) -> dict[str, float]:
         "env/action_tokens": sums["env_action_tokens"] / episodes,
         "env/tool_calls": sums["env_tool_calls"] / episodes,
         "env/tool_errors": sums["env_tool_errors"] / episodes,
+        **rollout_timing(sums),
     }
+
+
+def rollout_timing(sums: dict[str, Any]) -> dict[str, float]:
+    """How an episodes' rollout spent its time (``episodes.run``'s sums): the share of it the
+    engine had nothing to decode (``rollout/engine_idle_fraction``, over the ranks' seconds),
+    the seconds to the first and the last episode's end, and percentiles of one environment
+    step's seconds (nearest rank). Empty for the sums of a rollout launched ahead by an older
+    version, then resumed."""
+    if "env_rollout_s" not in sums:
+        return {}
+    latencies = sorted(sums["env_step_latencies_s"])
+    out = {"rollout/engine_idle_fraction": sums["env_engine_idle_s"] / sums["env_rollout_s"],
+           "rollout/first_sample_s": sums["env_first_sample_s:min"],
+           "rollout/last_sample_s": sums["env_last_sample_s:max"]}
+    if latencies:
+        for q in (50, 90, 99):
+            out[f"env/step_latency_p{q}_s"] = latencies[max(math.ceil(q / 100 * len(latencies)),
+                                                            1) - 1]
+    return out
 
 
 def reward_extras(sums: dict[str, float]) -> dict[str, float]:

@@ -54,13 +54,20 @@ class Generation:
                  step: int, shard: int) -> tuple[RolloutBatch, dict[str, float]]:
         """The rollout of prompt slice ``shard`` at step ``step`` (``prompts``: left-padded,
         ``runs.Prompts``; ``rows``: their texts and columns, which build the environments), and
-        sums for the driver (an environment's as ``env_<name>``, ``episodes.run``).
+        sums for the driver (an environment's as ``env_<name>``, ``episodes.run``). With an
+        engine that takes requests (vllm) and ``rollout.streaming``, each episode is a loop of
+        its own (``episodes.stream``).
         ``greedy``: an evaluation. Sampled from the slice's own random stream."""
         cfg = self.cfg
         sampling = rollout.Sampling.from_config(cfg.ppo, greedy)
         env_stats: dict[str, float] = {}
         with rollout.seeded(rollout.generation_seed(cfg.trainer.seed, step, shard), self.device):
-            if self.env_runner is None:
+            if self.env_runner is None and rollout.takes_requests(self.engine) and not greedy:
+                # Each response from a stream of its own: an episode's first action's.
+                seeds = self._seeds(len(prompts), greedy, step, shard)
+                batch = self.engine.generate(prompts, sampling,
+                                             [episodes.action_seed(s, 0) for s in seeds])
+            elif self.env_runner is None:
                 batch = self.engine.generate(prompts, sampling)
             else:
                 batch, env_stats = self._episodes(prompts, rows, sampling, step, shard)
@@ -79,15 +86,24 @@ class Generation:
         key = cfg.data.prompt_key
         samples = [{key: text, **{c: values[i] for c, values in rows["columns"].items()}}
                    for i, text in enumerate(rows["texts"])]
-        stream = -1 - step if sampling.greedy else step
-        seeds = [envs.sample_seed(cfg.trainer.seed, stream, first + i)
-                 for i in range(len(prompts))]
+        seeds = self._seeds(len(prompts), sampling.greedy, step, shard)
         what = "evaluation after step" if sampling.greedy else "step"
-        return episodes.run(
-            self.engine, prompts, samples, seeds, self.env_runner, self.observations,
-            lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), sampling,
-            episodes.Budget(cfg.env.max_turns, cfg.env.max_total_tokens),
-            self.tokenizer.pad_token_id, lambda i: f"at {what} {step}, sample {first + i}")
+        args = (prompts, samples, seeds, self.env_runner, self.observations,
+                lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), sampling,
+                episodes.Budget(cfg.env.max_turns, cfg.env.max_total_tokens),
+                self.tokenizer.pad_token_id, lambda i: f"at {what} {step}, sample {first + i}")
+        if cfg.rollout.streaming and rollout.takes_requests(self.engine):
+            # Each episode's actions sample from its own stream, seeded as its environment is.
+            return episodes.stream(self.engine, *args, sample_seeds=seeds)
+        return episodes.run(self.engine, *args)
+
+
+    def _seeds(self, count: int, greedy: bool, step: int, shard: int) -> list[int]:
+        """The seeds of the slice's samples (``envs.sample_seed``): sample i of the step is
+        number shard x count + i; an evaluation's are apart from the training steps'."""
+        stream = -1 - step if greedy else step
+        return [envs.sample_seed(self.cfg.trainer.seed, stream, shard * count + i)
+                for i in range(count)]
 
 
 class RolloutWorker(Worker):

@@ -28,11 +28,10 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-import threading
 import time
 import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
 from rlhf_paro import usercode
@@ -163,6 +162,15 @@ class Calls:
 
     steps: int = 0
     step_time_s: float = 0.0  # summed over steps (calls running at once all count)
+    latencies_s: list[float] = field(default_factory=list)  # each step's own seconds
+
+
+@dataclass
+class _Timing:
+    """When a call's thread started it (None: queued), and its seconds once it returned."""
+
+    began: float | None = None
+    elapsed: float = 0.0
 
 
 class EnvRunner:
@@ -174,6 +182,9 @@ class EnvRunner:
     Signals reach a process's main thread only, so whatever a call raises, ``SystemExit`` and
     ``KeyboardInterrupt`` included, is its environment's; a Ctrl-C or SIGTERM of the run meets
     the runner waiting in the main thread and stops it as before.
+
+    Steps go in as a batch (``step``: all of a turn's, waited for together) or one at a time
+    (``submit_step``, then ``poll``: an episode's next turn as soon as its own step returns).
     """
 
     def __init__(self, factory: Callable[..., Any], name: str, num_workers: int,
@@ -183,6 +194,8 @@ class EnvRunner:
         self.timeout_s = timeout_s
         self.pool = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="env")
         self.calls = Calls()
+        # Calls in flight: their timing and (call name, sample) for a line naming the late one.
+        self._timing: dict[Future, tuple[_Timing, str, str]] = {}
 
     def start(self, rows: Sequence[dict[str, Any]], seeds: Sequence[int], where: Callable[
             [int], str]) -> tuple[list[Any], list[Any]]:
@@ -209,18 +222,33 @@ class EnvRunner:
     def step(self, envs: Sequence[Any], actions: Sequence[str], where: Callable[[int], str]
              ) -> list[StepResult]:
         """``env.step(action)`` of each, checked (``check_step``)."""
+        return self._run([lambda i=i: self._step(envs[i], actions[i], where(i))
+                          for i in range(len(envs))], "step", where)
 
-        def one(i: int) -> StepResult:
-            try:
-                value = envs[i].step(actions[i])
-            except BaseException as err:  # in a thread: the environment's own
-                raise EnvError(f"{self.name}.step raised {where(i)} ({usercode.described(err)})"
-                               ) from None
-            return check_step(value, self.name, where(i))
+    def submit_step(self, env: Any, action: str, where: str) -> Future:
+        """``env.step(action)`` started in a thread; its future's result is the checked
+        ``StepResult``. ``poll`` collects it and holds it to the deadline."""
+        return self._submit(lambda: self._step(env, action, where), "step", where)
 
-        results = self._run([lambda i=i: one(i) for i in range(len(envs))], "step", where)
-        self.calls.steps += len(results)
-        return results
+    def poll(self, futures: set[Future], timeout: float) -> set[Future]:
+        """The futures of ``futures`` that are done, waiting up to ``timeout`` seconds for the
+        first (0: none); raises the first error of one, or ``EnvError`` for a call past
+        ``timeout_s``."""
+        done, _ = wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+        for future in done:
+            self._finish(future)
+            if future.exception() is not None:
+                raise future.exception()
+        self._check_late()
+        return done
+
+    def _step(self, env: Any, action: str, where: str) -> StepResult:
+        try:
+            value = env.step(action)
+        except BaseException as err:  # in a thread: the environment's own
+            raise EnvError(f"{self.name}.step raised {where} ({usercode.described(err)})"
+                           ) from None
+        return check_step(value, self.name, where)
 
     def end(self, envs: Sequence[Any], where: Callable[[int], str]) -> None:
         """``close()`` of each environment that has one, once the rollout's episodes have
@@ -237,46 +265,57 @@ class EnvRunner:
 
         self._run([lambda i=i: one(i) for i in closing], "close", lambda k: where(closing[k]))
 
+    def _submit(self, call: Callable[[], Any], what: str, where: str) -> Future:
+        """``call`` in a thread, its own time (from when a thread starts it) recorded."""
+        timing = _Timing()
+
+        def timed() -> Any:
+            timing.began = time.monotonic()
+            try:
+                return call()
+            finally:
+                timing.elapsed = time.monotonic() - timing.began
+
+        future = self.pool.submit(timed)
+        self._timing[future] = (timing, what, where)
+        return future
+
+    def _finish(self, future: Future) -> None:
+        """A done call's time into ``calls`` (a step's)."""
+        timing, what, _ = self._timing.pop(future)
+        if what == "step" and future.exception() is None:
+            self.calls.steps += 1
+            self.calls.step_time_s += timing.elapsed
+            self.calls.latencies_s.append(timing.elapsed)
+
+    def _check_late(self) -> None:
+        now = time.monotonic()
+        late = [(what, where) for timing, what, where in self._timing.values()
+                if timing.began is not None and now - timing.began > self.timeout_s]
+        if late:
+            what, where = late[0]
+            raise EnvError(f"{self.name}.{what} took longer than env.timeout_s="
+                           f"{self.timeout_s:g} {where}")
+
     def _run(self, calls: list[Callable[[], Any]], what: str, where: Callable[[int], str]
              ) -> list[Any]:
         """Every call's result, in order; each call's own time (from when a thread starts it)
         is held to ``timeout_s``, and the first error of a call is raised as it is."""
-        started: dict[int, float] = {}
-        lock = threading.Lock()
-        elapsed = [0.0] * len(calls)
-
-        def timed(i: int) -> Any:
-            begin = time.monotonic()
-            with lock:
-                started[i] = begin
-            try:
-                return calls[i]()
-            finally:
-                elapsed[i] = time.monotonic() - begin
-                with lock:
-                    started.pop(i, None)
-
-        futures: list[Future] = [self.pool.submit(timed, i) for i in range(len(calls))]
+        futures = [self._submit(call, what, where(i)) for i, call in enumerate(calls)]
         pending = set(futures)
         try:
             while pending:
-                done, pending = wait(pending, timeout=_POLL_S, return_when=FIRST_COMPLETED)
-                for future in done:
-                    if future.exception() is not None:
-                        raise future.exception()
-                now = time.monotonic()
-                with lock:
-                    late = [i for i, begin in started.items() if now - begin > self.timeout_s]
-                if late:
-                    raise EnvError(f"{self.name}.{what} took longer than env.timeout_s="
-                                   f"{self.timeout_s:g} {where(min(late))}")
+                pending -= self.poll(pending, _POLL_S)
         except BaseException:
-            for future in pending:
-                future.cancel()
+            self.cancel(pending)
             raise
-        if what == "step":
-            self.calls.step_time_s += sum(elapsed)
         return [f.result() for f in futures]
+
+    def cancel(self, futures: set[Future]) -> None:
+        """Drop calls no one will wait for (a run stopping): queued ones never start."""
+        for future in futures:
+            future.cancel()
+            self._timing.pop(future, None)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -38,6 +38,7 @@ class Rollout(Protocol):
     # wide as the longest); False: on the real tokens only (a continuous batch). What the actor
     # counts in ``perf/padding_fraction``.
     computes_padding: bool
+    eos_token_id: int  # the token that ends a response (an action of an episode)
 
     def generate(self, prompts: PromptBatch, sampling: Sampling) -> RolloutBatch:
         """One response per prompt; responses as wide as the longest, never padded out to
@@ -58,6 +59,27 @@ class Rollout(Protocol):
 
     def wake(self) -> None:
         """Take it again before the next ``generate``."""
+
+
+class Requests(Rollout, Protocol):
+    """An engine that also takes one response at a time (vLLM's request-level loop): what a
+    multi-turn episode of its own needs (``episodes.stream``)."""
+
+    def submit(self, context: list[int], sampling: Sampling, seed: int | None) -> Any:
+        """Start a response to the token ids ``context``; returns the request's key. ``seed``:
+        the request samples from a stream of its own seeded with it (None: greedy)."""
+
+    def step(self) -> list[tuple[Any, list[int], list[float] | None]]:
+        """Decode one step of every request in flight; (key, response tokens through the first
+        <eos>, their log-probs or None when greedy) of each that ended."""
+
+    def abort(self, keys: list[Any]) -> None:
+        """Drop requests no one will collect (a rollout that failed)."""
+
+
+def takes_requests(engine: Rollout) -> bool:
+    """Whether ``engine`` takes one response at a time (``Requests``)."""
+    return callable(getattr(engine, "submit", None))
 
 
 def generation_seed(run_seed: int, step: int, shard: int) -> int:

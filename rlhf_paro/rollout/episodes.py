@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 
-from rlhf_paro.envs import EnvError, EnvRunner, Observations
-from rlhf_paro.rollout.base import Rollout, Sampling
+from rlhf_paro.envs import EnvError, EnvRunner, Observations, StepResult
+from rlhf_paro.rollout.base import Requests, Rollout, Sampling
 from rlhf_paro.rollout.batch import PromptBatch, RolloutBatch
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # the largest score a rollout carries
@@ -75,89 +77,208 @@ def run(engine: Rollout, prompts: PromptBatch, rows: Sequence[dict[str, Any]],
     reset with ``seeds[i]``) as a rollout, and sums over them for the driver: ``episodes``,
     ``turns``, ``truncated_max_turns``, ``truncated_max_total_tokens``, ``steps``,
     ``step_time_s``, ``observation_tokens``, ``dropped_observations``, ``action_tokens``,
-    ``tool_calls``, ``tool_errors``. ``where(i)`` names sample i in error lines."""
-    runner.calls = type(runner.calls)()
-    envs, first = runner.start(rows, seeds, where)
-    episodes = [Episode(ids[mask.bool()].tolist())
-                for ids, mask in zip(prompts.input_ids, prompts.attention_mask)]
-    observed = dropped = 0
-    for i, (episode, obs) in enumerate(zip(episodes, first)):
-        if obs is None:
-            continue
-        ids = _encoded(observations, obs, budget.max_total_tokens - episode.length - 1,
-                       f"{runner.name}.reset", where(i))
-        if ids is None:
-            raise EnvError(f"{runner.name}.reset's observation ({len(str(obs))} characters) "
-                           "leaves no room for an action within env.max_total_tokens="
-                           f"{budget.max_total_tokens} {where(i)}")
-        episode.prompt += ids
-        observed += len(ids)
+    ``tool_calls``, ``tool_errors``, ``engine_idle_s`` and ``rollout_s`` (the seconds the engine
+    had nothing to decode, of the rollout's), ``first_sample_s:min`` and ``last_sample_s:max``
+    (when the first and the last episode ended), ``step_latencies_s`` (each environment step's
+    seconds). ``where(i)`` names sample i in error lines.
+
+    Turn by turn: each turn's actions are one batched ``engine.generate``, then all their
+    environment steps at once; ``stream`` is the loop of an engine that takes requests."""
+    play = _Play(engine.eos_token_id, runner, observations, sampling, budget, where)
+    envs, episodes = play.start(prompts, rows, seeds)
     with engine.turns():
         for turn in range(budget.max_turns):
             active = [i for i, e in enumerate(episodes) if e.ended is None]
             if not active:
                 break
             contexts = [episodes[i].prompt + episodes[i].tokens for i in active]
-            room = [budget.max_total_tokens - len(c) for c in contexts]
+            room = max(budget.max_total_tokens - len(c) for c in contexts)
+            begin = time.monotonic()
             batch = engine.generate(
                 PromptBatch.left_padded(contexts, pad_token_id),
-                dataclasses.replace(sampling,
-                                    max_new_tokens=min(sampling.max_new_tokens, max(room))))
+                dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens, room)))
+            play.busy_s += time.monotonic() - begin
             stepping, actions = [], []
             for row, i in enumerate(active):
-                episode = episodes[i]
                 keep = batch.action_mask[row].bool()
-                action = batch.responses[row][keep].tolist()
-                logp = (batch.logprobs[row][keep].tolist() if batch.logprobs is not None
-                        else None)
-                cut = len(action) > room[row]
-                episode.add(action[:room[row]], True, None if logp is None else logp[:room[row]])
-                episode.turns += 1
-                if cut:  # the action met the episode's budget: nothing to step on
-                    episode.ended = MAX_TOKENS
-                    continue
-                stepping.append(i)
-                actions.append(decode(action))
+                action = play.act(i, batch.responses[row][keep].tolist(),
+                                  None if batch.logprobs is None
+                                  else batch.logprobs[row][keep].tolist())
+                if action is not None:
+                    stepping.append(i)
+                    actions.append(decode(action))
             results = runner.step([envs[i] for i in stepping], actions,
                                   lambda k: where(stepping[k]) + f" (turn {turn})")
             for i, result in zip(stepping, results):
-                episode = episodes[i]
-                episode.score += result.reward
-                if not math.isfinite(episode.score) or abs(episode.score) > FLOAT32_MAX:
-                    raise EnvError(f"{runner.name}.step's rewards sum to {episode.score:g} "
-                                   f"{where(i)} (turn {turn}); allowed: step rewards whose sum "
-                                   "an episode's score (float32) holds")
-                if result.done:
-                    episode.ended = DONE
-                    continue
-                if episode.turns == budget.max_turns:
-                    episode.ended = MAX_TURNS
-                    continue
-                ids = [] if result.observation is None else _encoded(
-                    observations, result.observation,
-                    budget.max_total_tokens - episode.length - 1, f"{runner.name}.step",
-                    f"{where(i)} (turn {turn})")
-                if ids is None or episode.length + len(ids) >= budget.max_total_tokens:
-                    episode.ended = MAX_TOKENS  # no room for another action after it
-                    dropped += ids is None
-                    continue
-                episode.add(ids, False)
-                observed += len(ids)
-    runner.end(envs, where)
-    stats = {
-        "episodes": float(len(episodes)),
-        "turns": float(sum(e.turns for e in episodes)),
-        "truncated_max_turns": float(sum(e.ended == MAX_TURNS for e in episodes)),
-        "truncated_max_total_tokens": float(sum(e.ended == MAX_TOKENS for e in episodes)),
-        "steps": float(runner.calls.steps),
-        "step_time_s": runner.calls.step_time_s,
-        "observation_tokens": float(observed),
-        "dropped_observations": float(dropped),
-        "action_tokens": float(sum(sum(e.actions) for e in episodes)),
-        "tool_calls": float(sum(getattr(env, "tool_calls", 0) for env in envs)),
-        "tool_errors": float(sum(getattr(env, "tool_errors", 0) for env in envs)),
-    }
-    return assemble(episodes, pad_token_id, sampling.greedy), stats
+                play.observe(i, result)
+    return play.finish(envs, pad_token_id)
+
+
+def stream(engine: Requests, prompts: PromptBatch, rows: Sequence[dict[str, Any]],
+           seeds: Sequence[int], runner: EnvRunner, observations: Observations,
+           decode: Callable[[list[int]], str], sampling: Sampling, budget: Budget,
+           pad_token_id: int, where: Callable[[int], str], sample_seeds: Sequence[int]
+           ) -> tuple[RolloutBatch, dict[str, float]]:
+    """``run``'s episodes and sums, each episode its own loop: its next action is a request of
+    its own, submitted the moment its environment answers, while the engine goes on decoding
+    the others' and the environments step in their threads. A sampled action draws from its
+    own stream, seeded from ``sample_seeds[i]`` and its turn (``action_seed``), so which tokens
+    it samples does not depend on what else the engine decodes; greedy actions are ``run``'s."""
+    play = _Play(engine.eos_token_id, runner, observations, sampling, budget, where)
+    envs, episodes = play.start(prompts, rows, seeds)
+    requests: dict[Any, int] = {}  # request -> its episode
+    steps: dict[Future, int] = {}  # environment step in flight -> its episode
+
+    def submit(i: int) -> None:
+        episode = episodes[i]
+        context = episode.prompt + episode.tokens
+        room = budget.max_total_tokens - len(context)
+        seed = None if sampling.greedy else action_seed(sample_seeds[i], episode.turns)
+        requests[engine.submit(context, dataclasses.replace(
+            sampling, max_new_tokens=min(sampling.max_new_tokens, room)), seed)] = i
+
+    try:
+        for i in range(len(episodes)):
+            submit(i)
+        while requests or steps:
+            if requests:
+                begin = time.monotonic()
+                ended = engine.step()
+                play.busy_s += time.monotonic() - begin
+                for request, tokens, logprobs in ended:
+                    i = requests.pop(request)
+                    action = play.act(i, tokens, logprobs)
+                    if action is not None:
+                        steps[runner.submit_step(envs[i], decode(action), where(i) +
+                                                 f" (turn {episodes[i].turns - 1})")] = i
+            # With requests in flight the engine goes on at once; without, wait for a step.
+            for future in runner.poll(set(steps), 0 if requests else _WAIT_S):
+                i = steps.pop(future)
+                if play.observe(i, future.result()):
+                    submit(i)
+    except BaseException:
+        engine.abort(list(requests))
+        runner.cancel(set(steps))
+        raise
+    return play.finish(envs, pad_token_id)
+
+
+# How long the streaming loop waits for an environment step when the engine has nothing to
+# decode, before it looks for steps past their deadline.
+_WAIT_S = 0.05
+
+
+def action_seed(sample_seed: int, turn: int) -> int:
+    """The seed of the stream that samples turn ``turn``'s action of the episode whose seed is
+    ``sample_seed`` (``envs.sample_seed``): a pure function of the two, whatever the batch."""
+    return (sample_seed * 1_000_003 + turn + 1) & 0x7FFFFFFF
+
+
+class _Play:
+    """The episodes of one rollout as they grow: what either loop does with an action and
+    with an environment's answer, and the sums at the end."""
+
+    def __init__(self, eos_token_id: int, runner: EnvRunner, observations: Observations,
+                 sampling: Sampling, budget: Budget, where: Callable[[int], str]) -> None:
+        self.eos_token_id = eos_token_id
+        self.runner, self.observations = runner, observations
+        self.sampling, self.budget, self.where = sampling, budget, where
+        self.episodes: list[Episode] = []
+        self.observed = self.dropped = 0
+        self.busy_s = 0.0  # seconds the engine was decoding
+        self.begin = time.monotonic()
+        self.ends: list[float] = []  # seconds from the start to each episode's end
+
+    def start(self, prompts: PromptBatch, rows: Sequence[dict[str, Any]], seeds: Sequence[int]
+              ) -> tuple[list[Any], list[Episode]]:
+        """(environments, episodes): each built and reset, its reset's observation after its
+        prompt."""
+        runner, budget = self.runner, self.budget
+        runner.calls = type(runner.calls)()
+        envs, first = runner.start(rows, seeds, self.where)
+        self.episodes = [Episode(ids[mask.bool()].tolist())
+                         for ids, mask in zip(prompts.input_ids, prompts.attention_mask)]
+        for i, (episode, obs) in enumerate(zip(self.episodes, first)):
+            if obs is None:
+                continue
+            ids = _encoded(self.observations, obs, budget.max_total_tokens - episode.length - 1,
+                           f"{runner.name}.reset", self.where(i))
+            if ids is None:
+                raise EnvError(f"{runner.name}.reset's observation ({len(str(obs))} characters) "
+                               "leaves no room for an action within env.max_total_tokens="
+                               f"{budget.max_total_tokens} {self.where(i)}")
+            episode.prompt += ids
+            self.observed += len(ids)
+        return envs, self.episodes
+
+    def act(self, i: int, action: list[int], logprobs: list[float] | None) -> list[int] | None:
+        """Episode ``i``'s action (its tokens through the first <eos>, as the engine gave them):
+        added, and returned for its environment to step on; None when it met the episode's
+        budget and ended it. An action cut short by the room left, not by ``max_new_tokens`` or
+        its <eos>, is cut whatever else the engine decoded with it."""
+        episode = self.episodes[i]
+        room = self.budget.max_total_tokens - episode.length
+        cut = len(action) > room or (len(action) == room < self.sampling.max_new_tokens
+                                     and action[-1] != self.eos_token_id)
+        episode.add(action[:room], True, None if logprobs is None else logprobs[:room])
+        episode.turns += 1
+        if cut:
+            self._end(episode, MAX_TOKENS)
+            return None
+        return action
+
+    def observe(self, i: int, result: StepResult) -> bool:
+        """Episode ``i``'s environment's answer to its last action; whether it goes on."""
+        episode, budget = self.episodes[i], self.budget
+        name, where = self.runner.name, f"{self.where(i)} (turn {episode.turns - 1})"
+        episode.score += result.reward
+        if not math.isfinite(episode.score) or abs(episode.score) > FLOAT32_MAX:
+            raise EnvError(f"{name}.step's rewards sum to {episode.score:g} {where}; allowed: "
+                           "step rewards whose sum an episode's score (float32) holds")
+        if result.done:
+            return self._end(episode, DONE)
+        if episode.turns == budget.max_turns:
+            return self._end(episode, MAX_TURNS)
+        ids = [] if result.observation is None else _encoded(
+            self.observations, result.observation, budget.max_total_tokens - episode.length - 1,
+            f"{name}.step", where)
+        if ids is None or episode.length + len(ids) >= budget.max_total_tokens:
+            self.dropped += ids is None
+            return self._end(episode, MAX_TOKENS)  # no room for another action after it
+        episode.add(ids, False)
+        self.observed += len(ids)
+        return True
+
+    def _end(self, episode: Episode, why: str) -> bool:
+        episode.ended = why
+        self.ends.append(time.monotonic() - self.begin)
+        return False
+
+    def finish(self, envs: list[Any], pad_token_id: int
+               ) -> tuple[RolloutBatch, dict[str, float]]:
+        """The environments closed; the rollout and its sums (``run``)."""
+        self.runner.end(envs, self.where)
+        episodes, calls = self.episodes, self.runner.calls
+        rollout_s = time.monotonic() - self.begin
+        stats = {
+            "episodes": float(len(episodes)),
+            "turns": float(sum(e.turns for e in episodes)),
+            "truncated_max_turns": float(sum(e.ended == MAX_TURNS for e in episodes)),
+            "truncated_max_total_tokens": float(sum(e.ended == MAX_TOKENS for e in episodes)),
+            "steps": float(calls.steps),
+            "step_time_s": calls.step_time_s,
+            "observation_tokens": float(self.observed),
+            "dropped_observations": float(self.dropped),
+            "action_tokens": float(sum(sum(e.actions) for e in episodes)),
+            "tool_calls": float(sum(getattr(env, "tool_calls", 0) for env in envs)),
+            "tool_errors": float(sum(getattr(env, "tool_errors", 0) for env in envs)),
+            "rollout_s": rollout_s,
+            "engine_idle_s": max(rollout_s - self.busy_s, 0.0),
+            "first_sample_s:min": min(self.ends, default=0.0),
+            "last_sample_s:max": max(self.ends, default=0.0),
+            "step_latencies_s": list(calls.latencies_s),
+        }
+        return assemble(episodes, pad_token_id, self.sampling.greedy), stats
 
 
 def _encoded(observations: Observations, observation: Any, limit: int, what: str, where: str

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import itertools
 import math
 import os
 import shutil
 import tempfile
-import weakref
 from typing import Any, ContextManager, Iterable
 
 import torch
@@ -178,6 +178,11 @@ def engine_kwargs(cfg: Config, hf_config: Any, device_type: str, seed: int) -> d
                 logprobs_mode=logprobs_mode(ppo), **memory)
 
 
+def _logprobs(output: Any) -> list[float]:
+    """The log-prob of each token a completion sampled (vLLM's logprobs=0)."""
+    return [step[token].logprob for step, token in zip(output.logprobs, output.token_ids)]
+
+
 class VLLMRollout:
     """A vLLM engine serving the actor's architecture, its weights synced from the actor."""
 
@@ -195,50 +200,90 @@ class VLLMRollout:
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.vocab_size = hf_config.vocab_size
         self.device = device
+        self._keys = itertools.count()  # the keys of requests (``submit``)
         # The engine reads the config's directory only: its weights come from sync.
-        self._config_dir = tempfile.mkdtemp(prefix="rlhf_paro_vllm_")
-        weakref.finalize(self, shutil.rmtree, self._config_dir, ignore_errors=True)
-        hf_config = hf_config.__class__.from_dict(hf_config.to_dict())
-        hf_config.architectures = [architecture(hf_config)]
-        hf_config.save_pretrained(self._config_dir)
-        self.llm = LLM(model=self._config_dir, **engine_kwargs(cfg, hf_config, device.type,
-                                                               seed))
+        # The directory goes once the engine is built: a worker that Ray kills runs no
+        # finaliser, and each left one behind in the temporary folder.
+        config_dir = tempfile.mkdtemp(prefix="rlhf_paro_vllm_")
+        try:
+            hf_config = hf_config.__class__.from_dict(hf_config.to_dict())
+            hf_config.architectures = [architecture(hf_config)]
+            hf_config.save_pretrained(config_dir)
+            self.llm = LLM(model=config_dir, **engine_kwargs(cfg, hf_config, device.type, seed))
+        finally:
+            shutil.rmtree(config_dir, ignore_errors=True)
         # vLLM's first call runs seconds longer than any after it (its kernels' first use): made
         # here, on the dummy weights, so that no step's generation pays for it.
         self.generate(PromptBatch(torch.ones(1, 1, dtype=torch.long),
                                   torch.ones(1, 1, dtype=torch.long)),
                       Sampling(max_new_tokens=2, temperature=ppo.temperature, top_k=ppo.top_k))
 
-    def generate(self, prompts: PromptBatch, sampling: Sampling) -> RolloutBatch:
+    def generate(self, prompts: PromptBatch, sampling: Sampling,
+                 seeds: list[int] | None = None) -> RolloutBatch:
         """One response per prompt, continuous batching over all of them; each response ends at
-        its first <eos> or at ``max_new_tokens``, the rows right-padded to the longest."""
-        from vllm import SamplingParams
+        its first <eos> or at ``max_new_tokens``, the rows right-padded to the longest.
+        ``seeds``: each response samples from a stream of its own seeded with its seed, so its
+        tokens do not depend on the other rows; None: from the process's stream."""
         from vllm.inputs import TokensPrompt
 
-        # The rollout's <eos> alone ends a response, as with hf: ignore_eos keeps vLLM from also
-        # stopping at the eos ids of the model's config, which ``join`` would not take for an
-        # end. One the model cannot sample (outside its vocabulary, which vLLM refuses as a stop
-        # id) ends none: every response runs to max_new_tokens.
-        stop = [self.eos_token_id] if self.eos_token_id < self.vocab_size else []
-        params = SamplingParams(
-            max_tokens=sampling.max_new_tokens, detokenize=False, ignore_eos=True,
-            stop_token_ids=stop,
-            **({"temperature": 0.0} if sampling.greedy else
-               {"temperature": sampling.temperature, "top_k": sampling.top_k,
-                "logprobs": 0}))
         requests = [TokensPrompt(prompt_token_ids=ids[mask.bool()].tolist())
                     for ids, mask in zip(prompts.input_ids, prompts.attention_mask)]
-        outputs = [out.outputs[0] for out in
-                   self.llm.generate(requests, params, use_tqdm=False)]
+        params = (self._params(sampling, None) if seeds is None
+                  else [self._params(sampling, seed) for seed in seeds])
+        outputs = [out.outputs[0] for out in self.llm.generate(requests, params,
+                                                               use_tqdm=False)]
         width = max(len(o.token_ids) for o in outputs)
         responses = torch.full((len(outputs), width), self.pad_token_id, dtype=torch.long)
         logprobs = None if sampling.greedy else torch.zeros(len(outputs), width)
         for row, out in enumerate(outputs):
             responses[row, :len(out.token_ids)] = torch.tensor(out.token_ids, dtype=torch.long)
             if logprobs is not None:
-                logprobs[row, :len(out.token_ids)] = torch.tensor(
-                    [step[token].logprob for step, token in zip(out.logprobs, out.token_ids)])
+                logprobs[row, :len(out.token_ids)] = torch.tensor(_logprobs(out))
         return join(prompts, responses, self.eos_token_id, logprobs)
+
+    def submit(self, context: list[int], sampling: Sampling, seed: int | None) -> str:
+        """One response to ``context`` as a request of its own (``Requests``): the engine
+        decodes it beside every other request in flight, each ``step``."""
+        from vllm.inputs import TokensPrompt
+
+        key = str(next(self._keys))
+        # (add_request returns the engine's internal id; the outputs carry ours)
+        self.llm.llm_engine.add_request(key, TokensPrompt(prompt_token_ids=context),
+                                        self._params(sampling, seed, final_only=True))
+        return key
+
+    def step(self) -> list[tuple[str, list[int], list[float] | None]]:
+        """One engine step over the requests in flight; the responses that ended in it."""
+        ended = []
+        for out in self.llm.llm_engine.step():
+            if out.finished:
+                first = out.outputs[0]
+                ended.append((out.request_id, list(first.token_ids),
+                              None if first.logprobs is None else _logprobs(first)))
+        return ended
+
+    def abort(self, keys: list[str]) -> None:
+        if keys:
+            self.llm.llm_engine.abort_request(keys)
+
+    def _params(self, sampling: Sampling, seed: int | None, final_only: bool = False) -> Any:
+        """vLLM's sampling parameters for ``sampling``; ``seed``: the request's own stream;
+        ``final_only``: a request's output once, when it ends (``step``)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        # The rollout's <eos> alone ends a response, as with hf: ignore_eos keeps vLLM from also
+        # stopping at the eos ids of the model's config, which ``join`` would not take for an
+        # end. One the model cannot sample (outside its vocabulary, which vLLM refuses as a stop
+        # id) ends none: every response runs to max_new_tokens.
+        stop = [self.eos_token_id] if self.eos_token_id < self.vocab_size else []
+        return SamplingParams(
+            max_tokens=sampling.max_new_tokens, detokenize=False, ignore_eos=True,
+            stop_token_ids=stop, seed=seed,
+            **({"output_kind": RequestOutputKind.FINAL_ONLY} if final_only else {}),
+            **({"temperature": 0.0} if sampling.greedy else
+               {"temperature": sampling.temperature, "top_k": sampling.top_k,
+                "logprobs": 0}))
 
     def turns(self) -> ContextManager:
         """Nothing to hold across turns: the prefix cache (``rollout.enable_prefix_caching``)

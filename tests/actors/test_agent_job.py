@@ -39,8 +39,8 @@ def runs(tmp_path_factory) -> dict[str, Run]:
 
 
 def _env(row: dict) -> dict:
-    """A row's env/* metrics but the environment's time."""
-    return {k: v for k, v in row.items() if k.startswith("env/") and k != "env/step_time_s"}
+    """A row's env/* metrics but the environment's times (step_time_s, step_latency_p*_s)."""
+    return {k: v for k, v in row.items() if k.startswith("env/") and not k.endswith("_s")}
 
 
 def test_every_step_plays_whole_games_and_logs_them(runs):
@@ -64,6 +64,12 @@ def test_every_step_plays_whole_games_and_logs_them(runs):
         # turn, none cut by tokens above) within timing_s/generate.
         steps = 16 * turns
         assert 0 < row["env/step_time_s"] * steps <= row["timing_s/generate"]
+        # Where the rollout's time went: within the generation, in order.
+        assert 0 <= row["rollout/engine_idle_fraction"] <= 1
+        assert 0 < row["rollout/first_sample_s"] <= row["rollout/last_sample_s"] \
+            <= row["timing_s/generate"]
+        assert 0 < row["env/step_latency_p50_s"] <= row["env/step_latency_p90_s"] \
+            <= row["env/step_latency_p99_s"] < row["timing_s/generate"]
         # The score is the game's: a win is 1, anything else 0, over 4 x 4 episodes a step.
         assert row["ppo/task_score"] == row["ppo/reward_mean"]
         assert (16 * row["ppo/task_score"]) == pytest.approx(round(16 * row["ppo/task_score"]))

@@ -44,6 +44,7 @@ class Recomputing:
 
     def __init__(self, engine: HFRollout) -> None:
         self.engine = engine
+        self.eos_token_id = engine.eos_token_id
 
     def generate(self, prompts, sampling):
         return self.engine.generate(prompts, sampling)
