@@ -48,6 +48,7 @@ class Recomputing:
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
+        self.eos_token_id = engine.eos_token_id
 
     def generate(self, prompts: Any, sampling: Any) -> Any:
         return self.engine.generate(prompts, sampling)

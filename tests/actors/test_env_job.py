@@ -80,20 +80,26 @@ def test_a_one_turn_episode_repeats_the_single_turn_run_row_for_row(root, engine
     if engine == "vllm" and not vllm_engine.installed():
         pytest.skip('needs the vllm extra: pip install -e ".[vllm]"')
     cache, args = root / "cache", [*SMALL, f"rollout.engine={engine}", "trainer.steps=2"]
+    env = [f"env.function={root}/envs.py:OneStep", "env.reward=env"]
     single = train(root / f"single-{engine}", *args, cache=cache)
-    episodes = train(root / f"episodes-{engine}", *args, f"env.function={root}/envs.py:OneStep",
-                     "env.reward=env", cache=cache)
+    runs = {"colocated": train(root / f"episodes-{engine}", *args, *env, cache=cache)}
+    if engine == "vllm":
+        # Streamed (each episode its own loop) on a replica of its own: every rollout source
+        # gives the same rows.
+        runs["replica"] = train(root / f"replica-{engine}", *args, *env,
+                                "rollout.num_devices=1", cache=cache)
     assert single.returncode == 0, single.stderr
-    assert episodes.returncode == 0, episodes.stderr
-    for step in range(2):
-        expected, got = compared(single.rows[step]), compared(episodes.rows[step])
-        assert set(got) == set(expected) and "ppo/task_score" in got
-        # The same tokens sampled by the same random streams, the same scores: the same fp32
-        # arithmetic in the same order (tests/test_trainer.py's bound, 1e-6 relative).
-        assert got == pytest.approx(expected, rel=1e-6, abs=0), step
-        row = episodes.rows[step]
-        assert row["env/turns_mean"] == 1.0 and row["env/observation_tokens"] == 0.0
-        assert row["env/action_tokens"] == row["ppo/response_length"]
+    for name, episodes in runs.items():
+        assert episodes.returncode == 0, episodes.stderr
+        for step in range(2):
+            expected, got = compared(single.rows[step]), compared(episodes.rows[step])
+            assert set(got) == set(expected) and "ppo/task_score" in got
+            # The same tokens sampled by the same random streams, the same scores: the same fp32
+            # arithmetic in the same order (tests/test_trainer.py's bound, 1e-6 relative).
+            assert got == pytest.approx(expected, rel=1e-6, abs=0), (name, step)
+            row = episodes.rows[step]
+            assert row["env/turns_mean"] == 1.0 and row["env/observation_tokens"] == 0.0
+            assert row["env/action_tokens"] == row["ppo/response_length"]
 
 
 @pytest.mark.parametrize("name, says", [

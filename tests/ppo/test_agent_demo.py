@@ -97,6 +97,7 @@ class _Bisector:
 
     def __init__(self, tok) -> None:
         self.tok = tok
+        self.eos_token_id = tok.eos_token_id
         self.symbols = guess.alphabet(16)
 
     def guess(self, context: list[int]) -> str:
@@ -217,6 +218,7 @@ class _Answering:
     def __init__(self, tok, word: str) -> None:
         self.action = [*tok(word, add_special_tokens=False)["input_ids"], tok.eos_token_id]
         self.tok = tok
+        self.eos_token_id = tok.eos_token_id
 
     def generate(self, prompts: PromptBatch, sampling: Sampling):
         actions = torch.tensor([self.action] * prompts.input_ids.shape[0])

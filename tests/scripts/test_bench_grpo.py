@@ -44,6 +44,8 @@ def policy(context: list[int]) -> list[int]:
 class Scripted:
     """A rollout engine that answers each left-padded context with ``policy``'s action."""
 
+    eos_token_id = EOS
+
     def turns(self):
         return contextlib.nullcontext()
 
