@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from rlhf_paro import envs, models, rollout
-from rlhf_paro.actors.worker import Worker, bind_gloo
+from rlhf_paro.actors.worker import Worker, bind_gloo, set_num_threads
 from rlhf_paro.comm.transfer import TransferGroup
 from rlhf_paro.metrics import GENERATE
 from rlhf_paro.ppo.data import rollout_tokenizer, vocab_sizes
@@ -129,7 +129,7 @@ class RolloutWorker(Worker):
             bind_gloo(__import__("ray").util.get_node_ip_address())
         # A replica owns its device alone: it generates as the actor does alone on its own.
         if self.device.type == "cpu":
-            torch.set_num_threads(self._threads[GENERATE])
+            set_num_threads(self._threads[GENERATE])
         self.transfer = TransferGroup(host, port, f"transfer{source}/", group_rank, group_size,
                                       self.device)
         self.manifest = manifest

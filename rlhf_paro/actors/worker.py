@@ -48,6 +48,11 @@ from rlhf_paro.sharding.contract import EngineOptions, ModelFactory, TrainEngine
 # Debugging aid (README, "Checkpoints and resume"): ROLE:RANK:STEP makes that rank's loss NaN
 # throughout that PPO step, to see the skipped-step guard at work. Read by the workers, which
 # inherit it from the driver that starts a private Ray.
+# torch's own thread setter, taken before anything can replace it: once its engine is built,
+# vLLM's CPU worker swaps torch.set_num_threads for one that does nothing ("doesn't allow to use
+# torch.set_num_threads after the thread binding"), which left every phase of a rank with a vLLM
+# engine on the one thread it had then, its training and forwards at half speed on two cores.
+set_num_threads = torch.set_num_threads
 NAN_LOSS_ENV = "RLHF_PARO_NAN_LOSS"
 
 
@@ -67,7 +72,7 @@ class Worker:
         # Torch threads per role phase on a CPU device (``phase_threads``); 1 outside them.
         self._threads = phase_threads(cfg, role) if self.device.type == "cpu" else {}
         if self._threads:
-            torch.set_num_threads(1)
+            set_num_threads(1)
         self.engine: TrainEngine | None = None  # None: a reward function or server
         self.packed = False  # forwards on packed real tokens (set at setup from the model type)
         self._time_s: dict[str, float] = defaultdict(float)  # role phase -> seconds, this step
@@ -149,12 +154,12 @@ class Worker:
         start = time.perf_counter()
         threads = self._threads.get(phase, 1)
         if threads > 1:
-            torch.set_num_threads(threads)
+            set_num_threads(threads)
         try:
             yield
         finally:
             if threads > 1:
-                torch.set_num_threads(1)
+                set_num_threads(1)
             self._time_s[phase] += time.perf_counter() - start
 
     def count_tokens(self, attention_mask: torch.Tensor, packed: bool | None = None) -> None:

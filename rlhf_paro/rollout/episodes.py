@@ -1,10 +1,14 @@
 """Multi-turn episodes on one actor rank: the one place that assembles an episode's tokens
 (docs/design.md, "Multi-turn episodes").
 
-Each turn generates the next action of every episode still running, in one batched call of the
-rollout engine (``Rollout.generate`` on the episodes' contexts; finished episodes drop out), and
-steps their environments (``envs.EnvRunner``: in threads, each call within ``env.timeout_s``);
-once all have ended, it closes the environments that have a ``close()``.
+Two loops, one set of rules (``_Play``). ``run``, turn by turn: each turn generates the next
+action of every episode still running, in one batched call of the rollout engine
+(``Rollout.generate`` on the episodes' contexts; finished episodes drop out), and steps their
+environments (``envs.EnvRunner``: in threads, each call within ``env.timeout_s``). ``stream``,
+each episode its own loop, on an engine that takes requests (``Requests``: vLLM): an episode's
+next action is a request submitted the moment its own environment step returns, so no episode
+waits for another's action or step. Once all have ended, either closes the environments that
+have a ``close()``.
 Token in, token out: an episode's context is the exact token ids of its prompt, its actions and
 the observations' tokens (``envs.Observations``), never a re-tokenised transcript, so the
 trainer's log-probs of an action are those of the context it was sampled in. An action runs

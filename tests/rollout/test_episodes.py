@@ -132,6 +132,10 @@ def _rank(rank: int, world_size: int, tmp, engine: str) -> dict:
     out = {"greedy": greedy, "stats": stats, "sampled": sampled, "diff": actor.old_logprobs()}
     if engine == "vllm":  # on the engine built here (building one costs seconds)
         out["streaming"] = _streaming(actor, per_rank[0])
+        from rlhf_paro.metrics import TRAIN
+
+        with actor.timed(TRAIN):  # what the rank's update computes on
+            out["threads"] = (actor._threads[TRAIN], torch.get_num_threads())
     return out
 
 
@@ -207,6 +211,13 @@ def test_greedy_episodes_take_three_actions_with_observations_between(hf):
     assert stats["env_turns"] == 3 * ROWS and stats["env_observation_tokens"] == 4 * ROWS
     observed = (greedy.response_attention == 1) & (greedy.action_mask == 0)
     assert observed.sum(-1).tolist() == [4] * ROWS
+
+
+def test_a_rank_with_a_vllm_engine_trains_on_the_threads_it_is_given(vllm):
+    # vLLM's CPU worker makes torch.set_num_threads do nothing once its engine is built: the
+    # rank's update ran on the one thread it had then (half speed on two cores).
+    wanted, got = vllm["threads"]
+    assert got == wanted, (got, wanted)
 
 
 def test_greedy_episodes_of_hf_and_vllm_are_the_same_tokens(hf, vllm):
