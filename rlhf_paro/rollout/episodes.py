@@ -142,24 +142,25 @@ def stream(engine: Requests, prompts: PromptBatch, rows: Sequence[dict[str, Any]
             sampling, max_new_tokens=min(sampling.max_new_tokens, room)), seed)] = i
 
     try:
-        for i in range(len(episodes)):
-            submit(i)
-        while requests or steps:
-            if requests:
-                begin = time.monotonic()
-                ended = engine.step()
-                play.busy_s += time.monotonic() - begin
-                for request, tokens, logprobs in ended:
-                    i = requests.pop(request)
-                    action = play.act(i, tokens, logprobs)
-                    if action is not None:
-                        steps[runner.submit_step(envs[i], decode(action), where(i) +
-                                                 f" (turn {episodes[i].turns - 1})")] = i
-            # With requests in flight the engine goes on at once; without, wait for a step.
-            for future in runner.poll(set(steps), 0 if requests else _WAIT_S):
-                i = steps.pop(future)
-                if play.observe(i, future.result()):
-                    submit(i)
+        with engine.turns():
+            for i in range(len(episodes)):
+                submit(i)
+            while requests or steps:
+                if requests:
+                    begin = time.monotonic()
+                    ended = engine.step()
+                    play.busy_s += time.monotonic() - begin
+                    for request, tokens, logprobs in ended:
+                        i = requests.pop(request)
+                        action = play.act(i, tokens, logprobs)
+                        if action is not None:
+                            steps[runner.submit_step(envs[i], decode(action), where(i) +
+                                                     f" (turn {episodes[i].turns - 1})")] = i
+                # With requests in flight the engine goes on at once; without, wait for a step.
+                for future in runner.poll(set(steps), 0 if requests else _WAIT_S):
+                    i = steps.pop(future)
+                    if play.observe(i, future.result()):
+                        submit(i)
     except BaseException:
         engine.abort(list(requests))
         runner.cancel(set(steps))
