@@ -33,7 +33,10 @@ def backwards(text: str) -> str:
 
 
 def test_without_the_extra_the_example_fails_in_one_line_naming_it(monkeypatch):
-    monkeypatch.setitem(sys.modules, "openenv", None)  # as if not installed
+    # As if not installed: the package and any of its modules an earlier import left in memory
+    # (a module found there is returned without its package being looked at).
+    for name in ["openenv", *(n for n in sys.modules if n.startswith("openenv."))]:
+        monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.delitem(sys.modules, "rlhf_paro.envs.openenv", raising=False)
     with pytest.raises(ConfigError) as info:
         usercode.load_function(EXAMPLE, "env.function")
