@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RUN_LOG = "run.log"  # in the copy: the output of the latest run of the tests
 
-# Each module and the quick tests (pytest arguments, run with ``-m "not slow"``) that exercise
-# it, the fastest first.
+# Each module and the quick tests (pytest arguments, run with ``-m "not slow"`` unless they give
+# their own ``-m``, which pytest takes over the first) that exercise it, the fastest first.
 MODULES = {
     "rlhf_paro/ppo/pipeline.py": ["tests/ppo/test_pipeline.py"],
     "rlhf_paro/rollout/batch.py": ["tests/rollout/test_batch.py"],
@@ -43,7 +43,9 @@ MODULES = {
     "rlhf_paro/ppo/core.py": ["tests/ppo/test_core.py"],
     "rlhf_paro/envs/__init__.py": ["tests/envs/test_envs.py", "tests/envs/test_guess.py"],
     "rlhf_paro/batching.py": ["tests/test_batching.py"],
-    "rlhf_paro/envs/openenv.py": ["tests/envs/test_openenv.py"],
+    # Its one quick test is the missing extra's: the served environment's tests are slow (an
+    # OpenEnv server a module), all but the one that also runs train on Ray.
+    "rlhf_paro/envs/openenv.py": ["tests/envs/test_openenv.py", "-m", "not ray"],
 }
 
 # Mutants that cannot change what the program computes: "module:function:change" -> why.
@@ -101,6 +103,11 @@ EQUIVALENT: dict[str, str] = {
         "the base renders first",
     # Its callers only test its truth: None is as false as False.
     "rlhf_paro/envs/__init__.py:takes_seed:return False -> return None": "read as a condition",
+    # How often, and from which instant, a served environment's start is waited for: when a
+    # server that never starts is given up on, not what a started one answers.
+    "rlhf_paro/envs/openenv.py:serve:0.01 -> 0.02": "a polling interval",
+    "rlhf_paro/envs/openenv.py:serve:time.monotonic() > deadline -> time.monotonic() >= "
+    "deadline": "the deadline's one instant",
     # The per-token tensors of ppo/core.py are (B, T): dimension 1 is the last one.
     "rlhf_paro/ppo/core.py:last_token_index:-1 -> 1": "(B, T), four times",
     "rlhf_paro/ppo/core.py:gae:-1 -> 1": "(B, T)",

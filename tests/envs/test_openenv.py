@@ -10,6 +10,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -196,6 +198,60 @@ def test_the_example_reaches_a_server_started_apart_by_its_address(echo):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_a_wrapper_without_action_or_observation_is_refused_naming_what_each_does():
+    pytest.importorskip("openenv.core", reason='needs the openenv extra: pip install -e '
+                                               '".[openenv]"')
+    from rlhf_paro.envs.openenv import OpenEnv
+
+    base = {"url": "http://127.0.0.1:1"}
+    no_action = type("NoAction", (OpenEnv,), {**base, "observation": lambda self, o: o})
+    no_observation = type("NoObservation", (OpenEnv,), {**base, "action": lambda self, t: t})
+    with pytest.raises(ValueError) as info:
+        no_action(prompt="a")
+    assert str(info.value) == ("NoAction defines no action(): the model's turn as the action "
+                               "its client's step takes")
+    with pytest.raises(ValueError) as info:
+        no_observation(prompt="a")
+    assert str(info.value) == ("NoObservation defines no observation(): OpenEnv's observation "
+                               "as text, chat messages or None")
+
+
+@pytest.mark.slow
+def test_a_reset_s_observation_a_missing_reward_and_a_clean_close(echo, capfd):
+    Echo, Recorded, example = echo
+
+    class Greeting(Recorded):
+        """Greets at its reset; its steps echo without a reward (OpenEnv's None)."""
+
+        def reset(self, seed=None, episode_id=None, **kwargs):
+            super().reset(seed, episode_id, **kwargs)
+            return example.EchoObservation(echoed="hello there")
+
+        def step(self, action, timeout_s=None, **kwargs):
+            self.messages.append(action.message)
+            return example.EchoObservation(echoed=action.message, reward=None, done=False)
+
+    class Greeter(Echo):
+        served = (Greeting, *Echo.served[1:])
+
+    env = Greeter(prompt="count : a")
+    assert env.reset(seed=1) == "hello there"  # the reset's observation reaches the episode
+    assert env.step("a b") == ("a b", 0.0, False)  # no reward is 0
+    session = Recorded.sessions[-1]
+    env.close()
+    # The server ends the session as asked: the environment closed and nothing on the server's
+    # log (uvicorn's, on this process's stderr). A connection dropped without the close message
+    # left a traceback there for every episode.
+    deadline = time.monotonic() + 10
+    while not session.closed and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    assert session.closed
+    assert "Traceback" not in capfd.readouterr().err
+    # The sessions' event loop runs in a daemon thread: it never holds a finished process open.
+    assert [t.daemon for t in threading.enumerate() if t.name == "openenv"] == [True]
 
 
 @pytest.mark.ray
