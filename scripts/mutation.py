@@ -37,8 +37,14 @@ MODULES = {
     "rlhf_paro/envs/guess.py": ["tests/envs/test_guess.py"],
     "rlhf_paro/ppo/algorithms.py": ["tests/ppo/test_algorithms.py", "tests/test_cli.py", "-k",
                                     "algorithm"],
-    "rlhf_paro/rollout/episodes.py": ["tests/envs/test_envs.py", "-k",
-                                      "not bad_environment_input"],
+    # And the streaming loop's tests, slow: they need a vLLM engine (built once a run).
+    "rlhf_paro/rollout/episodes.py": [
+        "tests/envs/test_envs.py", "-k", "not bad_environment_input", "-m", "not ray", *(
+            f"tests/rollout/test_episodes.py::test_{name}" for name in (
+                "greedy_episodes_streamed_are_the_turn_by_turn_ones",
+                "a_sampled_episode_is_the_same_alone_as_among_others",
+                "no_episode_waits_for_another_s_environment",
+                "an_environment_that_fails_or_stalls_is_one_line_and_nothing_is_left_in_flight"))],
     "rlhf_paro/envs/tools.py": ["tests/envs/test_envs.py", "-k", "tool"],
     "rlhf_paro/ppo/core.py": ["tests/ppo/test_core.py"],
     "rlhf_paro/envs/__init__.py": ["tests/envs/test_envs.py", "tests/envs/test_guess.py"],
@@ -85,15 +91,32 @@ EQUIVALENT: dict[str, str] = {
     "rlhf_paro/batching.py:rank_order:len(num_tokens) // group_size // num_ranks -> "
     "len(num_tokens) // group_size / num_ranks": "each rank holds as many groups",
     # _encoded returns at most max_total_tokens - length - 1 tokens: the sum is under the budget.
-    "rlhf_paro/rollout/episodes.py:run:episode.length + len(ids) >= budget.max_total_tokens -> "
-    "episode.length + len(ids) > budget.max_total_tokens": "never equal to the budget",
-    "rlhf_paro/rollout/episodes.py:run:episode.length + len(ids) -> episode.length - len(ids)":
-        "under the budget either way",
+    "rlhf_paro/rollout/episodes.py:_Play.observe:episode.length + len(ids) >= "
+    "budget.max_total_tokens -> episode.length + len(ids) > budget.max_total_tokens":
+        "never equal to the budget",
+    "rlhf_paro/rollout/episodes.py:_Play.observe:episode.length + len(ids) -> episode.length - "
+    "len(ids)": "under the budget either way",
+    # How long the streaming loop waits for a step when the engine has nothing to decode.
+    "rlhf_paro/rollout/episodes.py::0.05 -> 0.1": "a polling interval",
+    # Its callers only test its truth: None is as false as False.
+    "rlhf_paro/rollout/episodes.py:_Play._end:return False -> return None": "read as a condition",
+    # A request asked for more than its room: act cuts the action to the room either way, and
+    # with the request's own seed its first tokens are the same (the engine decodes a few more).
+    "rlhf_paro/rollout/episodes.py:stream.submit:budget.max_total_tokens - len(context) -> "
+    "budget.max_total_tokens + len(context)": "cut to the room in act",
+    "rlhf_paro/rollout/episodes.py:run:budget.max_total_tokens - len(c) -> "
+    "budget.max_total_tokens + len(c)": "cut to the room in act",
+    # Whether the loop waits for a step or goes on decoding: when, not what any call returns.
+    "rlhf_paro/rollout/episodes.py:stream:0 if requests else _WAIT_S -> 0 if not requests else "
+    "_WAIT_S": "when the loop waits",
+    # The first and last ends' defaults, for a rollout without episodes, which none is (the
+    # engine's idle time, the key's third site, is killed).
+    "rlhf_paro/rollout/episodes.py:_Play.finish:0.0 -> 1.0": "no rollout without episodes",
     # How often a batch of environment calls is checked for one past its deadline: when a
     # timeout is noticed, not what any call returns (the timeout tests allow for it).
     "rlhf_paro/envs/__init__.py::0.05 -> 0.1": "a polling interval",
-    # Each call's time is written when it ends; a call that never ran ended the batch in error.
-    "rlhf_paro/envs/__init__.py:EnvRunner._run:0.0 -> 1.0": "overwritten for every call",
+    # Each call's time is written when it ends, and read only then.
+    "rlhf_paro/envs/__init__.py:_Timing:0.0 -> 1.0": "overwritten for every call",
     # max(..., default=1) differs for an empty vocabulary only; a tokenizer has entries.
     "rlhf_paro/envs/__init__.py:Observations.__init__:1 -> 2": "no tokenizer is empty",
     # A mark found at 0 needs an empty rendering of the conversation before it, which always

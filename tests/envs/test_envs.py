@@ -321,6 +321,48 @@ def test_a_step_past_its_timeout_is_one_line_and_calls_run_at_once(files):
     assert time.monotonic() - start < 3  # stopped at the deadline, not after the 10 s step
 
 
+def test_a_step_submitted_alone_is_polled_checked_and_held_to_its_deadline():
+    # The streaming loop's calls (episodes.stream): each episode's step on its own, collected
+    # as it returns; a raising one and a late one are the same lines as a turn's batch gives.
+    class Paced:
+        def __init__(self, delay_s):
+            self.delay_s = delay_s
+
+        def step(self, action):
+            time.sleep(self.delay_s)
+            if action == "boom":
+                raise ValueError("the game broke")
+            return action.upper(), 1.5, action == "end"
+
+    runner = EnvRunner(Paced, "Paced", num_workers=4, timeout_s=1.0)
+    try:
+        fast = runner.submit_step(Paced(0.0), "end", "at sample 0 (turn 2)")
+        slow = runner.submit_step(Paced(0.4), "go", "at sample 1 (turn 0)")
+        assert runner.poll({slow}, 0) == set()  # not waited for: nothing done yet
+        got = set()
+        while len(got) < 2:
+            got |= runner.poll({fast, slow} - got, 0.05)
+        assert fast.result() == ("END", 1.5, True) and slow.result() == ("GO", 1.5, False)
+        assert runner.calls.steps == 2 and len(runner.calls.latencies_s) == 2
+        assert max(runner.calls.latencies_s) >= 0.4 and runner.calls.step_time_s >= 0.4
+        broken = runner.submit_step(Paced(0.0), "boom", "at sample 3 (turn 1)")
+        with pytest.raises(EnvError, match=r"^Paced.step raised at sample 3 \(turn 1\) "
+                                           r"\(ValueError: the game broke\)$"):
+            while not runner.poll({broken}, 0.05):
+                pass
+        stuck = runner.submit_step(Paced(2.5), "go", "at sample 5 (turn 0)")
+        start = time.monotonic()
+        with pytest.raises(EnvError, match=r"^Paced.step took longer than env.timeout_s=1 at "
+                                           r"sample 5 \(turn 0\)$"):
+            while not runner.poll({stuck}, 0.05):
+                pass
+        assert time.monotonic() - start < 2  # at the deadline, not after the 2.5 s step
+        runner.cancel({stuck})
+        assert runner.calls.steps == 2  # neither failed step counted
+    finally:
+        runner.close()
+
+
 def test_a_ctrl_c_of_the_run_still_stops_a_step_it_waits_for():
     # What an environment's thread raises is the environment's; a Ctrl-C reaches the main thread,
     # where the runner waits, and stops the run as a KeyboardInterrupt, not as an EnvError.
@@ -667,6 +709,30 @@ def test_an_action_that_fills_the_budget_exactly_is_stepped_and_scored(files):
     assert int((lengths == 6).sum()) >= 2, lengths.tolist()  # the case under test occurs
     assert stats["steps"] == 6 and stats["truncated_max_total_tokens"] == 0
     assert all(score > 0 for score in batch.scores.tolist())  # Echo: the action's word count
+
+
+def test_an_action_cut_by_its_episode_s_room_ends_it_unstepped(files):
+    # 4 prompt tokens of 8 leave 4, fewer than max_new_tokens (6): an action that runs to the
+    # room without its <eos> was cut by the budget, and its environment never sees it; one that
+    # ends in its <eos> within the room is stepped. Decided for each episode by its own room.
+    batch, stats = _episodes(files, "Echo", max_turns=1, max_total_tokens=8)
+    actions = [r[m.bool()].tolist() for r, m in zip(batch.responses, batch.action_mask)]
+    ended = [action[-1] == 2 for action in actions]  # the word tokenizer's </s>
+    assert 0 < sum(ended) < 6, actions  # both cases occur
+    assert stats["steps"] == sum(ended)
+    assert stats["truncated_max_total_tokens"] == 6 - sum(ended)
+    for action, stepped, score in zip(actions, ended, batch.scores.tolist()):
+        if not stepped:
+            assert len(action) == 4 and score == 0.0, (action, score)
+    assert int(batch.attention_mask.sum(-1).max()) <= 8
+    # A stepped episode not done by its game (no "p" said) ended at env.max_turns=1, each counted.
+    tok = word_tokenizer(chat=False)  # _episodes' own
+    done = sum("p" in tok.decode(a, skip_special_tokens=True).split()
+               for a, e in zip(actions, ended) if e)
+    assert stats["truncated_max_turns"] == sum(ended) - done
+    # And when: the episodes ended within the rollout, which took its own wall time.
+    assert 0 <= stats["first_sample_s:min"] <= stats["last_sample_s:max"] <= stats["rollout_s"]
+    assert stats["rollout_s"] < 60 and 0 <= stats["engine_idle_s"] <= stats["rollout_s"]
 
 
 def test_observations_carry_log_prob_zero(files):
