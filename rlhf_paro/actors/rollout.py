@@ -97,7 +97,6 @@ class Generation:
             return episodes.stream(self.engine, *args, sample_seeds=seeds)
         return episodes.run(self.engine, *args)
 
-
     def _seeds(self, count: int, greedy: bool, step: int, shard: int) -> list[int]:
         """The seeds of the slice's samples (``envs.sample_seed``): sample i of the step is
         number shard x count + i; an evaluation's are apart from the training steps'."""
