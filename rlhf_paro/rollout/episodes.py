@@ -76,7 +76,7 @@ class Episode:
 def run(engine: Rollout, prompts: PromptBatch, rows: Sequence[dict[str, Any]],
         seeds: Sequence[int], runner: EnvRunner, observations: Observations,
         decode: Callable[[list[int]], str], sampling: Sampling, budget: Budget,
-        pad_token_id: int, where: Callable[[int], str]) -> tuple[RolloutBatch, dict[str, float]]:
+        pad_token_id: int, where: Callable[[int], str]) -> tuple[RolloutBatch, dict[str, Any]]:
     """The episodes of ``prompts`` (one per row, its environment built from ``rows[i]`` and
     reset with ``seeds[i]``) as a rollout, and sums over them for the driver: ``episodes``,
     ``turns``, ``truncated_max_turns``, ``truncated_max_total_tokens``, ``steps``,
@@ -122,7 +122,7 @@ def stream(engine: Requests, prompts: PromptBatch, rows: Sequence[dict[str, Any]
            seeds: Sequence[int], runner: EnvRunner, observations: Observations,
            decode: Callable[[list[int]], str], sampling: Sampling, budget: Budget,
            pad_token_id: int, where: Callable[[int], str], sample_seeds: Sequence[int]
-           ) -> tuple[RolloutBatch, dict[str, float]]:
+           ) -> tuple[RolloutBatch, dict[str, Any]]:
     """``run``'s episodes and sums, each episode its own loop: its next action is a request of
     its own, submitted the moment its environment answers, while the engine goes on decoding
     the others' and the environments step in their threads. A sampled action draws from its
@@ -260,7 +260,7 @@ class _Play:
         return False
 
     def finish(self, envs: list[Any], pad_token_id: int
-               ) -> tuple[RolloutBatch, dict[str, float]]:
+               ) -> tuple[RolloutBatch, dict[str, Any]]:
         """The environments closed; the rollout and its sums (``run``)."""
         self.runner.end(envs, self.where)
         episodes, calls = self.episodes, self.runner.calls
