@@ -172,9 +172,10 @@ def measure_gpu(rank: int, world_size: int, path: str) -> dict:
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> list[dict]:
     path = save_model(tmp_path_factory.mktemp("setup") / "llama")
-    with pytest.MonkeyPatch.context() as patch:  # read by glibc when each rank starts
+    # Read by glibc when a process starts: ranks that start afresh, not forked from a server.
+    with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
-        results = run_distributed(measure, WORLD, str(path))
+        results = run_distributed(measure, WORLD, str(path), fresh=True)
     if any(r[case]["new"] is None for r in results for case in CASES):
         pytest.skip("this kernel does not let a process reset its peak memory "
                     "(/proc/self/clear_refs)")
