@@ -10,6 +10,8 @@ own slice):
     rollout[r] -> actor.old_logprobs | ref.logprobs | critic.values | reward.score  (concurrent)
     actor.make_experience: token rewards, the algorithm's advantages (core.make_experience)
     actor.train | critic.train: PPO epochs, mini-batches of s micro-batches    (concurrent)
+        (one pass over one mini-batch, no KL in the reward, no dropout: the update's forwards
+        give the old log-probs, and actor.old_logprobs is skipped; algorithms.py)
     KL controller update; per-model reports -> one metrics row
 
 A rank's rollout goes from its actor straight to the ref, critic and reward ranks on the same
@@ -175,6 +177,8 @@ class PPOTrainer:
         self.updates = 0  # the policy's version: its updates so far
         # From data.train_files, or made by the task.
         self.prompts = runs.Prompts(cfg, task_from_config(cfg))
+        # The update's forwards give the old log-probs: their own forward is skipped.
+        self.old_from_update = algorithms.old_logprobs_from_update(cfg)
         alg = cfg.algorithm
         self.kl_ctl = core.kl_controller(alg.kl_coef, alg.adaptive_kl, alg.kl_target,
                                          alg.kl_horizon)
@@ -497,8 +501,11 @@ class PPOTrainer:
         launched = now.launched
         rollouts, rows = launched.rollouts, launched.rows
         # Each rank takes its dealt rows; else the one it generated, which it kept.
-        old = actor.call("old_logprobs", rollouts) if launched.dealt else \
-            actor.call("old_logprobs")
+        given = (rollouts,) if launched.dealt else ()
+        if self.old_from_update:
+            old = actor.call("set_rollout", *given) if given else []
+        else:
+            old = actor.call("old_logprobs", *given)
         ref_logp = ref.call("logprobs", rollouts) if ref else absent
         values = critic.call("values", rollouts) if critic else absent
         scores, sums, now.reward_reports = launched.scores or self._score(rollouts, rows, step)
@@ -507,7 +514,7 @@ class PPOTrainer:
                                              kl_coef=kl_coef, num_returns=2))
         now.exp = _sum(self.wait(actor=list(exp_stats))["actor"])
         now.gen.update(_sum(self.wait(reward=sums)["reward"]))
-        now.mismatch = logprob_diff(self.wait(actor=old)["actor"])
+        now.mismatch = logprob_diff(self.wait(actor=old)["actor"]) if old else {}
         now.targets, now.kl_coef = list(targets), kl_coef
         now.staleness = pipeline.staleness(self.updates, launched.version)
         now.times["make_experience"] = time.perf_counter() - began
@@ -519,7 +526,11 @@ class PPOTrainer:
         training = {"actor": self.models["actor"].call("train", step=step, kl_coef=now.kl_coef)}
         if "critic" in self.models:
             training["critic"] = self.models["critic"].call("train", now.targets, step=step)
-        self.wait(**training)
+        done = self.wait(**training)
+        if self.old_from_update:  # the KL and the engine's distance, from the update's forwards
+            now.exp["kl"] = sum(r["kl"] for r in done["actor"])
+            now.mismatch = logprob_diff([{k: v for k, v in r.items() if k != "kl"}
+                                         for r in done["actor"]])
         self.updates += 1
         now.times["train"] = time.perf_counter() - began
 

@@ -245,6 +245,20 @@ def error_line(run: Run) -> str:
     return ours[0]
 
 
+def fixed_rollout(vocab: int, pad: int):
+    """A GRPO rollout of 8 sequences (4 prompts x 2 samples) for a worker's step without a
+    rollout engine: prompts of 4 random tokens (a fixed seed), responses of 3 to 6."""
+    import torch
+
+    from rlhf_paro.rollout import RolloutBatch
+
+    lengths = [6, 3, 5, 6, 4, 6, 6, 5]
+    action = torch.tensor([[1.0] * r + [0.0] * (6 - r) for r in lengths])
+    mask = torch.cat([torch.ones(8, 4, dtype=torch.long), action.long()], 1)
+    ids = torch.randint(3, vocab, mask.shape, generator=torch.Generator().manual_seed(0))
+    return RolloutBatch(torch.where(mask.bool(), ids, pad), mask, action)
+
+
 def compared(row: dict) -> dict:
     """What two runs of the same arithmetic must agree on: the loop's metrics, losses and
     gradient norms (not times, bytes or memory)."""

@@ -34,7 +34,9 @@ class ActorWorker(TrainedWorker):
         self.generation: Generation | None = None
         # Where this rank sends its weights to the replicas it serves (rollout.num_devices > 0).
         self.transfer: TransferGroup | None = None
-        self._old_logp: torch.Tensor | None = None  # this step's, from old_logprobs
+        # This step's old log-probs: from old_logprobs, or from the update's own forwards
+        # (``algorithms.old_logprobs_from_update``); None until then.
+        self._old_logp: torch.Tensor | None = None
         self._experience: core.Experience | None = None  # this step's, from make_experience
         # Whether the weights changed since the rollout engine last took them (an engine with a
         # copy of its own: ``Rollout.needs_sync``): at setup, after an update or a resume.
@@ -119,13 +121,13 @@ class ActorWorker(TrainedWorker):
         self.count_tokens(batch.attention_mask,
                           packed=not self.rollout_engine.computes_padding)
         if not greedy:
-            self._rollout = batch
+            self.set_rollout(batch)
         return batch, stats
 
     def set_rollout(self, batch: RolloutBatch) -> None:
         """Replace this rank's rollout with ``batch``: the rows the driver dealt it
         ([Note: balanced ranks], ``sources.Colocated.balance``)."""
-        self._rollout = batch
+        self._rollout, self._old_logp = batch, None
 
     @torch.no_grad()
     def old_logprobs(self, rollout: RolloutBatch | None = None) -> dict[str, float]:
@@ -139,6 +141,10 @@ class ActorWorker(TrainedWorker):
         with self.timed(INFERENCE):
             self._old_logp = self.in_micro_batches(self._rollout,
                                                    lambda rows: logprobs(self, rows))
+        return self._logprob_diff()
+
+    def _logprob_diff(self) -> dict[str, float]:
+        """How far the engine's log-probs of this rank's rollout are from the old ones."""
         batch = self._rollout
         if batch.logprobs is None:
             return {}
@@ -173,11 +179,22 @@ class ActorWorker(TrainedWorker):
                  "return": float((exp.returns * mask).sum())}
         return exp.returns, stats
 
-    def train(self, step: int, kl_coef: float) -> None:
+    def train(self, step: int, kl_coef: float) -> dict[str, float]:
         """The policy update of step ``step`` on this rank's rollout: the clipped surrogate,
         aggregated as the algorithm says, plus ``kl_coef`` times the KL loss term when
-        ``algorithm.kl_in_loss``."""
+        ``algorithm.kl_in_loss``.
+
+        Without old log-probs (no ``old_logprobs`` call this step: the trainer skips it where
+        ``algorithms.old_logprobs_from_update``), each micro-batch's forward gives its rows'
+        before the only optimizer step; then returns what ``old_logprobs`` and
+        ``make_experience`` would have for the driver: the KL sum (``kl``, zero without a
+        reference) and the engine's distance (``logprob_diff_*``). Else nothing."""
         batch, ppo, alg = self._rollout, self.cfg.ppo, self.cfg.algorithm
+        anchored = self._old_logp is None
+        if anchored and len(batch) > ppo.mini_batch_size // self.num_ranks:
+            raise RuntimeError("old log-probs from the update need one mini-batch a step")
+        anchor = torch.zeros(batch.action_mask.shape)
+        covered = torch.zeros(len(batch), dtype=torch.bool)
         tis_cap = self.cfg.rollout.tis_cap  # every engine gives log-probs of a sampled rollout
         agg = algorithms.loss_agg_mode(self.cfg)
         # Dr. GRPO divides each sequence's token sum by the response budget, a constant.
@@ -188,7 +205,11 @@ class ActorWorker(TrainedWorker):
             rows, exp = batch.select(idx), self._experience.select(idx)
             mask = rows.action_mask.to(self.device)
             logp = logprobs(self, rows, train=True)
-            old_logp = exp.old_logp.to(self.device)
+            if anchored:  # before any optimizer step: the policy that the rollout trains
+                old_logp = logp.detach()
+                anchor[idx], covered[idx] = old_logp.float().cpu(), True
+            else:
+                old_logp = exp.old_logp.to(self.device)
             # The engine sampled, the trainer's old log-probs anchor the ratio: reweight to them.
             weights = None
             if tis_cap is not None:
@@ -212,6 +233,14 @@ class ActorWorker(TrainedWorker):
 
         self.ppo_update(batch.action_mask, micro_loss, step, agg)
         self._engine_stale = True
+        if not anchored:
+            return {}
+        assert bool(covered.all()), "a row of the rollout had no training forward"
+        self._old_logp = anchor
+        ref_logp, mask = self._experience.ref_logp, batch.action_mask
+        kl = (0.0 if ref_logp is None else
+              float((core.kl_estimate(anchor, ref_logp, alg.kl_estimator) * mask).sum()))
+        return {"kl": kl, **self._logprob_diff()}
 
 
 def logprobs(worker: Worker, rows: RolloutBatch, train: bool = False) -> torch.Tensor:

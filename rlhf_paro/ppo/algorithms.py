@@ -90,6 +90,24 @@ def kl_estimator(cfg: Config) -> str:
     return alg.kl_estimator or ("k3" if alg.kl_in_loss else "k1")
 
 
+def old_logprobs_from_update(cfg: Config) -> bool:
+    """Whether the update's own forwards give the old log-probs, so that the actor skips their
+    separate forward (TRL's GRPOTrainer does the same when it updates once per rollout).
+
+    They are the same numbers when every training forward runs with the weights the separate
+    one would use and computes the same network: one pass (``ppo.ppo_epochs=1``) over one
+    mini-batch (``ppo.mini_batch_size`` = the step's samples), so no optimizer step comes
+    between two micro-batches; no dropout in the training forward (``actor.disable_dropout``,
+    and no LoRA dropout, which that key leaves as given). And nothing may read them before the
+    update: no KL penalty in the reward (``algorithm.kl_in_loss``, or no reference). The
+    update's ratio is then exactly 1, as it is in exact arithmetic."""
+    ppo, actor = cfg.ppo, cfg.actor
+    samples = ppo.rollout_batch_size * cfg.rollout.n
+    one_pass = ppo.ppo_epochs == 1 and ppo.mini_batch_size == samples
+    no_dropout = actor.disable_dropout and not (actor.lora.enabled and actor.lora.dropout > 0)
+    return one_pass and no_dropout and (cfg.algorithm.kl_in_loss or not uses_ref(cfg))
+
+
 def check(cfg: Config) -> None:
     """``ConfigError`` in one line for a combination the algorithm cannot run: names the math
     does not know, k1 as a loss term, a critic given to a critic-free algorithm, a group

@@ -344,15 +344,18 @@ class Experience:
     """What the policy update reads of one rank's rollout, besides the rollout itself; every
     tensor (B, T), zero on padding."""
 
-    old_logp: Tensor  # log-probs of the sampled tokens under the policy that sampled them
+    # Log-probs of the sampled tokens under the policy before the update; None: the update's
+    # own forwards give them (``algorithms.old_logprobs_from_update``).
+    old_logp: Tensor | None
     ref_logp: Tensor | None  # the reference's, kept only when the KL is a loss term
     advantages: Tensor
     returns: Tensor  # the critic's targets (``advantages`` says what each estimator gives)
-    kl: Tensor  # the KL estimate per token (zero without a reference), for the metrics
+    # The KL estimate per token (zero without a reference or without old_logp), for the metrics
+    kl: Tensor
 
     def select(self, rows: Tensor) -> Experience:
         """The rows ``rows`` of every tensor."""
-        return Experience(self.old_logp[rows],
+        return Experience(None if self.old_logp is None else self.old_logp[rows],
                           None if self.ref_logp is None else self.ref_logp[rows],
                           self.advantages[rows], self.returns[rows], self.kl[rows])
 
@@ -371,7 +374,7 @@ class ExperienceSpec:
 
 
 @torch.no_grad()
-def make_experience(spec: ExperienceSpec, old_logp: Tensor, ref_logp: Tensor | None,
+def make_experience(spec: ExperienceSpec, old_logp: Tensor | None, ref_logp: Tensor | None,
                     score: Tensor, mask: Tensor, group: Tensor, values: Tensor | None,
                     kl_coef: float, sum_over_ranks: Callable[[Tensor], Tensor] = _no_collective
                     ) -> Experience:
@@ -379,13 +382,17 @@ def make_experience(spec: ExperienceSpec, old_logp: Tensor, ref_logp: Tensor | N
     rewards (the KL penalty in them at ``kl_coef`` unless ``spec.kl_in_loss``), then the
     estimator's advantages and returns.
 
-    old_logp, ref_logp, values: (B, T) or None as ``AdvantageInputs`` says; score: (B,); mask:
+    old_logp: (B, T), or None when the update gives it, which only a KL in the loss allows (the
+    KL in the reward reads it; the KL estimate is then zero here and the update's to log).
+    ref_logp, values: (B, T) or None as ``AdvantageInputs`` says; score: (B,); mask:
     (B, T); group: (B,) ids of the samples of one prompt, whole on this rank. ``sum_over_ranks``
     all-reduces the moments of a batch-wide whitening, so the result is this rank's slice of the
     global batch's (see the note on data parallelism).
     """
     kl = torch.zeros_like(mask, dtype=torch.float32)
-    if ref_logp is not None:
+    if ref_logp is not None and old_logp is None and not spec.kl_in_loss:
+        raise ValueError("the KL penalty in the reward needs the old log-probs")
+    if ref_logp is not None and old_logp is not None:
         kl = kl_estimate(old_logp, ref_logp, spec.kl_estimator) * mask
     rewards = token_rewards(score, kl, mask, 0.0 if spec.kl_in_loss else kl_coef)
     adv, returns = advantages(spec.estimator, AdvantageInputs(

@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_paro.rollout import RolloutBatch
 from tests.confs import load
+from tests.conftest import fixed_rollout
 from tests.dist_utils import run_distributed
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -31,15 +31,6 @@ ARGV = [f"actor.config={GPT2}", "reward.path=null", "data.train_files=null",
         "actor.micro_batch_size=4", "ref.micro_batch_size=4"]
 
 
-def _rollout(vocab: int, pad: int) -> RolloutBatch:
-    """8 sequences (4 prompts x 2 samples): prompts of 4 tokens, responses of 3 to 6."""
-    lengths = [6, 3, 5, 6, 4, 6, 6, 5]
-    action = torch.tensor([[1.0] * r + [0.0] * (6 - r) for r in lengths])
-    mask = torch.cat([torch.ones(8, 4, dtype=torch.long), action.long()], 1)
-    ids = torch.randint(3, vocab, mask.shape, generator=torch.Generator().manual_seed(0))
-    return RolloutBatch(torch.where(mask.bool(), ids, pad), mask, action)
-
-
 def _step_zero(rank: int, world_size: int, disable: bool) -> dict[str, list[float]]:
     from rlhf_paro.actors.actor import ActorWorker
     from rlhf_paro.actors.ref import RefWorker
@@ -50,7 +41,7 @@ def _step_zero(rank: int, world_size: int, disable: bool) -> dict[str, list[floa
                                                                          world_size)
     for worker in (actor, ref):
         worker.shard_model()
-    rollout = _rollout(data.vocab_sizes(cfg)["actor"], actor.tokenizer.pad_token_id)
+    rollout = fixed_rollout(data.vocab_sizes(cfg)["actor"], actor.tokenizer.pad_token_id)
     actor.set_rollout(rollout)
     actor.old_logprobs()
     ref_logp = ref.logprobs(rollout)

@@ -98,6 +98,18 @@ def test_three_models_run_and_no_critic_worker_ever_exists(runs):
     assert (straight.out / "hf" / "actor" / "config.json").is_file()
 
 
+def test_the_update_gives_the_old_log_probs_and_the_kl_to_the_reference(runs):
+    # One pass over one mini-batch with the KL in the loss (algorithms.old_logprobs_from_update):
+    # no forward of the old log-probs of their own, a ratio of exactly 1 in the update.
+    rows = runs["straight"].rows
+    assert all(r["actor/time_s/inference"] == 0.0 for r in rows)
+    assert all(r["actor/approx_kl"] == 0.0 and r["actor/clipfrac"] == 0.0 for r in rows)
+    # The KL to the reference, from the update's forwards: within fp32 rounding of 0 while the
+    # policy is the reference's copy (step 0), then the updates' (a trainer that dropped the
+    # update's figure would log 0 at every step).
+    assert abs(rows[0]["ppo/kl"]) < 1e-6 < min(r["ppo/kl"] for r in rows[1:])
+
+
 def test_a_killed_grpo_run_resumes_exactly(runs):
     straight, killed, resumed = runs["straight"], runs["killed"], runs["resumed"]
     assert killed.returncode == 1 and killed.left == []

@@ -42,3 +42,23 @@ def test_each_algorithm_asks_for_what_its_estimator_reads():
     default = algorithms.Algorithm("other")
     assert (default.critic, default.group_baseline, default.loss_agg_mode,
             default.token_sum_norm) == (False, False, "token_mean", False)
+
+
+# The demo's PPO (conf=ppo_tiny's defaults: a KL penalty in the reward, a critic) and GRPO.
+GRPO = ["algorithm.adv_estimator=grpo", "algorithm.kl_in_loss=true", "rollout.n=4",
+        "ppo.rollout_batch_size=16", "ppo.mini_batch_size=64", "ppo.ppo_epochs=1"]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (GRPO, True),
+    ([*GRPO, "algorithm.kl_coef=0"], True),  # no reference at all
+    ([*GRPO, "ppo.ppo_epochs=2"], False),  # the second pass anchors to the first's policy
+    ([*GRPO, "ppo.mini_batch_size=32"], False),  # an optimizer step between mini-batches
+    ([*GRPO, "algorithm.kl_in_loss=false"], False),  # the reward's KL penalty reads them first
+    ([*GRPO, "algorithm.kl_in_loss=false", "algorithm.kl_coef=0"], True),
+    ([*GRPO, "actor.disable_dropout=false"], False),  # the update's forward is another network
+    ([*GRPO, "actor.lora.enabled=true", "actor.lora.dropout=0.1"], False),
+    ([*GRPO, "actor.lora.enabled=true"], True),  # LoRA without dropout
+])
+def test_the_update_gives_the_old_log_probs_only_where_nothing_comes_between(argv, expected):
+    assert algorithms.old_logprobs_from_update(load_config(argv)) is expected
