@@ -52,6 +52,13 @@ SHARED_SLOTS = 16
 # the raylet through the GCS; a private Ray stops them before its driver exits).
 SHARED_STOP_S = 10.0
 
+# Ports of the shared cluster's workers: below Linux's ephemeral range (32768-60999), where a
+# model's rank 0 draws its rendezvous port (``Worker.free_address``) and releases it until its
+# process group listens on it; and apart from Ray's default range (10002-19999), which a private
+# Ray's workers take. Ray's test Cluster otherwise lets its workers listen on ephemeral ports,
+# and one took a rendezvous port in that window once (EADDRINUSE at a model's setup).
+WORKER_PORTS = (20000, 29999)
+
 _shared: dict[str, object] = {}
 
 
@@ -87,7 +94,8 @@ def shared_ray() -> str:
         with _loopback_without_auth():
             cluster = Cluster(initialize_head=True, head_node_args={
                 "num_cpus": SHARED_SLOTS, "include_dashboard": False,
-                "node_ip_address": "127.0.0.1", "object_store_memory": 1 << 30})
+                "node_ip_address": "127.0.0.1", "object_store_memory": 1 << 30,
+                "min_worker_port": WORKER_PORTS[0], "max_worker_port": WORKER_PORTS[1]})
         _shared.update(cluster=cluster, address=cluster.address)
     return str(_shared["address"])
 
