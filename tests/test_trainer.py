@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_paro.actors import checkpoint
-from tests.conftest import Run, compared, error_line, train
+from tests.conftest import Run, compared, demo_cache, error_line, train
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -37,7 +37,7 @@ PAIR = ["cluster.num_devices=2", "cluster.group_size=1"]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("trainer")
-    cache = root / "cache"
+    cache = demo_cache()
     straight = train(root / "straight", *PAIR, "trainer.steps=4", "trainer.save_every=2",
                      cache=cache)
     assert straight.returncode == 0, straight.stderr
@@ -115,7 +115,7 @@ def test_a_resume_under_other_strategies_runs_on(runs, tmp_path):
     step_4 = checkpoint.checkpoint_dir(runs["straight"].out, 4)
     other = train(tmp_path / "other", *PAIR, f"trainer.resume={step_4}", "trainer.steps=6",
                   "actor.strategy=GGG", "critic.strategy=NNG", "ref.strategy=N",
-                  "reward.strategy=G", cache=runs["straight"].out.parent / "cache")
+                  "reward.strategy=G", cache=demo_cache())
     assert other.returncode == 0, other.stderr
     assert [r["step"] for r in other.rows] == [4, 5]
     for row in other.rows:
@@ -143,7 +143,7 @@ def _step_of(line: str, pattern: str) -> int:
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("faults")
-    cache, out = root / "cache", root / "run"
+    cache, out = demo_cache(), root / "run"
     # SIGTERM once step 1 is logged: the step in progress (k) ends, then the preemption
     # checkpoint step_{k+1}, the run's only one (save_every=0).
     preempted = train(out, *ONE, LONG, "trainer.save_every=0", cache=cache,
@@ -238,7 +238,7 @@ def outputs(faults, tmp_path_factory) -> dict[str, Run | Path]:
     root = tmp_path_factory.mktemp("outputs")
     first = root / "first"
     shutil.copytree(faults["in_save"].out, first)
-    cache = faults["in_save"].out.parent / "cache"
+    cache = demo_cache()
     (first / "metrics.jsonl").unlink()
     deleted = train(first, *ONE, "trainer.steps=3", cache=cache)
     blocked = root / "blocked"

@@ -11,7 +11,7 @@ import pytest
 
 from rlhf_paro.actors import checkpoint
 from rlhf_paro.metrics import required_keys
-from tests.conftest import Run, compared, train
+from tests.conftest import Run, compared, demo_cache, train
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -29,7 +29,7 @@ MAX_TURNS = 5  # the conf's env.max_turns
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("agent")
-    cache = root / "cache"
+    cache = demo_cache()
     straight = train(root / "straight", *SMALL, "trainer.steps=4", cache=cache)
     assert straight.returncode == 0, straight.stderr
     resumed = train(root / "resumed", *SMALL, "trainer.steps=4",

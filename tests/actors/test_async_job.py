@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from rlhf_paro.actors import checkpoint
 from rlhf_paro.rollout import RolloutBatch
-from tests.conftest import compared, error_line, train
+from tests.conftest import compared, demo_cache, error_line, train
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -50,7 +50,7 @@ def test_a_replica_of_its_own_repeats_the_colocated_run(root, algorithm):
     args = GRPO if algorithm == "grpo" else [
         "cluster.num_devices=1", "cluster.group_size=1", "ppo.rollout_batch_size=8",
         "ppo.mini_batch_size=8", "trainer.eval_every=0"]
-    cache = root / "cache"
+    cache = demo_cache()
     colocated = train(root / f"{algorithm}-colocated", *args, "trainer.steps=2", cache=cache)
     replica = train(root / f"{algorithm}-replica", *args, *REPLICA, "trainer.steps=2",
                     cache=cache)
@@ -67,7 +67,7 @@ def test_a_replica_of_its_own_repeats_the_colocated_run(root, algorithm):
 
 @pytest.fixture(scope="module")
 def off(root):
-    cache = root / "cache"
+    cache = demo_cache()
     args = [*GRPO, *REPLICA, "rollout.max_staleness=1", "trainer.save_every=2"]
     straight = train(root / "off", *args, "trainer.steps=4", "trainer.export_every=1",
                      cache=cache)
@@ -139,7 +139,7 @@ def test_a_dead_replica_is_one_line_naming_it(root):
     # the run could end before the kill lands (its last rollouts generated already), exit 0 and
     # print no line. 40 steps cost nothing more: the run stops at the kill.
     run = train(root / "killed", *GRPO, *REPLICA, "rollout.max_staleness=1", "trainer.steps=40",
-                cache=root / "cache", kill_role=("rollout", 0), kill_after_step=1)
+                cache=demo_cache(), kill_role=("rollout", 0), kill_after_step=1)
     line = error_line(run)
     assert run.returncode == 1 and run.left == [], (run.stderr, run.left)
     assert line.startswith("error: rollout rank 0 died at step "), line
@@ -148,7 +148,7 @@ def test_a_dead_replica_is_one_line_naming_it(root):
 def test_more_rollout_devices_than_the_cluster_has_is_one_line(root):
     # A private Ray of 2 CPU slots (ray.num_cpus): the shared one has room for the run.
     run = train(root / "crowded", *GRPO, "rollout.num_devices=4", "ray.num_cpus=2",
-                "trainer.steps=1", cache=root / "cache", private=True)
+                "trainer.steps=1", cache=demo_cache(), private=True)
     line = error_line(run)
     assert run.returncode == 2, run.stderr
     assert line.startswith("error: rollout.num_devices: needs 5 CPUs: 1 in groups of 1"), line

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tests.conftest import train
+from tests.conftest import demo_cache, train
 
 pytest.importorskip("gymnasium")
 
@@ -23,7 +23,7 @@ EPISODES = 64 * 8  # ppo.rollout_batch_size x rollout.n games a step
 
 
 def test_grpo_raises_the_blackjack_score_of_a_random_policy(tmp_path):
-    run = train(tmp_path / "run", *SHORT, cache=tmp_path / "cache")
+    run = train(tmp_path / "run", *SHORT, cache=demo_cache())
     assert run.returncode == 0, run.stderr
     scores = [row["ppo/task_score"] for row in run.rows]
     assert len(scores) == STEPS and all(-1 <= s <= 1 for s in scores)

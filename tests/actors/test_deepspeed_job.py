@@ -13,6 +13,7 @@ import torch
 from rlhf_paro.actors.group import init_ray
 from rlhf_paro.metrics import read_jsonl
 from tests.confs import load
+from tests.conftest import demo_cache, forked_workers
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -35,11 +36,12 @@ def job(tmp_path_factory):
         "actor.micro_batch_size=1", "critic.micro_batch_size=1",
         "reward.micro_batch_size=2", "ref.micro_batch_size=1",
         "ppo.rollout_batch_size=8", "ppo.mini_batch_size=8", "ppo.ppo_epochs=1",
-        f"task.cache_dir={out / 'cache'}", f"trainer.output_dir={out / 'run'}",
+        f"task.cache_dir={demo_cache()}", f"trainer.output_dir={out / 'run'}",
         f"trainer.steps={STEPS}", f"trainer.save_every={STEPS}",
         "logger.wandb.mode=disabled", "logger.progress=false",
     ])
-    init_ray(None, num_cpus=N, num_devices=N)
+    with forked_workers():
+        init_ray(None, num_cpus=N, num_devices=N)
     from rlhf_paro.trainer import PPOTrainer
 
     trainer = PPOTrainer(cfg)

@@ -15,7 +15,7 @@ import pytest
 
 from rlhf_paro.actors import checkpoint
 from rlhf_paro.rollout import vllm as vllm_engine
-from tests.conftest import compared, error_line, train
+from tests.conftest import compared, demo_cache, error_line, train
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -79,7 +79,7 @@ def root(tmp_path_factory):
 def test_a_one_turn_episode_repeats_the_single_turn_run_row_for_row(root, engine):
     if engine == "vllm" and not vllm_engine.installed():
         pytest.skip('needs the vllm extra: pip install -e ".[vllm]"')
-    cache, args = root / "cache", [*SMALL, f"rollout.engine={engine}", "trainer.steps=2"]
+    cache, args = demo_cache(), [*SMALL, f"rollout.engine={engine}", "trainer.steps=2"]
     env = [f"env.function={root}/envs.py:OneStep", "env.reward=env"]
     single = train(root / f"single-{engine}", *args, cache=cache)
     runs = {"colocated": train(root / f"episodes-{engine}", *args, *env, cache=cache)}
@@ -118,7 +118,7 @@ def test_an_environment_past_its_timeout_or_exiting_stops_the_run_in_one_line(ro
     run = train(root / name, *SMALL, "trainer.steps=4", "trainer.save_every=2",
                 f"data.train_files={prompts}", "data.shuffle=false",
                 f"env.function={root}/envs.py:{name}", "env.reward=env", "env.timeout_s=2",
-                cache=root / "cache")
+                cache=demo_cache())
     line = error_line(run)
     assert run.returncode == 1, run.stderr
     # Step 2 takes rows 8 to 11, each 4 times (rollout.n): row 9's samples are 4 to 7, which

@@ -25,7 +25,7 @@ import pytest
 from rlhf_paro.actors import checkpoint
 from rlhf_paro.metrics import required_keys
 from tests.confs import load
-from tests.conftest import Run, compared, error_line, marked, train
+from tests.conftest import Run, compared, demo_cache, error_line, marked, train
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -44,7 +44,7 @@ TOKEN_ENV = "RLHF_PARO_TEST_REWARD_TOKEN"
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("grpo")
-    cache = root / "cache"
+    cache = demo_cache()
     straight = train(root / "straight", *SMALL, "trainer.steps=4", cache=cache,
                      watch=_critic_processes)
     assert straight.returncode == 0, straight.stderr
@@ -145,7 +145,7 @@ def test_a_reward_function_that_kills_its_worker_is_named_with_the_step(tmp_path
     fns.write_text("import os\n\n\ndef score(prompts, responses, **columns):\n    os._exit(3)\n")
     spec = f"{fns}:score"
     run = train(root / "run", *SMALL, "trainer.steps=1",
-                f"reward.function={spec}", cache=root / "cache")
+                f"reward.function={spec}", cache=demo_cache())
     assert run.returncode == 1 and run.left == []
     assert error_line(run).startswith(
         f"error: reward rank 0 died at step 0 running reward function {spec} (its process "

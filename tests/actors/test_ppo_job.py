@@ -15,6 +15,7 @@ from rlhf_paro.sharding import Strategy
 from rlhf_paro.sharding.cost import traffic
 from rlhf_paro.sharding.layout import unit_sizes
 from tests.confs import load
+from tests.conftest import demo_cache, forked_workers
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -41,13 +42,14 @@ def job(tmp_path_factory):
         "reward.micro_batch_size=2", "ref.micro_batch_size=1",
         "ppo.rollout_batch_size=8", "ppo.mini_batch_size=8", "ppo.ppo_epochs=1",
         "task.reward_pairs=256", "task.reward_eval_pairs=64", "task.reward_steps=20",
-        f"task.cache_dir={out / 'cache'}", f"trainer.output_dir={out / 'run'}",
+        f"task.cache_dir={demo_cache()}", f"trainer.output_dir={out / 'run'}",
         f"trainer.steps={STEPS}", "logger.wandb.mode=disabled", "logger.progress=false",
         # The policy loss weighted by the engine/trainer ratio: in fp32 the weights are 1 within
         # ~1e-6, and the run goes through the path a mismatched engine would take.
         "rollout.tis_cap=2.0",
     ])
-    init_ray(None, num_cpus=N, num_devices=N)
+    with forked_workers():
+        init_ray(None, num_cpus=N, num_devices=N)
     from rlhf_paro.trainer import PPOTrainer
 
     trainer = PPOTrainer(cfg)

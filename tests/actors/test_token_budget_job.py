@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.actors.test_grpo_job import SMALL
-from tests.conftest import train
+from tests.conftest import demo_cache, train
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -21,9 +21,9 @@ SHORT = [*SMALL, "cluster.num_devices=2", "data.max_prompt_length=8", "trainer.s
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("budget")
-    by_rows = train(root / "rows", *SHORT, cache=root / "cache")
+    by_rows = train(root / "rows", *SHORT, cache=demo_cache())
     by_tokens = train(root / "tokens", *SHORT, "actor.max_tokens_per_micro_batch=16",
-                      cache=root / "cache")
+                      cache=demo_cache())
     for run in (by_rows, by_tokens):
         assert run.returncode == 0, run.stderr
     return by_rows.rows, by_tokens.rows

@@ -16,7 +16,7 @@ from rlhf_paro.metrics import required_keys
 from rlhf_paro.rollout import vllm
 from tests.actors.test_grpo_job import ROLES
 from tests.actors.test_grpo_job import SMALL as GRPO
-from tests.conftest import Run, compared, train
+from tests.conftest import Run, compared, demo_cache, train
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow,
               pytest.mark.skipif(not vllm.installed(),
@@ -31,7 +31,7 @@ SMALL = [*GRPO, "cluster.num_devices=2", "cluster.group_size=2", "task.model.hid
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("vllm")
-    cache = root / "cache"
+    cache = demo_cache()
     straight = train(root / "straight", *SMALL, "trainer.steps=4", cache=cache)
     assert straight.returncode == 0, straight.stderr
     resumed = train(root / "resumed", *SMALL, "trainer.steps=4",
