@@ -7,7 +7,9 @@
   workers. Runs stay apart by output directory and Ray job; a test about Ray's own start-up (a
   refused address, token authentication, a lost node), one whose workers must read the
   driver's environment (``train(..., private=True)``) and an in-process ``PPOTrainer`` keep a
-  private Ray.
+  private Ray. The workers of the shared cluster and of an in-process ``PPOTrainer``'s Ray fork
+  from a process that has imported what a worker imports (``forked_workers``,
+  ``tests/ray_worker.py``); every job test shares one demo cache (``demo_cache``).
 - ``train``: ``python -m rlhf_paro.train`` on the tiny job, as a user runs it, with the faults
   the job tests inject (a killed worker or driver, a signal during a save, a NaN loss), and what
   it left: rows, the one error line, processes still alive. A joined run's driver forks from a
