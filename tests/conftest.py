@@ -105,7 +105,7 @@ def _loopback_without_auth() -> Iterator[None]:
 def forked_workers() -> Iterator[None]:
     """A Ray started inside (the shared cluster, or a private one by ``ray.init``) starts its
     workers through ``tests/ray_worker.py``: each forks from the session's zygote that has
-    imported what a worker imports, instead of importing it again (about 4 s of two cores a
+    imported what a worker imports, instead of importing it again (about 4.5 s of a core a
     worker). The raylet keeps the zygote's address from the environment it starts in."""
     import ray._private.parameter as parameter
 
@@ -192,7 +192,7 @@ class Run(NamedTuple):
 def demo_cache() -> Path:
     """The demo's assets of this session (``task.cache_dir``), shared by every job test: made
     once for each task (the cache keys them by everything they depend on,
-    ``rlhf_paro.ppo.demo.cache_key``), about 10 s of a driver's time each."""
+    ``rlhf_paro.ppo.demo.cache_key``): its models are trained once, not once per module."""
     if "demo_cache" not in _shared:
         _shared["demo_cache"] = Path(tempfile.mkdtemp(prefix="rlhf-paro-demo-"))
     return _shared["demo_cache"]  # type: ignore[return-value]

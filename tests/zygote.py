@@ -1,6 +1,7 @@
-"""``python -m MODULE ARGS`` as a child of one process that has already imported MODULE's
-dependencies: what a job test's driver spends its first seconds on (torch, transformers,
-datasets, Ray, the trainer), paid once per test session instead of once per run.
+"""``python -m MODULE ARGS`` (or ``python SCRIPT ARGS``) as a child of one process that has
+already imported its dependencies: what a job test's driver or Ray worker spends its first
+seconds on (torch, transformers, the trainer), paid once per test session instead of once per
+process.
 
 The server (this file run as a script) imports ``preload`` and then, for each request, forks a
 child that becomes what ``python -m`` would have started: the request's environment, working
@@ -31,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
 
 _LEN = struct.Struct("!I")
 _STATUS = struct.Struct("!ii")  # pid, returncode (negative: the signal that ended it)
@@ -46,7 +48,8 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
     return data
 
 
-def request(conn: socket.socket, what: dict, fds: list[int] = ()) -> tuple[socket.socket, int]:
+def request(conn: socket.socket, what: dict,
+            fds: Sequence[int] = ()) -> tuple[socket.socket, int]:
     """Ask the server for a child (``what``: module or script, args, env, cwd; the standard
     streams as ``fds`` or as the files ``stdout`` and ``stderr``); its pid. The connection then
     carries its exit status (``_STATUS``)."""
@@ -267,7 +270,7 @@ def _serve(path: str, preload: list[str]) -> None:
             conn.settimeout(30)
             header, fds, _, _ = socket.recv_fds(conn, _LEN.size, 3)
             header += _recv_exact(conn, _LEN.size - len(header))
-            request = pickle.loads(_recv_exact(conn, _LEN.unpack(header)[0]))
+            what = pickle.loads(_recv_exact(conn, _LEN.unpack(header)[0]))
             pid = os.fork()
             if pid == 0:
                 listener.close()
@@ -276,7 +279,7 @@ def _serve(path: str, preload: list[str]) -> None:
                     other.close()
                 os.close(wake_r)
                 os.close(wake_w)
-                _become(request, fds)
+                _become(what, fds)
             for fd in fds:
                 os.close(fd)
             conn.sendall(struct.pack("!i", pid))
