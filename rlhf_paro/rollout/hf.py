@@ -4,6 +4,7 @@ once for the whole rollout (phase ``generate`` of the actor's meter)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any, ContextManager, Iterable, Iterator
 
@@ -105,11 +106,6 @@ class HFRollout:
     def generate(self, prompts: PromptBatch, sampling: Sampling) -> RolloutBatch:
         """Each chunk stops when its every row has ended, so its responses are as wide as its
         own longest; the chunks are then joined as wide as the rank's longest."""
-        kwargs = ({"do_sample": False} if sampling.greedy else
-                  {"do_sample": True, "temperature": sampling.temperature,
-                   "top_k": sampling.top_k})
-        if self.static is not None:
-            kwargs.update(self.static.kwargs())
         size = self.micro_batch_size or len(prompts)
         chunks = []
         kept = None if self.kept is None else TurnCache()
@@ -117,32 +113,44 @@ class HFRollout:
             model.eval()
             for start in range(0, len(prompts), size):
                 part = prompts.select(slice(start, start + size))
-                ids, mask, cache = (part.input_ids, part.attention_mask, None)
-                if self.kept is not None:
-                    ids, mask, cache = self.kept.continued(part, self.pad_token_id)
-                # use_cache: a model configured without one still decodes on one (and keeps it).
                 # inference_mode: a decoding step's tensors get no version counter or view
                 # tracking, which no_grad still keeps (about 5% of a small batch's step on the
-                # CPU, where a step is dispatcher-bound). Nothing generate returns is written in
-                # place or saved for a backward: join copies the rows out of it.
+                # CPU, where a step is dispatcher-bound). Nothing decoded is written in place
+                # or saved for a backward: join copies the rows out of it.
                 with torch.inference_mode():
-                    out = model.generate(ids.to(self.device), mask.to(self.device),
-                                         max_new_tokens=sampling.max_new_tokens,
-                                         pad_token_id=self.pad_token_id,
-                                         eos_token_id=self.eos_token_id,
-                                         return_dict_in_generate=True, use_cache=True,
-                                         output_logits=not sampling.greedy, **kwargs,
-                                         **({} if cache is None else {"past_key_values": cache}))
-                responses = out.sequences[:, ids.shape[1]:]
-                batch = join(part, responses.cpu(), self.eos_token_id, None if sampling.greedy
-                             else sampled_logprobs(out.logits, responses,
-                                                   sampling.temperature).cpu())
-                if kept is not None:
-                    kept.keep(ids, mask, batch, out.past_key_values)
-                chunks.append(batch)
+                    if self.static is not None:
+                        responses, logprobs = self._static(model, part, sampling)
+                    else:
+                        ids, mask, cache = (part.input_ids, part.attention_mask, None)
+                        if self.kept is not None:
+                            ids, mask, cache = self.kept.continued(part, self.pad_token_id)
+                        responses, logprobs = decode(
+                            model.lm, ids.to(self.device), mask.to(self.device), cache,
+                            sampling, self.eos_token_id, self.pad_token_id, kept)
+                chunks.append(join(part, responses.cpu(), self.eos_token_id,
+                                   None if logprobs is None else logprobs.cpu()))
         if kept is not None:
             self.kept = kept  # the next turn continues this call's sequences, none before
         return chunks[0] if len(chunks) == 1 else RolloutBatch.concat(chunks, self.pad_token_id)
+
+    def _static(self, model: Any, part: PromptBatch, sampling: Sampling
+                ) -> tuple[Tensor, Tensor | None]:
+        """``part``'s responses and log-probs by Hugging Face ``generate`` on the static cache,
+        its decoding step compiled (``StaticDecode``)."""
+        kwargs = ({"do_sample": False} if sampling.greedy else
+                  {"do_sample": True, "temperature": sampling.temperature,
+                   "top_k": sampling.top_k})
+        ids = part.input_ids.to(self.device)
+        # use_cache: a model configured without one still decodes on one.
+        out = model.generate(ids, part.attention_mask.to(self.device),
+                             max_new_tokens=sampling.max_new_tokens,
+                             pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_id,
+                             return_dict_in_generate=True, use_cache=True,
+                             output_logits=not sampling.greedy, **kwargs,
+                             **self.static.kwargs())
+        responses = out.sequences[:, ids.shape[1]:]
+        return responses, (None if sampling.greedy else
+                           sampled_logprobs(out.logits, responses, sampling.temperature))
 
     @contextlib.contextmanager
     def turns(self) -> Iterator[None]:
@@ -221,23 +229,155 @@ class TurnCache:
                     keys[i, :, kept - k:], values[i, :, kept - k:] = key, value
         return ids, mask, DynamicCache(ddp_cache_data=layers)
 
-    def keep(self, ids: Tensor, mask: Tensor, batch: RolloutBatch, cache: Any) -> None:
-        """The entries of ``batch``'s sequences, generated from ``ids``/``mask`` (the layout
-        generate was given) with ``cache`` as generate left it."""
-        from transformers.cache_utils import DynamicLayer
+    def keep(self, tokens: list[int], entries: list[tuple[Tensor, Tensor]]) -> None:
+        """A sequence's ``tokens`` and its entries (per layer, each (heads, len(tokens), head
+        size)): those of every token fed to the model, the last sampled one not among them."""
+        self.entries[tuple(tokens)] = entries
 
-        if cache is None or any(type(layer) is not DynamicLayer for layer in cache.layers):
-            return
-        width = cache.get_seq_length()
-        for i in range(len(ids)):
-            ended = int(batch.action_mask[i].sum())
-            cols = torch.cat([mask[i].nonzero().squeeze(-1),
-                              ids.shape[1] + torch.arange(min(ended, width - ids.shape[1]))])
-            tokens = ids[i, cols[cols < ids.shape[1]]].tolist() + \
-                batch.responses[i, :len(cols) - int(mask[i].sum())].tolist()
-            cols = cols.to(cache.layers[0].keys.device)
-            self.entries[tuple(tokens)] = [(layer.keys[i][:, cols], layer.values[i][:, cols])
-                                           for layer in cache.layers]
+
+def growing_cache(cache: Any | None, config: Any) -> Any:
+    """A Hugging Face ``DynamicCache`` whose plain layers grow in place (``GrowingLayer``):
+    ``cache``'s, its entries taken over, or (None) a new one of the layers the model's
+    ``config`` names, as ``generate`` makes; a sliding-window layer stays as it is."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    if cache is None:
+        cache = DynamicCache(config=config.get_text_config(decoder=True))
+    if cache.layer_class_to_replicate is DynamicLayer:  # layers made as the model first updates
+        cache.layer_class_to_replicate = _growing_layer()
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer:
+            grown = _growing_layer()()
+            if layer.is_initialized:
+                grown.update(layer.keys, layer.values)
+            cache.layers[i] = grown
+    return cache
+
+
+@functools.cache
+def _growing_layer() -> type:
+    """``GrowingLayer``, made on first use: this module imports no transformers until a call
+    needs it."""
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        """A dynamic cache layer that writes each step's keys and values into room held ahead
+        (doubled when full), where Hugging Face's concatenates: its step copied the whole
+        cache, so a call's copying grew with the square of its length (a fifth of a small
+        model's decoding step on the CPU). ``keys`` and ``values`` are views of the filled
+        part."""
+
+        def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+            super().lazy_initialization(key_states, value_states)
+            self.room: tuple[Tensor, Tensor] | None = None
+
+        def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
+                   ) -> tuple[Tensor, Tensor]:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            filled, adding = self.get_seq_length(), key_states.shape[-2]
+            if self.room is None or filled + adding > self.room[0].shape[-2]:
+                size = max(2 * (filled + adding), 64)
+                self.room = tuple(
+                    new.new_empty(*new.shape[:-2], size, new.shape[-1])
+                    for new in (key_states, value_states))
+                for room, old in zip(self.room, (self.keys, self.values)):
+                    if filled:
+                        room[..., :filled, :] = old
+            for room, new in zip(self.room, (key_states, value_states)):
+                room[..., filled:filled + adding, :] = new
+            self.keys, self.values = (room[..., :filled + adding, :] for room in self.room)
+            return self.keys, self.values
+
+        def batch_select_indices(self, indices: Tensor) -> None:
+            if self.room is not None:
+                self.room = tuple(room.index_select(0, indices) for room in self.room)
+                filled = self.get_seq_length()
+                self.keys, self.values = (room[..., :filled, :] for room in self.room)
+
+    return GrowingLayer
+
+
+def decode(lm: Any, ids: Tensor, mask: Tensor, cache: Any | None, sampling: Sampling,
+           eos_token_id: int, pad_token_id: int, kept: TurnCache | None = None
+           ) -> tuple[Tensor, Tensor | None]:
+    """Up to ``sampling.max_new_tokens`` tokens after each row of ``ids`` (left-padded, ``mask``
+    its real tokens; ``cache`` the keys and values of its first columns, or None), through its
+    first <eos>: (B, R) responses as wide as the longest, ``pad_token_id`` after each end, and
+    (B, R) float32 log-probs of the sampled tokens under ``softmax(logits / temperature)``, the
+    trainer's definition (None when greedy). ``kept``: each row's keys and values are kept
+    there as it ends ([Note: keys and values across turns]).
+
+    [Note: rows leave the batch as they end]
+    A row that has sampled its <eos> leaves the batch and the cache, so a step computes on the
+    rows still running (and at most an eighth more: dropping rows copies the cache, so ended
+    rows are dropped once they are an eighth of the batch). Hugging Face ``generate`` steps
+    every row until the last ends, each ended one fed padding: on responses of varied lengths,
+    most of the work of a step late in the call is on rows that have already ended.
+    Sampling is ``generate``'s: the logits divided by the temperature, all but the ``top_k``
+    likeliest masked (0: none), one draw of ``torch.multinomial`` over the running rows per
+    step; while no row has ended, the draws are ``generate``'s own. Greedy rows take the
+    likeliest token.
+    """
+    cache = growing_cache(cache, lm.config)
+    num_rows, width = ids.shape
+    past = cache.get_seq_length()
+    new = sampling.max_new_tokens
+    responses = ids.new_full((num_rows, new), pad_token_id)
+    logprobs = None if sampling.greedy else torch.zeros(num_rows, new, device=ids.device)
+    rows = torch.arange(num_rows, device=ids.device)  # the running rows, as rows of ids
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = lm(input_ids=ids[:, past:], attention_mask=mask, position_ids=positions[:, past:],
+             past_key_values=cache, use_cache=True, logits_to_keep=1)
+    cache, last = out.past_key_values, positions[:, -1]
+    keeps = kept is not None and all(type(layer) is _growing_layer() for layer in cache.layers)
+    live = torch.ones(num_rows, dtype=torch.bool, device=ids.device)  # not ended, per row
+    steps = 0
+    for step in range(new):
+        steps = step + 1
+        logits = out.logits[:, -1].float()
+        if sampling.greedy:
+            tokens = logits.argmax(-1)
+        else:
+            scores = logits / sampling.temperature
+            if sampling.top_k:
+                kth = scores.topk(min(sampling.top_k, scores.shape[-1])).values[:, -1:]
+                scores = scores.masked_fill(scores < kth, float("-inf"))
+            tokens = torch.multinomial(scores.softmax(-1), 1).squeeze(1)
+        at = live.nonzero().squeeze(1)
+        responses[rows[at], step] = tokens[at]
+        if logprobs is not None:
+            logprobs[rows[at], step] = (logits[at] / sampling.temperature).log_softmax(-1) \
+                .gather(-1, tokens[at, None]).squeeze(1)
+        ended = live & (tokens == eos_token_id)
+        live = live & ~ended
+        last_step = step == new - 1
+        if keeps:
+            # Fed so far: each row's context and its first `step` response tokens.
+            for j in (at if last_step else ended.nonzero().squeeze(1)).tolist():
+                row = int(rows[j])
+                cols = torch.cat([mask[j, :width].nonzero().squeeze(-1),
+                                  torch.arange(width, width + step, device=ids.device)])
+                kept.keep(ids[row][mask[j, :width].bool()].tolist() +
+                          responses[row, :step].tolist(),
+                          [(layer.keys[j][:, cols], layer.values[j][:, cols])
+                           for layer in cache.layers])
+        running = live.nonzero().squeeze(1)
+        if last_step or len(running) == 0:
+            break
+        # Dropping rows copies the cache: done once an eighth of the batch has ended (at once
+        # in a batch of up to 8); until then an ended row is fed padding, as generate does.
+        if (len(rows) - len(running)) * 8 >= len(rows):
+            cache.batch_select_indices(running)
+            rows, tokens, last, mask, live = (rows[running], tokens[running], last[running],
+                                              mask[running], live[running])
+        tokens = tokens.masked_fill(~live, pad_token_id)
+        last = last + 1
+        mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+        out = lm(input_ids=tokens[:, None], attention_mask=mask, position_ids=last[:, None],
+                 past_key_values=cache, use_cache=True)
+    return responses[:, :steps], None if logprobs is None else logprobs[:, :steps]
 
 
 def sampled_logprobs(logits: tuple[Tensor, ...], responses: Tensor, temperature: float

@@ -1,5 +1,6 @@
 """The hf engine: chunked generation gives the rows unchunked generation gives, trimmed to the
-longest response, and sampling without chunks is Hugging Face generate's own."""
+longest response; its rows are Hugging Face generate's (greedy, and sampled while no row has
+ended), each row leaving the batch when it ends."""
 
 import contextlib
 
@@ -71,16 +72,38 @@ def test_chunked_greedy_rows_equal_unchunked_and_are_trimmed_to_the_longest(mode
     assert first.response_len == int(lengths[0]) == 2
 
 
-def test_sampling_without_chunks_is_generate_s_own_draws(model):
+def test_sampling_is_generate_s_own_draws_while_no_row_has_ended(model):
+    # No row ends (the eos id is none of the vocabulary's), so every step draws over all rows,
+    # as generate does ([Note: rows leave the batch as they end]).
     prompts = _prompts()
     sampling = Sampling(MAX_NEW, temperature=0.7, top_k=5)
     torch.manual_seed(11)
-    ours = HFRollout(Gathered(model), PAD, 2, torch.device("cpu")).generate(prompts, sampling)
+    ours = HFRollout(Gathered(model), PAD, -1, torch.device("cpu")).generate(prompts, sampling)
     torch.manual_seed(11)
     out = model.generate(prompts.input_ids, prompts.attention_mask, max_new_tokens=MAX_NEW,
-                         pad_token_id=PAD, eos_token_id=2, do_sample=True, temperature=0.7,
+                         pad_token_id=PAD, eos_token_id=None, do_sample=True, temperature=0.7,
                          top_k=5)
     assert torch.equal(ours.sequences, out)
+
+
+def test_greedy_rows_are_generate_s_and_each_row_leaves_the_batch_when_it_ends(model):
+    prompts = _prompts()
+    eos = _eos(model, prompts)
+    fed = []
+    handle = model.lm.register_forward_pre_hook(
+        lambda mod, args, kwargs: fed.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        ours = HFRollout(Gathered(model), PAD, eos, torch.device("cpu")).generate(
+            prompts, Sampling(MAX_NEW, greedy=True))
+    finally:
+        handle.remove()
+    out = model.generate(prompts.input_ids, prompts.attention_mask, max_new_tokens=MAX_NEW,
+                         pad_token_id=PAD, eos_token_id=eos, do_sample=False)
+    assert torch.equal(ours.sequences, out)
+    lengths = ours.action_mask.sum(-1)
+    assert lengths.min() < lengths.max()
+    # The prefill feeds every row; step k (k >= 1) the rows whose response is longer than k.
+    assert fed == [len(prompts)] + [int((lengths > k).sum()) for k in range(1, ours.response_len)]
 
 
 def test_the_registry_builds_hf_and_names_the_engines_it_knows():
