@@ -1,9 +1,11 @@
-"""Multi-turn episodes whose environment takes a varying time a step: vLLM's rollout turn by
-turn against each episode its own loop (``rollout.streaming``), and both against the critical
-path, the longest single episode's own chain of generation and environment steps.
+"""Multi-turn episodes whose environment takes a varying time a step: the rollout turn by turn
+against each episode its own loop (``rollout.streaming``), on vLLM or on the ``hf`` engine, and
+both against the critical path, the longest single episode's own chain of generation and
+environment steps.
 
     python scripts/bench_streaming.py                       # 3 rounds, 16 episodes, 4 turns
     python scripts/bench_streaming.py --latency 0.3 --turns 6 --batch 32 --rounds 5
+    python scripts/bench_streaming.py --engine hf
 
 Every episode runs --turns turns (its environment ends it after the last); each step takes a
 time drawn for its episode and turn, uniform in [0, --latency] seconds (the same draws in every
@@ -68,13 +70,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engine", choices=("vllm", "hf"), default="vllm")
     args = parser.parse_args()
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.set_num_threads(os.cpu_count() or 1)
     walls, idle, path = run(args)
-    print(f"\n{args.batch} episodes x {args.turns} turns, steps of uniform [0, {args.latency}] s, "
+    print(f"\n{args.engine}: {args.batch} episodes x {args.turns} turns, steps of uniform [0, {args.latency}] s, "
           f"actions of up to {args.action} tokens; a Llama {args.layers} x {args.hidden}, fp32; "
           f"median of {args.rounds} rounds; critical path {statistics.median(path):.2f} s\n")
     print(f"{'loop':<16}{'wall s':>9}{'min':>9}{'max':>9}{'/ path':>9}{'engine idle':>13}")
@@ -92,7 +95,6 @@ def run(args: argparse.Namespace) -> tuple[dict[str, list[float]], dict[str, lis
     from rlhf_paro.ppo.task import CountingTask
     from rlhf_paro.resolve import resolve
     from rlhf_paro.rollout import PromptBatch, Sampling, episodes
-    from rlhf_paro.rollout.vllm import VLLMRollout
 
     tokenizer = make_tokenizer(CountingTask(8))
     vocab = len(tokenizer.get_vocab())
@@ -105,13 +107,21 @@ def run(args: argparse.Namespace) -> tuple[dict[str, list[float]], dict[str, lis
         f"actor.config={model}", "reward.path=null", "data.train_files=null",
         "cluster.num_devices=1", "cluster.group_size=1", f"ppo.max_prompt_len={args.prompt}",
         f"ppo.max_new_tokens={longest - args.prompt}", f"ppo.rollout_batch_size={args.batch}",
-        f"ppo.mini_batch_size={args.batch}", "rollout.engine=vllm", f"trainer.seed={args.seed}",
+        f"ppo.mini_batch_size={args.batch}", f"rollout.engine={args.engine}",
+        f"trainer.seed={args.seed}",
         "task.num_symbols=8"]))
     actor = build_actor(cfg, "NNN", 1)
     eos = tokenizer.eos_token_id
-    engine = VLLMRollout(cfg, actor.module.lm.config, eos, 0, torch.device("cpu"),
-                         seed=args.seed)
-    sync(engine, actor)
+    if args.engine == "vllm":
+        from rlhf_paro.rollout.vllm import VLLMRollout
+
+        engine = VLLMRollout(cfg, actor.module.lm.config, eos, 0, torch.device("cpu"),
+                             seed=args.seed)
+        sync(engine, actor)
+    else:  # on the actor's own parameters, as a run's hf engine
+        from rlhf_paro.rollout.hf import HFRollout
+
+        engine = HFRollout(actor, 0, eos, torch.device("cpu"))
     gen = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(3, vocab, (args.batch, args.prompt), generator=gen).tolist()
     draw = random.Random(args.seed)

@@ -62,8 +62,9 @@ class Rollout(Protocol):
 
 
 class Requests(Rollout, Protocol):
-    """An engine that also takes one response at a time (vLLM's request-level loop): what a
-    multi-turn episode of its own needs (``episodes.stream``)."""
+    """An engine that also takes one response at a time (vLLM's request-level loop; ``hf``'s
+    rows joining and leaving its batch between steps): what a multi-turn episode of its own
+    needs (``episodes.stream``)."""
 
     def submit(self, context: list[int], sampling: Sampling, seed: int | None) -> Any:
         """Start a response to the token ids ``context``; returns the request's key. ``seed``:
@@ -78,8 +79,9 @@ class Requests(Rollout, Protocol):
 
 
 def takes_requests(engine: Rollout) -> bool:
-    """Whether ``engine`` takes one response at a time (``Requests``)."""
-    return callable(getattr(engine, "submit", None))
+    """Whether ``engine`` takes one response at a time (``Requests``; an engine whose
+    ``streams`` is false, ``hf`` on the static cache, does not)."""
+    return callable(getattr(engine, "submit", None)) and getattr(engine, "streams", True)
 
 
 def generation_seed(run_seed: int, step: int, shard: int) -> int:

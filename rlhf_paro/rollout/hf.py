@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Any, ContextManager, Iterable, Iterator
 
@@ -99,13 +100,28 @@ class HFRollout:
         self.micro_batch_size = micro_batch_size
         self.static = static
         # Inside turns() (dynamic cache only): the keys and values of the last call's sequences,
-        # which the next turn's contexts continue.
+        # which the next turn's contexts continue (and, streaming, of every ended request).
         self.kept: TurnCache | None = None
+        # Requests (``submit``, inside turns()): the model held there, the rows decoding, the
+        # requests waiting to join them with the engine steps they have waited.
+        self._model: Any = None
+        self._decoding: Decoding | None = None
+        self._waiting: list[tuple[int, list[int], Sampling, int | None]] = []
+        self._waited = 0
+        self._keys = itertools.count()
+
+    @property
+    def streams(self) -> bool:
+        """Whether it takes one response at a time (``Requests``): on the dynamic cache."""
+        return self.static is None
 
     @torch.no_grad()
-    def generate(self, prompts: PromptBatch, sampling: Sampling) -> RolloutBatch:
+    def generate(self, prompts: PromptBatch, sampling: Sampling,
+                 seeds: list[int] | None = None) -> RolloutBatch:
         """Each chunk stops when its every row has ended, so its responses are as wide as its
-        own longest; the chunks are then joined as wide as the rank's longest."""
+        own longest; the chunks are then joined as wide as the rank's longest. ``seeds`` (the
+        dynamic cache only): each response samples from a stream of its own seeded with its
+        seed, so its tokens do not depend on the other rows; None: from the process's."""
         size = self.micro_batch_size or len(prompts)
         chunks = []
         kept = None if self.kept is None else TurnCache()
@@ -126,7 +142,8 @@ class HFRollout:
                             ids, mask, cache = self.kept.continued(part, self.pad_token_id)
                         responses, logprobs = decode(
                             model.lm, ids.to(self.device), mask.to(self.device), cache,
-                            sampling, self.eos_token_id, self.pad_token_id, kept)
+                            sampling, self.eos_token_id, self.pad_token_id, kept,
+                            None if seeds is None else seeds[start:start + size])
                 chunks.append(join(part, responses.cpu(), self.eos_token_id,
                                    None if logprobs is None else logprobs.cpu()))
         if kept is not None:
@@ -157,12 +174,74 @@ class HFRollout:
         """The weights gathered once for all turns (``generate`` inside it gathers nothing:
         ``engine.gathered`` nests) and, on the dynamic cache, each sequence's keys and values
         kept from one turn to the next ([Note: keys and values across turns])."""
-        with self.engine.gathered(phase=GENERATE):
+        with self.engine.gathered(phase=GENERATE) as model:
             self.kept = TurnCache() if self.static is None else None
+            self._model = model
             try:
                 yield
             finally:
-                self.kept = None
+                self.kept = self._model = self._decoding = None
+                self._waiting.clear()
+
+    def submit(self, context: list[int], sampling: Sampling, seed: int | None) -> int:
+        """One response to ``context`` as a request of its own (inside ``turns``): it joins the
+        rows decoding at a later ``step`` ([Note: requests join the rows decoding])."""
+        key = next(self._keys)
+        self._waiting.append((key, context, sampling, seed))
+        return key
+
+    @torch.no_grad()
+    def step(self) -> list[tuple[int, list[int], list[float] | None]]:
+        """One decoding step of every request in flight (the waiting ones joined first when
+        it is time); the responses that ended in it.
+
+        [Note: requests join the rows decoding]
+        A request joins the rows decoding (``Decoding.start``: its context prefilled on the
+        keys and values kept of its episode's last action, then both caches padded to one
+        width) when no row is decoding, when the waiting requests are a quarter of the rows
+        decoding, or after it has waited 16 steps: a join copies the cache and prefills apart
+        from the decoding step, so joins are gathered. ``rollout.micro_batch_size`` caps the rows decoding at once."""
+        if self._waiting:
+            self._join()
+        if self._decoding is None or not self._decoding.running:
+            return []
+        with torch.inference_mode():
+            return self._decoding.step()
+
+    def _join(self) -> None:
+        decoding = self._decoding
+        running = 0 if decoding is None else decoding.running
+        self._waited += 1
+        if running and len(self._waiting) * 4 < running and self._waited < 16:
+            return
+        room = max((self.micro_batch_size or len(self._waiting) + running) - running, 0)
+        if running:  # rows that decode together sample alike
+            same = decoding.sampling
+            like = [w for w in self._waiting if _alike(w[2], same)][:room]
+        else:
+            first = self._waiting[0][2]
+            like = [w for w in self._waiting if _alike(w[2], first)][:room]
+            decoding = self._decoding = Decoding(self._model.lm, first, self.eos_token_id,
+                                                 self.pad_token_id, self.kept)
+        if not like:
+            return
+        joining = {w[0] for w in like}
+        self._waiting = [w for w in self._waiting if w[0] not in joining]
+        self._waited = 0
+        part = PromptBatch.left_padded([w[1] for w in like], self.pad_token_id)
+        with torch.inference_mode():
+            ids, mask, cache = self.kept.continued(part, self.pad_token_id)
+            seeds = [w[3] for w in like]
+            decoding.start([w[0] for w in like], ids.to(self.device), mask.to(self.device),
+                           cache, [w[2].max_new_tokens for w in like],
+                           None if like[0][2].greedy else seeds)
+
+    def abort(self, keys: list[int]) -> None:
+        """Requests no one will collect: dropped waiting, ended decoding."""
+        gone = set(keys)
+        self._waiting = [w for w in self._waiting if w[0] not in gone]
+        if self._decoding is not None:
+            self._decoding.abort(gone)
 
     # Generation reads the engine's own parameters, gathered at each call: there is no second copy
     # of the weights to update, and nothing held between calls to release.
@@ -290,6 +369,23 @@ def _growing_layer() -> type:
             self.keys, self.values = (room[..., :filled + adding, :] for room in self.room)
             return self.keys, self.values
 
+        def stack(self, parts: list[tuple[Tensor, Tensor]], columns: int) -> None:
+            """The layer as ``parts`` ((keys, values) of some rows each) one after another by
+            rows, each right-aligned in ``columns`` (zeros before: masked columns)."""
+            first = parts[0][0]
+            self.lazy_initialization(first, parts[0][1])
+            rows, size = sum(len(keys) for keys, _ in parts), max(2 * columns, 64)
+            self.room = tuple(t.new_empty(rows, t.shape[1], size, t.shape[-1])
+                              for t in parts[0])
+            start = 0
+            for part in parts:
+                count, width = len(part[0]), part[0].shape[-2]
+                for room, tensor in zip(self.room, part):
+                    room[start:start + count, :, :columns - width] = 0
+                    room[start:start + count, :, columns - width:columns] = tensor
+                start += count
+            self.keys, self.values = (room[..., :columns, :] for room in self.room)
+
         def batch_select_indices(self, indices: Tensor) -> None:
             if self.room is not None:
                 self.room = tuple(room.index_select(0, indices) for room in self.room)
@@ -299,85 +395,261 @@ def _growing_layer() -> type:
     return GrowingLayer
 
 
+def _top_k(scores: Tensor, k: int) -> Tensor:
+    """``scores`` with all but each row's ``k`` largest at -inf (0: none masked), as
+    ``generate``'s top-k filter."""
+    if not k:
+        return scores
+    kth = scores.topk(min(k, scores.shape[-1])).values[:, -1:]
+    return scores.masked_fill(scores < kth, float("-inf"))
+
+
+def _alike(one: Sampling, other: Sampling) -> bool:
+    """Whether two requests' rows can decode together: they sample alike (their budgets may
+    differ)."""
+    return (one.greedy, one.temperature, one.top_k) == (other.greedy, other.temperature,
+                                                        other.top_k)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (xor-shift-multiply rounds) of int64 values below 2^32, in int64:
+    each product stays below 2^63, so no step overflows on any device."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x68E31DA5) & _MASK32
+    return x ^ (x >> 16)
+
+
+def seeded_tokens(logits: Tensor, sampling: Sampling, seeds: Tensor, counters: Tensor
+                  ) -> Tensor:
+    """A token per row of ``logits`` (B, V) drawn from ``softmax(top_k(logits / temperature))``
+    with noise that is a pure function of the row's seed, its ``counters`` (the index of the
+    token it draws) and the token id: the Gumbel-max draw ``argmax(log p + g)``, g = -log(-log
+    u), u uniform in (0, 1) from a hash of the three (a counter-based stream, as JAX's
+    ``random`` keys are). So a row draws the same tokens whatever rows decode beside it, and
+    ``Decoding`` keeps no generator per row."""
+    scores = _top_k(logits / sampling.temperature, sampling.top_k)
+    vocab = torch.arange(scores.shape[-1], device=scores.device)
+    row = _mix32(_mix32(seeds & _MASK32) ^ (counters & _MASK32))
+    bits = _mix32((row[:, None] + vocab[None, :] * 0x9E3779B9) & _MASK32)
+    uniform = (bits.double() + 0.5) / 2.0 ** 32
+    gumbel = -torch.log(-torch.log(uniform))
+    return (scores.double().log_softmax(-1) + gumbel).argmax(-1)
+
+
 def decode(lm: Any, ids: Tensor, mask: Tensor, cache: Any | None, sampling: Sampling,
-           eos_token_id: int, pad_token_id: int, kept: TurnCache | None = None
-           ) -> tuple[Tensor, Tensor | None]:
+           eos_token_id: int, pad_token_id: int, kept: TurnCache | None = None,
+           seeds: list[int] | None = None) -> tuple[Tensor, Tensor | None]:
     """Up to ``sampling.max_new_tokens`` tokens after each row of ``ids`` (left-padded, ``mask``
     its real tokens; ``cache`` the keys and values of its first columns, or None), through its
     first <eos>: (B, R) responses as wide as the longest, ``pad_token_id`` after each end, and
     (B, R) float32 log-probs of the sampled tokens under ``softmax(logits / temperature)``, the
     trainer's definition (None when greedy). ``kept``: each row's keys and values are kept
-    there as it ends ([Note: keys and values across turns]).
+    there as it ends ([Note: keys and values across turns]). ``seeds``: each row samples from
+    a stream of its own (``seeded_tokens``); None: from the process's (``Decoding``)."""
+    decoding = Decoding(lm, sampling, eos_token_id, pad_token_id, kept)
+    decoding.start(list(range(len(ids))), ids, mask, cache,
+                   [sampling.max_new_tokens] * len(ids), seeds)
+    ended: dict[int, tuple[list[int], list[float] | None]] = {}
+    while decoding.running:
+        ended.update((key, (tokens, logprobs)) for key, tokens, logprobs in decoding.step())
+    width = max(len(tokens) for tokens, _ in ended.values())
+    responses = ids.new_full((len(ids), width), pad_token_id)
+    logprobs = None if sampling.greedy else torch.zeros(len(ids), width, device=ids.device)
+    for row, (tokens, row_logprobs) in ended.items():
+        responses[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        if logprobs is not None:
+            logprobs[row, :len(tokens)] = torch.tensor(row_logprobs)
+    return responses, logprobs
+
+
+class Decoding:
+    """Rows that decode together on one key/value cache, each to its own end: its first <eos>
+    or its own budget of tokens. Rows join (``start``, ``join``) and leave between steps.
 
     [Note: rows leave the batch as they end]
     A row that has sampled its <eos> leaves the batch and the cache, so a step computes on the
-    rows still running (and at most an eighth more: dropping rows copies the cache, so ended
-    rows are dropped once they are an eighth of the batch). Hugging Face ``generate`` steps
-    every row until the last ends, each ended one fed padding: on responses of varied lengths,
-    most of the work of a step late in the call is on rows that have already ended.
-    Sampling is ``generate``'s: the logits divided by the temperature, all but the ``top_k``
-    likeliest masked (0: none), one draw of ``torch.multinomial`` over the running rows per
-    step; while no row has ended, the draws are ``generate``'s own. Greedy rows take the
-    likeliest token.
+    rows still running (and fewer than a third more: dropping rows copies the cache, so ended
+    rows are dropped once they are a quarter of the batch, or when rows join). Hugging Face
+    ``generate`` steps every row until the last ends, each ended one fed padding: on responses
+    of varied lengths, most of the work of a step late in the call is on rows that have already
+    ended. Without seeds, sampling is ``generate``'s: the logits divided by the temperature, all
+    but the ``top_k`` likeliest masked (0: none), one draw of ``torch.multinomial`` over the
+    batch's rows per step; while no row has ended, the draws are ``generate``'s own. With a seed
+    per row, each row's draw is a pure function of its seed, its token's index and its logits
+    (``seeded_tokens``): what else decodes beside it changes nothing but the rounding of its
+    logits. Greedy rows take the likeliest token.
     """
-    cache = growing_cache(cache, lm.config)
-    num_rows, width = ids.shape
-    past = cache.get_seq_length()
-    new = sampling.max_new_tokens
-    responses = ids.new_full((num_rows, new), pad_token_id)
-    logprobs = None if sampling.greedy else torch.zeros(num_rows, new, device=ids.device)
-    rows = torch.arange(num_rows, device=ids.device)  # the running rows, as rows of ids
-    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    out = lm(input_ids=ids[:, past:], attention_mask=mask, position_ids=positions[:, past:],
-             past_key_values=cache, use_cache=True, logits_to_keep=1)
-    cache, last = out.past_key_values, positions[:, -1]
-    keeps = kept is not None and all(type(layer) is _growing_layer() for layer in cache.layers)
-    live = torch.ones(num_rows, dtype=torch.bool, device=ids.device)  # not ended, per row
-    steps = 0
-    for step in range(new):
-        steps = step + 1
-        logits = out.logits[:, -1].float()
-        if sampling.greedy:
-            tokens = logits.argmax(-1)
+
+    def __init__(self, lm: Any, sampling: Sampling, eos_token_id: int, pad_token_id: int,
+                 kept: TurnCache | None = None) -> None:
+        self.lm, self.sampling = lm, sampling
+        self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+        self.kept = kept
+        # Per row: its key, its context's real tokens (Python lists); its response so far, the
+        # log-probs of its tokens, their count, its most tokens, whether it has not ended, its
+        # seed (tensors, (B, ...)).
+        self.keys: list[Any] = []
+        self.contexts: list[list[int]] = []
+        self.tokens = self.logprobs = self.count = self.budget = self.live = None
+        self.seeds: Tensor | None = None  # None: the process's stream
+        self.cache: Any = None
+        self.mask: Tensor | None = None  # (B, columns) of the cache
+        self.last: Tensor | None = None  # (B,) the position of each row's last token
+        self.logits: Tensor | None = None  # (B, V) float32: each row's next token's
+        self.running = 0  # rows that have not ended
+
+    def start(self, keys: list[Any], ids: Tensor, mask: Tensor, cache: Any | None,
+              budgets: list[int], seeds: list[int] | None) -> None:
+        """Rows ``keys`` of ``ids`` (left-padded, ``mask``; ``cache`` the keys and values of
+        their first columns, or None) prefilled: the only rows, or joined to those running."""
+        device = ids.device
+        cache = growing_cache(cache, self.lm.config)
+        past = cache.get_seq_length()
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        out = self.lm(input_ids=ids[:, past:], attention_mask=mask,
+                      position_ids=positions[:, past:], past_key_values=cache, use_cache=True,
+                      logits_to_keep=1)
+        width = max(budgets)
+        rows = {"tokens": ids.new_full((len(ids), width), self.pad_token_id),
+                "logprobs": torch.zeros(len(ids), width, device=device),
+                "count": torch.zeros(len(ids), dtype=torch.long, device=device),
+                "budget": torch.tensor(budgets, dtype=torch.long, device=device),
+                "live": torch.ones(len(ids), dtype=torch.bool, device=device),
+                "seeds": None if seeds is None else torch.tensor(seeds, dtype=torch.long,
+                                                                 device=device),
+                "mask": mask, "last": positions[:, -1], "logits": out.logits[:, -1].float()}
+        contexts = [ids[i][mask[i].bool()].tolist() for i in range(len(ids))]
+        if self.cache is not None:
+            if (self.seeds is None) != (seeds is None):
+                raise ValueError("rows with seeds and rows without cannot decode together")
+            self._merge(out.past_key_values, rows)
         else:
-            scores = logits / sampling.temperature
-            if sampling.top_k:
-                kth = scores.topk(min(sampling.top_k, scores.shape[-1])).values[:, -1:]
-                scores = scores.masked_fill(scores < kth, float("-inf"))
-            tokens = torch.multinomial(scores.softmax(-1), 1).squeeze(1)
-        at = live.nonzero().squeeze(1)
-        responses[rows[at], step] = tokens[at]
-        if logprobs is not None:
-            logprobs[rows[at], step] = (logits[at] / sampling.temperature).log_softmax(-1) \
-                .gather(-1, tokens[at, None]).squeeze(1)
-        ended = live & (tokens == eos_token_id)
-        live = live & ~ended
-        last_step = step == new - 1
-        if keeps:
-            # Fed so far: each row's context and its first `step` response tokens.
-            for j in (at if last_step else ended.nonzero().squeeze(1)).tolist():
-                row = int(rows[j])
-                cols = torch.cat([mask[j, :width].nonzero().squeeze(-1),
-                                  torch.arange(width, width + step, device=ids.device)])
-                kept.keep(ids[row][mask[j, :width].bool()].tolist() +
-                          responses[row, :step].tolist(),
-                          [(layer.keys[j][:, cols], layer.values[j][:, cols])
-                           for layer in cache.layers])
-        running = live.nonzero().squeeze(1)
-        if last_step or len(running) == 0:
-            break
-        # Dropping rows copies the cache: done once an eighth of the batch has ended (at once
-        # in a batch of up to 8); until then an ended row is fed padding, as generate does.
-        if (len(rows) - len(running)) * 8 >= len(rows):
-            cache.batch_select_indices(running)
-            rows, tokens, last, mask, live = (rows[running], tokens[running], last[running],
-                                              mask[running], live[running])
-        tokens = tokens.masked_fill(~live, pad_token_id)
-        last = last + 1
-        mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
-        out = lm(input_ids=tokens[:, None], attention_mask=mask, position_ids=last[:, None],
-                 past_key_values=cache, use_cache=True)
-    return responses[:, :steps], None if logprobs is None else logprobs[:, :steps]
+            self.cache = out.past_key_values
+            for name, value in rows.items():
+                setattr(self, name, value)
+        self.keys += keys
+        self.contexts += contexts
+        self.running += len(keys)
+
+    def _merge(self, cache: Any, rows: dict[str, Any]) -> None:
+        """Prefilled rows after the running ones (those ended dropped): both caches and masks
+        left-padded to the wider's columns, then one batch; responses right-padded."""
+        index = self.live.nonzero().squeeze(1)
+        columns = max(self.mask.shape[1], rows["mask"].shape[1])
+        width = max(self.tokens.shape[1], rows["tokens"].shape[1])
+
+        def left(tensor: Tensor, dim: int) -> Tensor:
+            shape = list(tensor.shape)
+            shape[dim] = columns - shape[dim]
+            return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+        def right(tensor: Tensor, fill: int) -> Tensor:
+            return torch.cat([tensor, tensor.new_full(
+                (len(tensor), width - tensor.shape[1]), fill)], dim=1)
+
+        for i, (mine, theirs) in enumerate(zip(self.cache.layers, cache.layers)):
+            layer = _growing_layer()()
+            layer.stack([(mine.keys[index], mine.values[index]), (theirs.keys, theirs.values)],
+                        columns)
+            self.cache.layers[i] = layer
+        self.mask = torch.cat([left(self.mask[index], 1), left(rows["mask"], 1)])
+        self.tokens = torch.cat([right(self.tokens[index], self.pad_token_id),
+                                 right(rows["tokens"], self.pad_token_id)])
+        self.logprobs = torch.cat([right(self.logprobs[index], 0), right(rows["logprobs"], 0)])
+        for name in ("logits", "count", "budget", "live", "seeds", "last"):
+            if getattr(self, name) is not None:
+                setattr(self, name, torch.cat([getattr(self, name)[index], rows[name]]))
+        keep = index.tolist()
+        self.keys = [self.keys[j] for j in keep]
+        self.contexts = [self.contexts[j] for j in keep]
+
+    def step(self) -> list[tuple[Any, list[int], list[float] | None]]:
+        """One token of every running row; (key, response tokens, their log-probs or None when
+        greedy) of each row that ended with it. The rows that go on are fed their token."""
+        sampling, logits = self.sampling, self.logits
+        if sampling.greedy:
+            picked = logits.argmax(-1)
+        elif self.seeds is not None:
+            picked = seeded_tokens(logits, sampling, self.seeds, self.count)
+        else:
+            scores = _top_k(logits / sampling.temperature, sampling.top_k)
+            picked = torch.multinomial(scores.softmax(-1), 1).squeeze(1)
+        at = self.live.nonzero().squeeze(1)
+        self.tokens[at, self.count[at]] = picked[at]
+        if not sampling.greedy:
+            self.logprobs[at, self.count[at]] = (logits[at] / sampling.temperature).log_softmax(
+                -1).gather(-1, picked[at, None]).squeeze(1)
+        self.count[at] += 1
+        ended = self.live & ((picked == self.eos_token_id) | (self.count == self.budget))
+        self.live &= ~ended
+        done = []
+        for j in ended.nonzero().squeeze(1).tolist():
+            self._keep(j)
+            n = int(self.count[j])
+            done.append((self.keys[j], self.tokens[j, :n].tolist(),
+                         None if sampling.greedy else self.logprobs[j, :n].tolist()))
+        self.running -= len(done)
+        if not self.running:
+            self.cache = None
+            self.keys, self.contexts = [], []
+            return done
+        # Dropping rows copies the cache: done once a quarter of the batch has ended (at once
+        # in a batch of up to 4); until then an ended row is fed padding, as generate does.
+        if (len(self.keys) - self.running) * 4 >= len(self.keys):
+            picked = picked[self._drop_ended()]
+        self._feed(picked)
+        return done
+
+    def _feed(self, picked: Tensor) -> None:
+        """Each row's last token fed (padding for an ended row): the next token's logits."""
+        tokens = picked.masked_fill(~self.live, self.pad_token_id)
+        self.last = self.last + 1
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.keys), 1)], dim=1)
+        out = self.lm(input_ids=tokens[:, None], attention_mask=self.mask,
+                      position_ids=self.last[:, None], past_key_values=self.cache,
+                      use_cache=True)
+        self.logits = out.logits[:, -1].float()
+
+    def abort(self, keys: set[Any]) -> None:
+        """Rows ``keys`` end now, their responses dropped."""
+        for j, key in enumerate(self.keys):
+            if key in keys and bool(self.live[j]):
+                self.live[j] = False
+                self.running -= 1
+
+    def _drop_ended(self) -> Tensor:
+        """The ended rows out of the batch and the cache; returns the rows kept (as they were
+        numbered)."""
+        index = self.live.nonzero().squeeze(1)
+        if len(index) == len(self.keys):
+            return index
+        self.cache.batch_select_indices(index)
+        for name in ("mask", "last", "tokens", "logprobs", "count", "budget", "live", "seeds"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name)[index])
+        keep = index.tolist()
+        self.keys = [self.keys[j] for j in keep]
+        self.contexts = [self.contexts[j] for j in keep]
+        return index
+
+    def _keep(self, j: int) -> None:
+        """Row ``j``'s keys and values, kept by its tokens: its context and every response
+        token fed (all but the last sampled)."""
+        if self.kept is None or any(type(layer) is not _growing_layer()
+                                    for layer in self.cache.layers):
+            return
+        width = self.mask.shape[1]
+        fed = int(self.count[j]) - 1
+        cols = self.mask[j, :width - fed].nonzero().squeeze(-1)
+        cols = torch.cat([cols, torch.arange(width - fed, width, device=cols.device)])
+        self.kept.keep(self.contexts[j] + self.tokens[j, :fed].tolist(),
+                       [(layer.keys[j][:, cols], layer.values[j][:, cols])
+                        for layer in self.cache.layers])
 
 
 def sampled_logprobs(logits: tuple[Tensor, ...], responses: Tensor, temperature: float

@@ -4,11 +4,11 @@ observations attended and never actions, and each engine's log-probs of its samp
 within 1e-4 of the trainer's (docs/design.md, "Multi-turn episodes"). The hf engine's checks run
 without vLLM; each engine is the actor's own, built with its model as a run builds it.
 
-On vLLM, each episode its own loop (``episodes.stream``, ``rollout.streaming``) against the turn
-by turn loop (``episodes.run``) on the same engine: the same greedy episodes; a sampled episode's
-tokens its own, whatever else the engine decodes; an episode that never waits for another's
-environment; an environment's failure or deadline one line, the engine left with nothing in
-flight."""
+On each engine, each episode its own loop (``episodes.stream``, ``rollout.streaming``) against
+the turn by turn loop (``episodes.run``) on the same engine: the same greedy episodes; a sampled
+episode's tokens its own, whatever else the engine decodes; an episode that never waits for
+another's environment; an environment's failure or deadline one line, the engine left with
+nothing in flight."""
 
 from __future__ import annotations
 
@@ -130,8 +130,8 @@ def _rank(rank: int, world_size: int, tmp, engine: str) -> dict:
     greedy, stats = actor.generate(per_rank[0], rows[0], greedy=True, step=0)
     sampled, _ = actor.generate(per_rank[0], rows[0], step=1)
     out = {"greedy": greedy, "stats": stats, "sampled": sampled, "diff": actor.old_logprobs()}
+    out["streaming"] = _streaming(actor, per_rank[0])
     if engine == "vllm":  # on the engine built here (building one costs seconds)
-        out["streaming"] = _streaming(actor, per_rank[0])
         from rlhf_paro.metrics import TRAIN
 
         with actor.timed(TRAIN):  # what the rank's update computes on
@@ -139,9 +139,17 @@ def _rank(rank: int, world_size: int, tmp, engine: str) -> dict:
     return out
 
 
+def _in_flight(engine) -> int:
+    """Requests an engine holds: vLLM's unfinished ones; hf's waiting or decoding."""
+    if hasattr(engine, "llm"):
+        return engine.llm.llm_engine.get_num_unfinished_requests()
+    decoding = engine._decoding
+    return len(engine._waiting) + (decoding.running if decoding is not None else 0)
+
+
 def _streaming(actor, prompts) -> dict:
-    """Each episode its own loop (``episodes.stream``) on the actor's vLLM engine, against the
-    turn by turn loop on the same engine; the first ``STREAMED`` prompts."""
+    """Each episode its own loop (``episodes.stream``) on the actor's engine, against the turn
+    by turn loop on the same engine; the first ``STREAMED`` prompts."""
     from rlhf_paro.envs import EnvError, EnvRunner, Observations
     from rlhf_paro.rollout import PromptBatch, Sampling, episodes
 
@@ -178,7 +186,7 @@ def _streaming(actor, prompts) -> dict:
             out[name] = None
         except EnvError as err:
             out[name] = str(err)
-        out[f"{name}_left"] = engine.llm.llm_engine.get_num_unfinished_requests()
+        out[f"{name}_left"] = _in_flight(engine)
     # And the engine serves the next rollout as before.
     out["after"] = play(episodes.stream, relay_env, everyone, greedy)[0]
     return out
@@ -256,14 +264,17 @@ def test_engine_log_probs_of_sampled_actions_are_the_trainers(request, name):
     assert diff["logprob_diff_max"] <= 1e-4
 
 
-# -- each episode its own loop (vllm) -------------------------------------------------------
+# -- each episode its own loop (both engines) -----------------------------------------------
+
+ENGINES = ["hf", "vllm"]
 
 def _real(batch, row):
     return batch.sequences[row][batch.attention_mask[row].bool()].tolist()
 
 
-def test_greedy_episodes_streamed_are_the_turn_by_turn_ones(vllm):
-    streamed = vllm["streaming"]
+@pytest.mark.parametrize("name", ENGINES)
+def test_greedy_episodes_streamed_are_the_turn_by_turn_ones(request, name):
+    streamed = request.getfixturevalue(name)["streaming"]
     run, stream = streamed["greedy_run"], streamed["greedy_stream"]
     assert torch.equal(run.sequences, stream.sequences)
     assert torch.equal(run.attention_mask, stream.attention_mask)
@@ -272,8 +283,9 @@ def test_greedy_episodes_streamed_are_the_turn_by_turn_ones(vllm):
     assert torch.equal(streamed["after"].sequences, run.sequences)
 
 
-def test_a_sampled_episode_is_the_same_alone_as_among_others(vllm):
-    streamed = vllm["streaming"]
+@pytest.mark.parametrize("name", ENGINES)
+def test_a_sampled_episode_is_the_same_alone_as_among_others(request, name):
+    streamed = request.getfixturevalue(name)["streaming"]
     # Its actions draw from its own seeded stream: alone on the engine or beside 7 others, the
     # same tokens. The logits of the two batches may differ in float32 rounding (about 1e-6 of
     # their size), which changes a token only where two candidates' sampling keys tie that
@@ -290,8 +302,9 @@ def test_a_sampled_episode_is_the_same_alone_as_among_others(vllm):
     assert len({tuple(_real(batch, k)) for k in range(STREAMED)}) == STREAMED
 
 
-def test_no_episode_waits_for_another_s_environment(vllm):
-    streamed = vllm["streaming"]
+@pytest.mark.parametrize("name", ENGINES)
+def test_no_episode_waits_for_another_s_environment(request, name):
+    streamed = request.getfixturevalue(name)["streaming"]
     # Episode 0's steps take 1 s each, the others' none. Turn by turn, every episode's second
     # action waits for episode 0's first step: none ends before 1 s. Streamed, the other seven
     # play both turns at once and end well before it.
@@ -308,8 +321,9 @@ def test_no_episode_waits_for_another_s_environment(vllm):
         assert latencies[-2] >= SLOW_S > latencies[-3]
 
 
-def test_an_environment_that_fails_or_stalls_is_one_line_and_nothing_is_left_in_flight(vllm):
-    streamed = vllm["streaming"]
+@pytest.mark.parametrize("name", ENGINES)
+def test_an_environment_that_fails_or_stalls_is_one_line_and_nothing_is_left_in_flight(request, name):
+    streamed = request.getfixturevalue(name)["streaming"]
     assert streamed["failing"] == ("Env.step raised at step 7, sample 3 (turn 1) (ValueError: "
                                    "sandbox gone)")
     assert streamed["stuck"] == "Env.step took longer than env.timeout_s=1 at step 7, sample 5 " \

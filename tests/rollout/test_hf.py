@@ -102,8 +102,13 @@ def test_greedy_rows_are_generate_s_and_each_row_leaves_the_batch_when_it_ends(m
     assert torch.equal(ours.sequences, out)
     lengths = ours.action_mask.sum(-1)
     assert lengths.min() < lengths.max()
-    # The prefill feeds every row; step k (k >= 1) the rows whose response is longer than k.
-    assert fed == [len(prompts)] + [int((lengths > k).sum()) for k in range(1, ours.response_len)]
+    # The prefill feeds every row; step k (k >= 1) the rows whose response is longer than k, and
+    # ended rows only while they are fewer than a quarter of those fed (then they are dropped).
+    running = [int((lengths > k).sum()) for k in range(1, ours.response_len)]
+    assert fed[0] == len(prompts) and len(fed) == ours.response_len
+    for count, live in zip(fed[1:], running):
+        assert live <= count and (count - live) * 4 < count, (fed, running)
+    assert fed[-1] < len(prompts)
 
 
 def test_the_registry_builds_hf_and_names_the_engines_it_knows():
@@ -139,3 +144,50 @@ def test_greedy_rollouts_carry_no_logprobs(model):
     out = HFRollout(Gathered(model), PAD, 2, torch.device("cpu")).generate(
         _prompts(), Sampling(MAX_NEW, greedy=True))
     assert out.logprobs is None
+
+
+def test_seeded_draws_follow_softmax_within_five_standard_errors():
+    # 20000 rows, one seed each, the same logits: each token's share of the draws is within 5
+    # standard errors (sqrt(p (1 - p) / n), at most 0.0035) of softmax(logits / 0.7) renormalised
+    # over the top 4; the two tokens outside the top 4 are never drawn.
+    from rlhf_paro.rollout.hf import seeded_tokens
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).expand(20000, 6)
+    sampling = Sampling(1, temperature=0.7, top_k=4)
+    drawn = seeded_tokens(logits, sampling, torch.arange(20000), torch.zeros(20000,
+                                                                             dtype=torch.long))
+    probs = torch.softmax(logits[0, :4] / 0.7, -1).double()
+    shares = torch.bincount(drawn, minlength=6).double() / 20000
+    assert shares[4:].sum() == 0
+    bound = 5 * (probs * (1 - probs) / 20000).sqrt()
+    assert bool(((shares[:4] - probs).abs() <= bound).all()), (shares, probs)
+    # A row's draw is a function of its seed and counter: the next counter draws anew.
+    again = seeded_tokens(logits, sampling, torch.arange(20000), torch.zeros(20000,
+                                                                             dtype=torch.long))
+    moved = seeded_tokens(logits, sampling, torch.arange(20000), torch.ones(20000,
+                                                                            dtype=torch.long))
+    assert torch.equal(again, drawn) and not torch.equal(moved, drawn)
+
+
+def test_a_seeded_row_draws_the_same_tokens_alone_as_among_others(model):
+    # Each row samples from a stream of its own: alone, or beside six others that end at other
+    # steps (rows leaving the batch), the same tokens. The batches' logits may differ in float32
+    # rounding, which moves a draw only where two candidates' noisy scores tie that closely:
+    # none of these 7 rows.
+    prompts = _prompts()
+    eos = _eos(model, prompts)
+    sampling = Sampling(MAX_NEW, temperature=1.0)
+    seeds = [11 * k + 5 for k in range(len(prompts))]
+    hf = HFRollout(Gathered(model), PAD, eos, torch.device("cpu"))
+    together = hf.generate(prompts, sampling, seeds)
+    lengths = together.action_mask.sum(-1)
+    assert lengths.min() < lengths.max()
+    for k in range(len(prompts)):
+        alone = hf.generate(prompts.select(slice(k, k + 1)), sampling, seeds[k:k + 1])
+        width = int(lengths[k])
+        assert together.responses[k, :width].tolist() == alone.responses[0, :width].tolist()
+        assert alone.response_len == width
+    # The same seeds draw the same rollout; other seeds another.
+    assert not torch.equal(hf.generate(prompts, sampling, [s + 1 for s in seeds]).sequences,
+                           together.sequences)
+    assert torch.equal(hf.generate(prompts, sampling, seeds).sequences, together.sequences)
