@@ -526,11 +526,13 @@ class RolloutConfig:
     tensor_parallel_size: int = 1  # devices one engine spans; must divide cluster.group_size
     enforce_eager: bool = True  # no CUDA graphs: an engine built every run starts sooner
     enable_prefix_caching: bool = True  # rollout.n samples of a prompt share its prefill
-    # Multi-turn episodes on an engine that takes requests (vllm): each episode a loop of its
-    # own, its next action submitted the moment its environment answers while the engine decodes
-    # the others' (docs/design.md, "Multi-turn episodes"); false: turn by turn, each turn's
-    # actions one batched call after the slowest environment step of the turn before.
-    streaming: bool = True
+    # Multi-turn episodes on an engine that takes requests (vllm; hf on its dynamic cache): each
+    # episode a loop of its own, its next action submitted the moment its environment answers
+    # while the engine decodes the others' (docs/design.md, "Multi-turn episodes"); false: turn
+    # by turn, each turn's actions one batched call after the slowest environment step of the
+    # turn before; auto: vllm streams, hf goes turn by turn (measured faster where environments
+    # answer at once; streaming where they take time).
+    streaming: bool | Literal["auto"] = "auto"
     # Devices of their own for the rollout (docs/design.md, "Asynchronous rollouts"): 0, the
     # engines live in the actor's ranks and share their devices; D > 0, D more devices each
     # host one engine replica, which takes the actor's weights after every update.
@@ -539,6 +541,10 @@ class RolloutConfig:
     # policy after update t - K (or the initial one), generated while step t - 1 trains; 0: the
     # synchronous order. K > 0 needs rollout.num_devices > 0.
     max_staleness: int = 0
+
+    def streams(self) -> bool:
+        """Whether episodes stream on an engine that takes requests (``streaming``)."""
+        return self.engine != "hf" if self.streaming == "auto" else bool(self.streaming)
 
     def __post_init__(self) -> None:
         _positive("n", self.n)
@@ -560,6 +566,8 @@ class RolloutConfig:
         if self.gpu_memory_utilization != "auto" and not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError("gpu_memory_utilization", f"must be in (0, 1] or auto, got "
                                                         f"{self.gpu_memory_utilization}")
+        if self.streaming not in (True, False, "auto"):
+            raise ConfigError("streaming", f"got {self.streaming!r}; allowed: true, false, auto")
         if self.hf_cache not in HF_CACHES:
             raise ConfigError("hf_cache", f"got {self.hf_cache!r}; allowed: "
                                           f"{', '.join(HF_CACHES)}")

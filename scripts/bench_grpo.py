@@ -4,7 +4,7 @@
     python scripts/bench_grpo.py --micro-batch 16,64 --rounds 3 --steps 20 --trl-python ...
     python scripts/bench_grpo.py --episodes --rounds 2 --steps 8 --trl-python ...
     python scripts/bench_grpo.py --episodes --engines hf,vllm --trl-python ...
-    python scripts/bench_grpo.py --episodes --engines hf,hf-turns,vllm --trl-python ...
+    python scripts/bench_grpo.py --episodes --engines hf,hf-stream,vllm --trl-python ...
 
 Both train the demo's SFT actor (``conf=grpo_tiny``'s assets, made on first use) on the counting
 task with the same rule reward (the task score, ``rlhf_paro/ppo/task.py:counting_score``): 16
@@ -249,10 +249,13 @@ def ours(python: str, steps: int, micro: int, new_tokens: int, out: Path) -> dic
 
 def ours_episodes(python: str, steps: int, micro: int, new_tokens: int, out: Path,
                   assets: dict, engine: str = "hf") -> dict:
-    # An engine named "<engine>-turns": its episodes turn by turn (rollout.streaming=false).
+    # "<engine>-turns" / "<engine>-stream": its episodes turn by turn (rollout.streaming=false)
+    # or each its own loop (true); "<engine>" alone: the default (auto).
     engine, _, loop = engine.partition("-")
+    streaming = {"": [], "turns": ["rollout.streaming=false"],
+                 "stream": ["rollout.streaming=true"]}[loop]
     cmd = [python, "-m", "rlhf_paro.train", "conf=grpo_tiny", f"rollout.engine={engine}",
-           *(["rollout.streaming=false"] if loop == "turns" else []), "cluster.num_devices=1",
+           *streaming, "cluster.num_devices=1",
            "cluster.group_size=1", "algorithm.kl_coef=0", f"actor.micro_batch_size={micro}",
            f"actor.max_micro_batch_size={micro}",
            f"ppo.rollout_batch_size={PROMPTS}", f"rollout.n={SAMPLES}",
@@ -350,7 +353,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=3, help="actions per episode (--episodes)")
     parser.add_argument("--engines", default="hf",
                         help="--episodes: rlhf_paro's rollout engines, comma-separated (hf, "
-                             "vllm; hf-turns, vllm-turns: with rollout.streaming=false)")
+                             "vllm; hf-turns, hf-stream, ...: rollout.streaming=false, true)")
     parser.add_argument("--trl-threads", type=int, default=None,
                         help="torch threads of the TRL job (default: torch's; each rlhf_paro "
                              "worker on a CPU runs one)")

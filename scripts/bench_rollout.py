@@ -266,7 +266,6 @@ def generation(args: argparse.Namespace) -> dict:
             print(total.strip())
             print(rest.split("\n\n", 1)[-1].rstrip())
     # The process group stays: vLLM's exit hook takes down its own groups on it.
-    rollouts["vllm"].close()
     return result
 
 

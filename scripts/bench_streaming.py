@@ -154,7 +154,9 @@ def run(args: argparse.Namespace) -> tuple[dict[str, list[float]], dict[str, lis
         once(name, everyone)
     for r in range(args.rounds):
         for name in loops[r % 2:] + loops[:r % 2]:
-            wall, share, batch = once(name, everyone)
+            wall, share, played = once(name, everyone)
+            if name == "streaming":  # what each episode played alone is checked against
+                batch = played
             walls[name].append(wall)
             idle[name].append(share)
             print(f"round {r}: {name}: {wall:.2f} s, engine idle {share:.2f}", flush=True)
@@ -166,7 +168,11 @@ def run(args: argparse.Namespace) -> tuple[dict[str, list[float]], dict[str, lis
             same = torch.equal(single.sequences[0][row], batch.sequences[k][
                 batch.attention_mask[k].bool()])
             if not same:
-                print(f"episode {k} alone differs from its run in the batch", flush=True)
+                a = single.sequences[0][row].tolist()
+                b = batch.sequences[k][batch.attention_mask[k].bool()].tolist()
+                at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                print(f"episode {k} alone differs from its run in the batch (token {at} of "
+                      f"{len(a)} and {len(b)})", flush=True)
         path.append(max(alone))
         print(f"round {r}: critical path {path[-1]:.2f} s", flush=True)
     return walls, idle, path

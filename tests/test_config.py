@@ -162,6 +162,8 @@ def test_nodes_and_gpus_per_node_define_the_cluster():
      "got 'half'; allowed: auto or a number"),
     (["rollout.gpu_memory_utilization=0"], "rollout.gpu_memory_utilization",
      "must be in (0, 1] or auto, got 0"),
+    (["rollout.streaming=maybe"], "rollout.streaming", "got 'maybe'; allowed: auto or true or "
+                                                       "false"),
     (["rollout.tis_cap=0"], "rollout.tis_cap", "must be > 0 or null (off), got 0"),
     (["rollout.tis_cap=-2.5"], "rollout.tis_cap", "must be > 0 or null (off), got -2.5"),
     (["trainer.save_every=-1"], "trainer.save_every", "must be >= 0"),
@@ -212,6 +214,14 @@ def test_every_mistake_is_one_line_naming_the_key(argv, key, allowed):
     message = error_of(argv)
     assert message.startswith(f"{key}: ") or message.startswith(f"{key} "), message
     assert allowed in message
+
+
+@pytest.mark.parametrize("engine, setting, streams", [
+    ("vllm", None, True), ("hf", None, False), ("hf", "true", True), ("vllm", "false", False),
+    ("hf", "false", False), ("vllm", "auto", True)])
+def test_episodes_stream_on_vllm_by_default_and_on_hf_when_asked(engine, setting, streams):
+    argv = [f"rollout.engine={engine}"] + ([f"rollout.streaming={setting}"] if setting else [])
+    assert load(argv).rollout.streams() is streams
 
 
 def test_the_engine_s_share_is_auto_by_default_or_a_number():

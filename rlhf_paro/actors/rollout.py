@@ -39,6 +39,10 @@ class Generation:
         self.device = device
         # Multi-turn episodes (env.function, env.tools): the environments' runner and what
         # turns their observations into tokens; None for single-turn rollouts.
+        # Episodes each their own loop, each sample its own seeded stream (a single-turn
+        # response an episode's first action): rollout.streaming on an engine that takes
+        # requests.
+        self._streams = cfg.rollout.streams() and rollout.takes_requests(engine)
         self.env_runner: envs.EnvRunner | None = None
         self.observations: envs.Observations | None = None
         if cfg.env.enabled:
@@ -55,14 +59,14 @@ class Generation:
         """The rollout of prompt slice ``shard`` at step ``step`` (``prompts``: left-padded,
         ``runs.Prompts``; ``rows``: their texts and columns, which build the environments), and
         sums for the driver (an environment's as ``env_<name>``, ``episodes.run``). With an
-        engine that takes requests (vllm) and ``rollout.streaming``, each episode is a loop of
-        its own (``episodes.stream``).
+        engine that takes requests and ``rollout.streaming``, each episode is a loop of its own
+        (``episodes.stream``), and each sample draws from a stream of its own.
         ``greedy``: an evaluation. Sampled from the slice's own random stream."""
         cfg = self.cfg
         sampling = rollout.Sampling.from_config(cfg.ppo, greedy)
         env_stats: dict[str, float] = {}
         with rollout.seeded(rollout.generation_seed(cfg.trainer.seed, step, shard), self.device):
-            if self.env_runner is None and rollout.takes_requests(self.engine) and not greedy:
+            if self.env_runner is None and self._streams and not greedy:
                 # Each response from a stream of its own: an episode's first action's.
                 seeds = self._seeds(len(prompts), greedy, step, shard)
                 batch = self.engine.generate(prompts, sampling,
@@ -92,7 +96,7 @@ class Generation:
                 lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), sampling,
                 episodes.Budget(cfg.env.max_turns, cfg.env.max_total_tokens),
                 self.tokenizer.pad_token_id, lambda i: f"at {what} {step}, sample {first + i}")
-        if cfg.rollout.streaming and rollout.takes_requests(self.engine):
+        if self._streams:
             # Each episode's actions sample from its own stream, seeded as its environment is.
             return episodes.stream(self.engine, *args, sample_seeds=seeds)
         return episodes.run(self.engine, *args)
