@@ -412,6 +412,9 @@ def _alike(one: Sampling, other: Sampling) -> bool:
 
 
 _MASK32 = 0xFFFFFFFF
+# Ended rows leave the batch once they are 1 / DROP_SHARE of it ([Note: rows leave the batch as
+# they end]).
+DROP_SHARE = 4
 
 
 def _mix32(x: Tensor) -> Tensor:
@@ -600,7 +603,7 @@ class Decoding:
             return done
         # Dropping rows copies the cache: done once a quarter of the batch has ended (at once
         # in a batch of up to 4); until then an ended row is fed padding, as generate does.
-        if (len(self.keys) - self.running) * 4 >= len(self.keys):
+        if (len(self.keys) - self.running) * DROP_SHARE >= len(self.keys):
             picked = picked[self._drop_ended()]
         self._feed(picked)
         return done
