@@ -200,7 +200,8 @@ class HFRollout:
         keys and values kept of its episode's last action, then both caches padded to one
         width) when no row is decoding, when the waiting requests are a quarter of the rows
         decoding, or after it has waited 16 steps: a join copies the cache and prefills apart
-        from the decoding step, so joins are gathered. ``rollout.micro_batch_size`` caps the rows decoding at once."""
+        from the decoding step, so joins are gathered. ``rollout.micro_batch_size`` caps the
+        rows decoding at once."""
         if self._waiting:
             self._join()
         if self._decoding is None or not self._decoding.running:
