@@ -77,7 +77,8 @@ def main() -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.set_num_threads(os.cpu_count() or 1)
     walls, idle, path = run(args)
-    print(f"\n{args.engine}: {args.batch} episodes x {args.turns} turns, steps of uniform [0, {args.latency}] s, "
+    print(f"\n{args.engine}: {args.batch} episodes x {args.turns} turns, steps of uniform "
+          f"[0, {args.latency}] s, "
           f"actions of up to {args.action} tokens; a Llama {args.layers} x {args.hidden}, fp32; "
           f"median of {args.rounds} rounds; critical path {statistics.median(path):.2f} s\n")
     print(f"{'loop':<16}{'wall s':>9}{'min':>9}{'max':>9}{'/ path':>9}{'engine idle':>13}")

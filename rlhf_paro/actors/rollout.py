@@ -37,12 +37,12 @@ class Generation:
         self.engine = engine
         self.tokenizer = tokenizer  # its pad and eos ids, and an episode's text
         self.device = device
-        # Multi-turn episodes (env.function, env.tools): the environments' runner and what
-        # turns their observations into tokens; None for single-turn rollouts.
         # Episodes each their own loop, each sample its own seeded stream (a single-turn
         # response an episode's first action): rollout.streaming on an engine that takes
         # requests.
         self._streams = cfg.rollout.streams() and rollout.takes_requests(engine)
+        # Multi-turn episodes (env.function, env.tools): the environments' runner and what
+        # turns their observations into tokens; None for single-turn rollouts.
         self.env_runner: envs.EnvRunner | None = None
         self.observations: envs.Observations | None = None
         if cfg.env.enabled:

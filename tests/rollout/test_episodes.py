@@ -322,7 +322,8 @@ def test_no_episode_waits_for_another_s_environment(request, name):
 
 
 @pytest.mark.parametrize("name", ENGINES)
-def test_an_environment_that_fails_or_stalls_is_one_line_and_nothing_is_left_in_flight(request, name):
+def test_an_environment_that_fails_or_stalls_is_one_line_and_nothing_is_left_in_flight(
+        request, name):
     streamed = request.getfixturevalue(name)["streaming"]
     assert streamed["failing"] == ("Env.step raised at step 7, sample 3 (turn 1) (ValueError: "
                                    "sandbox gone)")
