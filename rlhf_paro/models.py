@@ -211,9 +211,10 @@ def packs(model_cfg: ModelConfig, model_type: str) -> bool:
     return model_type in batching.PACKED_MODEL_TYPES
 
 
-def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    # Positions count valid tokens only, so a left-padded prompt sees the same positions as an
-    # unpadded one (what Hugging Face generation does too).
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each column's position: positions count valid tokens only, so a left-padded prompt sees
+    the same positions as an unpadded one (what Hugging Face generation and the hf engine's
+    decoding do too)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
@@ -235,13 +236,13 @@ class CausalLM(nn.Module):
         back in the same layout, 0 where the response is padding."""
         if packed and response_len is not None:
             return self._packed_logprobs(input_ids, attention_mask, response_len, temperature)
-        position_ids = _position_ids(attention_mask)
+        positions = position_ids(attention_mask)
         if response_len is None:
             return self.lm(input_ids=input_ids, attention_mask=attention_mask,
-                           position_ids=position_ids, use_cache=False).logits
+                           position_ids=positions, use_cache=False).logits
         # Logits at position t predict token t + 1: keep the R + 1 last positions, drop the final.
         logits = self.lm(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=position_ids, use_cache=False,
+                         position_ids=positions, use_cache=False,
                          logits_to_keep=response_len + 1).logits[:, :-1]
         logits = logits.float() / temperature
         targets = input_ids[:, -response_len:]
@@ -293,7 +294,7 @@ class ValueModel(nn.Module):
         if packed:
             return self._packed_values(input_ids, attention_mask, response_len)
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                               position_ids=_position_ids(attention_mask),
+                               position_ids=position_ids(attention_mask),
                                use_cache=False).last_hidden_state
         values = self.value_head(hidden).squeeze(-1).float()
         if self.per_token:

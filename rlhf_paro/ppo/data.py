@@ -18,7 +18,7 @@ no prompt left is an error.
 
 Prompts of different lengths are left-padded for generation: the response then starts at the
 same column in every row, and the models' position ids count valid tokens only
-(``models._position_ids``), so a padded row computes what it computes alone.
+(``models.position_ids``), so a padded row computes what it computes alone.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from rlhf_paro.comm.meter import GENERATE
 from rlhf_paro.config import Config, ConfigError
+from rlhf_paro.models import position_ids
 from rlhf_paro.rollout.base import EngineContext, Sampling, register_engine
 from rlhf_paro.rollout.batch import PromptBatch, RolloutBatch, join
 
@@ -270,10 +271,10 @@ class TurnCache:
     from the attention mask over real tokens only: so a sequence's entries stay valid wherever
     its row is padded. ``continued`` lays each row out as its kept tokens (left-padded to the
     longest kept), then the tokens not kept (left-padded to the longest such run: holes in the
-    middle, masked), and hands generate the kept entries as its cache, so the prefill computes
-    only what is new. ``keep`` takes from generate's cache the entries of each row's real tokens:
-    its context and its response through its end, less the last sampled token, which no step fed
-    back. Only caches of plain dynamic layers are kept (a sliding window drops entries).
+    middle, masked), and hands the decoding the kept entries as its cache, so the prefill
+    computes only what is new. ``keep`` takes a row's entries as it ends (``Decoding``): those of
+    its context and its response, less the last sampled token, which no step fed back. Only
+    caches of plain dynamic layers are kept (a sliding window drops entries).
     """
 
     def __init__(self) -> None:
@@ -413,9 +414,6 @@ def _alike(one: Sampling, other: Sampling) -> bool:
 
 
 _MASK32 = 0xFFFFFFFF
-# Ended rows leave the batch once they are 1 / DROP_SHARE of it ([Note: rows leave the batch as
-# they end]).
-DROP_SHARE = 4
 
 
 def _mix32(x: Tensor) -> Tensor:
@@ -471,9 +469,14 @@ def decode(lm: Any, ids: Tensor, mask: Tensor, cache: Any | None, sampling: Samp
     return responses, logprobs
 
 
+# Ended rows leave the batch once they are 1 / DROP_SHARE of it ([Note: rows leave the batch as
+# they end]).
+DROP_SHARE = 4
+
+
 class Decoding:
     """Rows that decode together on one key/value cache, each to its own end: its first <eos>
-    or its own budget of tokens. Rows join (``start``, ``join``) and leave between steps.
+    or its own budget of tokens. Rows join (``start``) and leave between steps.
 
     [Note: rows leave the batch as they end]
     A row that has sampled its <eos> leaves the batch and the cache, so a step computes on the
@@ -506,6 +509,8 @@ class Decoding:
         self.last: Tensor | None = None  # (B,) the position of each row's last token
         self.logits: Tensor | None = None  # (B, V) float32: each row's next token's
         self.running = 0  # rows that have not ended
+        # Rows' entries are kept (``kept``) where every layer is a plain one (no sliding window).
+        self.keeps = False
 
     def start(self, keys: list[Any], ids: Tensor, mask: Tensor, cache: Any | None,
               budgets: list[int], seeds: list[int] | None) -> None:
@@ -514,7 +519,7 @@ class Decoding:
         device = ids.device
         cache = growing_cache(cache, self.lm.config)
         past = cache.get_seq_length()
-        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        positions = position_ids(mask)  # the trainer's, for the trainer's log-probs
         out = self.lm(input_ids=ids[:, past:], attention_mask=mask,
                       position_ids=positions[:, past:], past_key_values=cache, use_cache=True,
                       logits_to_keep=1)
@@ -536,6 +541,8 @@ class Decoding:
             self.cache = out.past_key_values
             for name, value in rows.items():
                 setattr(self, name, value)
+            self.keeps = self.kept is not None and all(
+                type(layer) is _growing_layer() for layer in self.cache.layers)
         self.keys += keys
         self.contexts += contexts
         self.running += len(keys)
@@ -544,6 +551,8 @@ class Decoding:
         """Prefilled rows after the running ones (those ended dropped): both caches and masks
         left-padded to the wider's columns, then one batch; responses right-padded."""
         index = self.live.nonzero().squeeze(1)
+        layers = [(layer.keys[index], layer.values[index]) for layer in self.cache.layers]
+        self._select(index)
         columns = max(self.mask.shape[1], rows["mask"].shape[1])
         width = max(self.tokens.shape[1], rows["tokens"].shape[1])
 
@@ -556,21 +565,17 @@ class Decoding:
             return torch.cat([tensor, tensor.new_full(
                 (len(tensor), width - tensor.shape[1]), fill)], dim=1)
 
-        for i, (mine, theirs) in enumerate(zip(self.cache.layers, cache.layers)):
+        for i, (mine, theirs) in enumerate(zip(layers, cache.layers)):
             layer = _growing_layer()()
-            layer.stack([(mine.keys[index], mine.values[index]), (theirs.keys, theirs.values)],
-                        columns)
+            layer.stack([mine, (theirs.keys, theirs.values)], columns)
             self.cache.layers[i] = layer
-        self.mask = torch.cat([left(self.mask[index], 1), left(rows["mask"], 1)])
-        self.tokens = torch.cat([right(self.tokens[index], self.pad_token_id),
+        self.mask = torch.cat([left(self.mask, 1), left(rows["mask"], 1)])
+        self.tokens = torch.cat([right(self.tokens, self.pad_token_id),
                                  right(rows["tokens"], self.pad_token_id)])
-        self.logprobs = torch.cat([right(self.logprobs[index], 0), right(rows["logprobs"], 0)])
+        self.logprobs = torch.cat([right(self.logprobs, 0), right(rows["logprobs"], 0)])
         for name in ("logits", "count", "budget", "live", "seeds", "last"):
             if getattr(self, name) is not None:
-                setattr(self, name, torch.cat([getattr(self, name)[index], rows[name]]))
-        keep = index.tolist()
-        self.keys = [self.keys[j] for j in keep]
-        self.contexts = [self.contexts[j] for j in keep]
+                setattr(self, name, torch.cat([getattr(self, name), rows[name]]))
 
     def step(self) -> list[tuple[Any, list[int], list[float] | None]]:
         """One token of every running row; (key, response tokens, their log-probs or None when
@@ -633,19 +638,23 @@ class Decoding:
         if len(index) == len(self.keys):
             return index
         self.cache.batch_select_indices(index)
-        for name in ("mask", "last", "tokens", "logprobs", "count", "budget", "live", "seeds"):
+        self._select(index)
+        return index
+
+    def _select(self, index: Tensor) -> None:
+        """Every row's state but the cache's, of rows ``index`` only."""
+        for name in ("mask", "last", "logits", "tokens", "logprobs", "count", "budget", "live",
+                     "seeds"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name)[index])
         keep = index.tolist()
         self.keys = [self.keys[j] for j in keep]
         self.contexts = [self.contexts[j] for j in keep]
-        return index
 
     def _keep(self, j: int) -> None:
         """Row ``j``'s keys and values, kept by its tokens: its context and every response
         token fed (all but the last sampled)."""
-        if self.kept is None or any(type(layer) is not _growing_layer()
-                                    for layer in self.cache.layers):
+        if not self.keeps:
             return
         width = self.mask.shape[1]
         fed = int(self.count[j]) - 1
