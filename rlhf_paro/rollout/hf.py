@@ -1,5 +1,6 @@
-"""The ``hf`` rollout engine: Hugging Face ``generate`` on the actor's own parameters, gathered
-once for the whole rollout (phase ``generate`` of the actor's meter)."""
+"""The ``hf`` rollout engine: the actor's own Hugging Face model on its own parameters, gathered
+once for the whole rollout (phase ``generate`` of the actor's meter), decoded by a loop of its
+own (``decode``), or by Hugging Face ``generate`` on a static cache, compiled."""
 
 from __future__ import annotations
 
@@ -86,6 +87,25 @@ def check(cfg: Config, actor_config: Any) -> None:
     decode_cache(cfg.rollout.hf_cache, cfg.cluster.device, lm_class)
 
 
+@contextlib.contextmanager
+def plain_generation_config(lm: Any) -> Iterator[None]:
+    """Hugging Face ``generate`` on ``lm`` (a PEFT model: the model it wraps) samples by its
+    arguments alone while inside: a model's own generation defaults (a checkpoint's
+    ``generation_config.json``: ``top_p``, ``repetition_penalty``, ``min_new_tokens``, ...) fill
+    every argument a call leaves unset, and the trainer's log-probs account for the ``ppo``
+    section's temperature and top-k only. They stay the model's outside (an export keeps
+    them)."""
+    from transformers import GenerationConfig
+
+    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    own = base.generation_config
+    base.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        base.generation_config = own
+
+
 class HFRollout:
     """Generates with the actor's model under ``engine.gathered()``, ``micro_batch_size``
     prompts at a time (None: all at once): the key/value cache of one chunk is what it holds.
@@ -160,12 +180,13 @@ class HFRollout:
                    "top_k": sampling.top_k})
         ids = part.input_ids.to(self.device)
         # use_cache: a model configured without one still decodes on one.
-        out = model.generate(ids, part.attention_mask.to(self.device),
-                             max_new_tokens=sampling.max_new_tokens,
-                             pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_id,
-                             return_dict_in_generate=True, use_cache=True,
-                             output_logits=not sampling.greedy, **kwargs,
-                             **self.static.kwargs())
+        with plain_generation_config(model.lm):
+            out = model.generate(ids, part.attention_mask.to(self.device),
+                                 max_new_tokens=sampling.max_new_tokens,
+                                 pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_id,
+                                 return_dict_in_generate=True, use_cache=True,
+                                 output_logits=not sampling.greedy, **kwargs,
+                                 **self.static.kwargs())
         responses = out.sequences[:, ids.shape[1]:]
         return responses, (None if sampling.greedy else
                            sampled_logprobs(out.logits, responses, sampling.temperature))
