@@ -431,8 +431,8 @@ def _needs_vllm():
 
 @pytest.mark.parametrize("bad, named, says", [
     # vLLM implements no BioGPT.
-    ([f"actor.config={{model_type: biogpt, hidden_size: 64, intermediate_size: 64, "
-      f"num_hidden_layers: 1, num_attention_heads: 2, max_position_embeddings: 64}}"],
+    (["actor.config={model_type: biogpt, hidden_size: 64, intermediate_size: 64, "
+      "num_hidden_layers: 1, num_attention_heads: 2, max_position_embeddings: 64}"],
      "rollout.engine", "BioGptForCausalLM"),
     # Four heads of 16: below what its CPU attention takes.
     ([f"actor.config={TINY_MODEL}"], "rollout.engine", "head size 16"),

@@ -72,7 +72,7 @@ from rlhf_paro.sharding.contract import (EngineOptions, MicroBatches, ModelFacto
 from rlhf_paro.sharding.errors import EngineError
 from rlhf_paro.sharding.layout import split_units
 from rlhf_paro.sharding.schedule import BUCKET_NUMEL, plan, select
-from rlhf_paro.sharding.strategy import Level, Strategy
+from rlhf_paro.sharding.strategy import Strategy
 
 
 # [Note: gradient reduction in flight]

@@ -77,7 +77,6 @@ that fits, and fewer micro-batches per step mean fewer per-micro-batch collectiv
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple, Sequence
 
