@@ -99,17 +99,17 @@ def test_a_model_s_own_generation_defaults_do_not_steer_the_static_path():
     """Defect caught: Hugging Face ``generate`` filling the arguments the engine leaves unset
     from the model's own ``generation_config`` (a checkpoint's ``generation_config.json``): its
     draws would come from a distribution the trainer's log-probs do not describe. Greedy rows
-    show it exactly: with a repetition penalty and a suppressed token they are others than the
-    dynamic path's, which samples by the ``ppo`` section alone."""
+    show it exactly: a repetition penalty and a suppressed token (the first greedy token) in the
+    model's defaults would change them; the same call on the same graph gives the same rows."""
     module = models.build_model("actor", ModelConfig(config=TINY), VOCAB, seed=3)
     engine = shard(module, "IGG", Topology(1, 1), optim={"lr": 0.05})
-    prompts, greedy = _prompts(), Sampling(8, greedy=True)
-    dynamic = HFRollout(engine, PAD, -1, torch.device("cpu")).generate(prompts, greedy)
-    own = module.lm.generation_config
-    own.repetition_penalty, own.suppress_tokens = 1e4, [int(dynamic.responses[0, 0])]
     static = StaticDecode.for_run(32)
     static.compile_config.backend = lambda graph, inputs, **options: graph.forward
-    got = HFRollout(engine, PAD, -1, torch.device("cpu"), None, static).generate(prompts, greedy)
-    assert torch.equal(got.sequences, dynamic.sequences)
+    hf = HFRollout(engine, PAD, -1, torch.device("cpu"), None, static)
+    prompts, greedy = _prompts(), Sampling(8, greedy=True)
+    plain = hf.generate(prompts, greedy)
+    own = module.lm.generation_config
+    own.repetition_penalty, own.suppress_tokens = 1e4, [int(plain.responses[0, 0])]
+    assert torch.equal(hf.generate(prompts, greedy).sequences, plain.sequences)
     # The model's own defaults are still its own after the call (an export writes them).
     assert module.lm.generation_config is own and own.repetition_penalty == 1e4
