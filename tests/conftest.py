@@ -61,10 +61,11 @@ SHARED_SLOTS = 16
 SHARED_STOP_S = 10.0
 
 # Ports of the shared cluster's workers: below Linux's ephemeral range (32768-60999), where a
-# model's rank 0 draws its rendezvous port (``Worker.free_address``) and releases it until its
-# process group listens on it; and apart from Ray's default range (10002-19999), which a private
-# Ray's workers take. Ray's test Cluster otherwise lets its workers listen on ephemeral ports,
-# and one took a rendezvous port in that window once (EADDRINUSE at a model's setup).
+# model's rank 0 draws its rendezvous port (``Worker.serve_rendezvous``) and the transfer groups
+# theirs; and apart from Ray's default range (10002-19999), which a private Ray's workers take.
+# Ray's test Cluster otherwise lets its workers listen on ephemeral ports, and one took a
+# rendezvous port once, when rank 0 still released it until its process group listened on it
+# (EADDRINUSE at a model's setup).
 WORKER_PORTS = (20000, 29999)
 
 # What every worker of a job imports before its first call (``python -X importtime``), imported

@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import resource
-import socket
 import time
 from collections import defaultdict
 from typing import Any, Callable, Iterator
@@ -56,6 +55,20 @@ set_num_threads = torch.set_num_threads
 NAN_LOSS_ENV = "RLHF_PARO_NAN_LOSS"
 
 
+# How long a rank waits to reach its model's rendezvous store and for the other ranks there:
+# torch's default for a process group's (the group itself keeps its backend's default).
+RENDEZVOUS_TIMEOUT = dist.constants.default_pg_timeout
+
+
+def serve_store(host: str) -> dist.TCPStore:
+    """A store served by this process (its client at ``host``, an address of this node) on a
+    port the system draws and that it listens on from that moment: a port found free and
+    released until the process group listens on it could be taken by another process in
+    between (EADDRINUSE at a model's setup)."""
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                         timeout=RENDEZVOUS_TIMEOUT)
+
+
 class Worker:
     """Rank ``rank`` of model ``role`` (one of actor, critic, reward, ref)."""
 
@@ -74,6 +87,7 @@ class Worker:
         if self._threads:
             set_num_threads(1)
         self.engine: TrainEngine | None = None  # None: a reward function or server
+        self._rendezvous: dist.TCPStore | None = None  # rank 0's, served (``serve_rendezvous``)
         self.packed = False  # forwards on packed real tokens (set at setup from the model type)
         self._time_s: dict[str, float] = defaultdict(float)  # role phase -> seconds, this step
         self._tokens = 0  # token positions the model computed on, this step
@@ -84,12 +98,12 @@ class Worker:
         """The address of this worker's node (which links a transfer to it crosses)."""
         return ray.util.get_node_ip_address()
 
-    def free_address(self) -> tuple[str, int]:
-        """This node's IP and a port free on it: rank 0's answer is the model's rendezvous."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+    def serve_rendezvous(self) -> tuple[str, int]:
+        """This node's IP and the port of the store the model's ranks meet on, which this rank
+        (rank 0) serves from now on (``serve_store``)."""
+        host = ray.util.get_node_ip_address()
+        self._rendezvous = serve_store(host)
+        return host, self._rendezvous.port
 
     def setup(self, master_addr: str, master_port: int) -> int:
         """Join this model's process group, build the model and shard it; returns this
@@ -97,8 +111,9 @@ class Worker:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if backend == "gloo":
             bind_gloo(ray.util.get_node_ip_address())
-        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
-                                rank=self.rank, world_size=self.num_ranks)
+        store = self._rendezvous if self._rendezvous is not None else dist.TCPStore(
+            master_addr, master_port, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.num_ranks)
         self.shard_model()
         return os.getpid()
 

@@ -174,3 +174,24 @@ def test_cpu_threads_must_be_a_positive_integer():
     for bad, says in (("0", "must be positive"), ("1.5", "expected an integer")):
         with pytest.raises(ConfigError, match=f"cluster.cpu_threads: {says}"):
             load(["conf=grpo_tiny", f"cluster.cpu_threads={bad}"])
+
+
+def test_a_models_rendezvous_port_is_held_from_the_moment_rank_0_draws_it():
+    """Defect caught: rank 0 finding a free port and releasing it until its process group
+    listens on it, so that another process can take it in between (EADDRINUSE at the model's
+    setup, seen once in the shared test cluster). The port listens from ``serve_rendezvous`` on,
+    and a rank that connects to it meets rank 0's store."""
+    import socket
+
+    import torch.distributed as dist
+
+    from rlhf_paro.actors.worker import RENDEZVOUS_TIMEOUT, Worker
+    from tests.confs import load
+
+    worker = Worker(load(INLINE), "actor", 0, 2)
+    host, port = worker.serve_rendezvous()
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("", port))
+    rank_1 = dist.TCPStore(host, port, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
+    rank_1.set("from rank 1", "met")
+    assert worker._rendezvous.get("from rank 1") == b"met"
