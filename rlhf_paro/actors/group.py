@@ -553,7 +553,8 @@ class ModelGroup:
         """Start every rank's process-group init and model build; returns refs to wait on, which
         give each rank's process id.
 
-        Rank 0 serves the store first; the other ranks get its address before any of them connects.
+        Rank 0 serves the store first; the other ranks get its address before any of them
+        connects.
         """
         addr, port = ray.get(self.workers[0].serve_rendezvous.remote())
         refs = [w.setup.remote(addr, port) for w in self.workers]

@@ -54,6 +54,13 @@ class RewardWorker(Worker):
         self.task = None if files else task_from_config(self.cfg)
         self._score_sums = {"count": 0.0, "task_score": 0.0}
 
+    def serve_rendezvous(self) -> tuple[str, int]:
+        """A reward model's rendezvous (``Worker.serve_rendezvous``); a function or server has
+        none to serve (port 0: its ranks join no process group)."""
+        if self.has_model:
+            return super().serve_rendezvous()
+        return self.node(), 0
+
     def setup(self, master_addr: str, master_port: int) -> int:
         """A reward model's setup (``Worker.setup``); a function or server joins no process
         group and builds nothing. Returns this worker's process id either way."""

@@ -83,9 +83,13 @@ def test_a_server_reward_joins_no_group_and_sums_its_extras_for_the_metrics(asse
                                                                            monkeypatch):
     monkeypatch.setenv(TOKEN_ENV, "tok")
     monkeypatch.setattr(Worker, "setup", lambda *args: pytest.fail("joined a process group"))
+    monkeypatch.setattr(Worker, "serve_rendezvous",
+                        lambda *args: pytest.fail("served a rendezvous store"))
     reward = RewardWorker(config(assets, server), "reward", 0, 1)
+    host, port = reward.serve_rendezvous()
+    assert port == 0  # no store listens for it
     # Its pid, as every worker's, for workers.json.
-    assert reward.setup("127.0.0.1", 29500) == os.getpid()
+    assert reward.setup(host, port) == os.getpid()
     assert reward.engine is None and not dist.is_initialized()
     batch, rows = rollout(assets)
     torch.testing.assert_close(reward.score(batch, rows, step=2), torch.tensor([2., 1., 3., 1.]))
