@@ -37,6 +37,7 @@ import transformers
 
 from rlhf_paro import batching, models
 from rlhf_paro.actors import checkpoint
+from rlhf_paro.comm import transfer
 from rlhf_paro.config import ConfigError
 from rlhf_paro.metrics import GENERATE, INFERENCE, ROLE_PHASES, SYNC, TRAIN, RankReport
 from rlhf_paro.ppo import algorithms, core, data
@@ -58,15 +59,6 @@ NAN_LOSS_ENV = "RLHF_PARO_NAN_LOSS"
 # How long a rank waits to reach its model's rendezvous store and for the other ranks there:
 # torch's default for a process group's (the group itself keeps its backend's default).
 RENDEZVOUS_TIMEOUT = dist.constants.default_pg_timeout
-
-
-def serve_store(host: str) -> dist.TCPStore:
-    """A store served by this process (its client at ``host``, an address of this node) on a
-    port the system draws and that it listens on from that moment: a port found free and
-    released until the process group listens on it could be taken by another process in
-    between (EADDRINUSE at a model's setup)."""
-    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                         timeout=RENDEZVOUS_TIMEOUT)
 
 
 class Worker:
@@ -100,10 +92,12 @@ class Worker:
 
     def serve_rendezvous(self) -> tuple[str, int]:
         """This node's IP and the port of the store the model's ranks meet on, which this rank
-        (rank 0) serves from now on (``serve_store``)."""
+        (rank 0) serves from now on (``transfer.serve_store``): listened on from the moment the
+        system draws the port, where a port found free and released until the process group
+        listened on it could be taken by another process in between (EADDRINUSE at setup)."""
         host = ray.util.get_node_ip_address()
-        self._rendezvous = serve_store(host)
-        return host, self._rendezvous.port
+        self._rendezvous, port = transfer.serve_store(host)
+        return host, port
 
     def setup(self, master_addr: str, master_port: int) -> int:
         """Join this model's process group, build the model and shard it; returns this

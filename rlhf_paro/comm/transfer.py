@@ -43,8 +43,9 @@ def transfer_bytes(numel: int, elem_size: int, same_node: list[bool]) -> LinkByt
 
 
 def serve_store(host: str) -> tuple[dist.TCPStore, int]:
-    """The store the transfer groups meet on, held by the caller (the driver), on a free port
-    of ``host``; keep the store alive while the groups run."""
+    """A store served by the caller (the driver, for the transfer groups; a model's rank 0, for
+    its process group) on a port of ``host`` that the system draws and that it listens on from
+    that moment; keep the store alive while the groups run."""
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
     return store, store.port
 
