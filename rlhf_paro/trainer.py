@@ -509,9 +509,16 @@ class PPOTrainer:
         ref_logp = ref.call("logprobs", rollouts) if ref else absent
         values = critic.call("values", rollouts) if critic else absent
         scores, sums, now.reward_reports = launched.scores or self._score(rollouts, rows, step)
+        # The update's first forward needs no score: it runs while a reward that computes
+        # nothing here (a function, a server: wall time) is waited for, once the reference's
+        # and critic's forwards are done. A reward model computes on these devices itself.
+        ahead = ([] if self.cfg.reward.runs_model else
+                 actor.call("forward_ahead", ref_logp, values))
         kl_coef = self.kl_ctl.value
         targets, exp_stats = zip(*actor.call("make_experience", ref_logp, values, scores,
                                              kl_coef=kl_coef, num_returns=2))
+        if ahead:
+            self.wait(actor=ahead)
         now.exp = _sum(self.wait(actor=list(exp_stats))["actor"])
         now.gen.update(_sum(self.wait(reward=sums)["reward"]))
         now.mismatch = logprob_diff(self.wait(actor=old)["actor"]) if old else {}

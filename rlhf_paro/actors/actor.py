@@ -128,6 +128,7 @@ class ActorWorker(TrainedWorker):
         """Replace this rank's rollout with ``batch``: the rows the driver dealt it
         ([Note: balanced ranks], ``sources.Colocated.balance``)."""
         self._rollout, self._old_logp = batch, None
+        self._first_pass = self._first_forward = None
 
     @torch.no_grad()
     def old_logprobs(self, rollout: RolloutBatch | None = None) -> dict[str, float]:
@@ -179,6 +180,15 @@ class ActorWorker(TrainedWorker):
                  "return": float((exp.returns * mask).sum())}
         return exp.returns, stats
 
+    def forward_ahead(self, *ready: Any) -> None:
+        """The update's first forward (``TrainedWorker.forward_first``), ahead of the scores: the
+        driver calls it with what must be computed first (``ready``: the reference's log-probs,
+        the critic's values; Ray runs the call once they are), so it runs alone on the device,
+        while a reward that runs no model (a function, a server, an environment's score) is
+        still waited for."""
+        self.forward_first(lambda idx: logprobs(self, self._rollout.select(idx), train=True),
+                           algorithms.loss_agg_mode(self.cfg))
+
     def train(self, step: int, kl_coef: float) -> dict[str, float]:
         """The policy update of step ``step`` on this rank's rollout: the clipped surrogate,
         aggregated as the algorithm says, plus ``kl_coef`` times the KL loss term when
@@ -204,7 +214,9 @@ class ActorWorker(TrainedWorker):
         def micro_loss(idx: torch.Tensor, divisor: float) -> tuple[torch.Tensor, dict]:
             rows, exp = batch.select(idx), self._experience.select(idx)
             mask = rows.action_mask.to(self.device)
-            logp = logprobs(self, rows, train=True)
+            logp = self.take_first(idx)
+            if logp is None:
+                logp = logprobs(self, rows, train=True)
             if anchored:  # before any optimizer step: the policy that the rollout trains
                 old_logp = logp.detach()
                 anchor[idx], covered[idx] = old_logp.float().cpu(), True

@@ -278,6 +278,10 @@ class TrainedWorker(Worker):
         self._skip_run = 0  # of which the latest in a row
         self._longest_skip_run = 0  # the longest run in a row seen during this step
         self._rollout: RolloutBatch | None = None  # this step's rollout of this rank
+        # The update's first pass of mini-batches, drawn ahead of it, and the forward of its
+        # first micro-batch, (rows, output), run ahead too (``forward_first``).
+        self._first_pass: list | None = None
+        self._first_forward: tuple[torch.Tensor, Any] | None = None
 
     def record_train(self, stats: dict[str, float]) -> None:
         for key, value in stats.items():
@@ -314,7 +318,8 @@ class TrainedWorker(Worker):
         """
         poisoned = os.environ.get(NAN_LOSS_ENV) == f"{self.role}:{self.rank}:{step}"
         for _ in range(self.cfg.ppo.ppo_epochs):
-            for micros, divisor in self._mini_batches(mask, agg):
+            planned, self._first_pass = self._first_pass, None
+            for micros, divisor in planned or self._mini_batches(mask, agg):
                 self.engine.set_micro_batches(len(micros))
                 for micro in micros:
                     self.count_tokens(self._rollout.attention_mask[micro.rows])
@@ -332,6 +337,27 @@ class TrainedWorker(Worker):
                     grad_norm = self.engine.step()
                 self._count_skip(self.engine.skipped_steps > skipped_before)
                 self.record_train({"grad_norm": grad_norm, "lr": self.engine.lr})
+
+    def forward_first(self, forward: Callable[[torch.Tensor], Any], agg: str) -> None:
+        """Draw the update's first pass of mini-batches (``_mini_batches``) and run ``forward``
+        (rows -> output, its graph kept) on its first micro-batch, before the update: the
+        update then takes both (``take_first``) where it would have drawn and run them, the
+        same operations in the same order, so the step is the same to the bit. Run while the
+        driver waits for what the loss needs and the forward does not (a slow reward's scores),
+        it takes that forward off the step. Its memory is the update's own: one micro-batch's
+        activations, held from here to that micro-batch's backward."""
+        if self.cfg.ppo.ppo_epochs < 1:
+            return
+        self._first_pass = self._mini_batches(self._rollout.action_mask, agg)
+        micros = self._first_pass[0][0]
+        self.engine.set_micro_batches(len(micros))
+        with self.timed(TRAIN):
+            self._first_forward = (micros[0].rows, forward(micros[0].rows))
+
+    def take_first(self, rows: torch.Tensor) -> Any | None:
+        """The output of ``forward_first`` if it ran on ``rows`` (once), else None."""
+        ahead, self._first_forward = self._first_forward, None
+        return ahead[1] if ahead is not None and ahead[0] is rows else None
 
     def _count_skip(self, skipped: bool) -> None:
         self._skipped += skipped
