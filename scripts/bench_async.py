@@ -43,6 +43,12 @@ the validation prompts, every ``trainer.eval_every`` steps) at the steps of --at
 with the samples trained on before each step. Runs of one seed differ only by the asynchrony
 (every run is deterministic); several seeds show the run-to-run noise to judge it against.
 
+--contenders picks among them (default both). --baseline DIR runs each contender again from
+another checkout of the project (its ``rlhf_paro`` first on the path, Ray's workers included),
+interleaved with this tree's jobs, as "<contender> (baseline)": a change measured side by side
+with the tree before it, e.g. ``git worktree add /tmp/before HEAD~1`` then ``--contenders sync
+--baseline /tmp/before``.
+
 Overrides after ``--`` go to every job, e.g. ``-- rollout.tis_cap=2``.
 """
 
@@ -102,6 +108,10 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--curve", action="store_true",
@@ -115,6 +125,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="speed: comma-separated seconds the reward sleeps per call; "
                              "every contender runs with each")
     parser.add_argument("--engine", default="vllm", help="speed: rollout.engine")
+    parser.add_argument("--contenders", type=names, default=list(CONTENDERS),
+                        help=f"speed: comma-separated, of {','.join(CONTENDERS)}")
+    parser.add_argument("--baseline", default=None,
+                        help="speed: another checkout whose contenders run beside this tree's")
     parser.add_argument("--vocab", type=int, default=110,
                         help="speed: tokens of the word-level vocabulary (<eos> 1 of them)")
     parser.add_argument("--budget", type=int, default=256, help="speed: ppo.max_new_tokens")
@@ -142,6 +156,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--at steps must be in 0..{args.steps - 1} (--steps {args.steps})")
     if any(s < 0 for s in args.slow_reward_s) or not args.slow_reward_s:
         parser.error("--slow-reward-s takes seconds >= 0, e.g. 0,1")
+    if not args.contenders or any(c not in CONTENDERS for c in args.contenders):
+        parser.error(f"--contenders takes {' or '.join(CONTENDERS)}, comma-separated; got "
+                     f"{','.join(args.contenders) or 'none'}")
+    if args.baseline is not None and not (Path(args.baseline) / "rlhf_paro").is_dir():
+        parser.error(f"--baseline {args.baseline} holds no rlhf_paro package; allowed: a "
+                     "checkout of this project")
     if args.vocab < 5:  # pad, bos, eos, unk and one symbol
         parser.error("--vocab must be at least 5")
     return args
@@ -165,13 +185,16 @@ def workspace(args: argparse.Namespace, prefix: str) -> Iterator[Path]:
 
 # -- the jobs ----------------------------------------------------------------------------------
 
-def run_job(overrides: list[str], output_dir: Path) -> list[dict]:
-    """One training job; its metrics rows (its own errors end the benchmark, with its stderr's
-    tail)."""
+def run_job(overrides: list[str], output_dir: Path, tree: str | None = None) -> list[dict]:
+    """One training job, of this tree or of the checkout ``tree`` (run from there, its package
+    first on the path of the job and of its Ray workers); its metrics rows (its own errors end
+    the benchmark, with its stderr's tail)."""
     command = [sys.executable, "-m", "rlhf_paro.train", *overrides,
                f"trainer.output_dir={output_dir}", "logger.wandb.mode=disabled",
                "logger.progress=false", "trainer.save_every=0", "trainer.export_every=0"]
-    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = None if tree is None else {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
+    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          cwd=tree, env=env)
     if done.returncode:
         raise SystemExit(f"error: {' '.join(overrides)} failed:\n{done.stderr[-2000:]}")
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
@@ -219,6 +242,9 @@ def kept_rows(rows: list[dict], warmup: int) -> list[dict]:
     return rows[warmup:len(rows) - DRAIN]
 
 
+BASELINE = " (baseline)"  # a contender's label when it runs from --baseline's checkout
+
+
 def job_name(contender: str, slow_s: float) -> str:
     return f"{contender}, reward +{slow_s:g} s"
 
@@ -239,28 +265,41 @@ def speed_table(results: dict[tuple[str, float], list[dict]]) -> str:
     """One line per job: samples/s, s/step (and its ratio to the sync job with the same
     reward), the response length, the parts of the step."""
     sums = {key: speed_summary(rows) for key, rows in results.items()}
-    head = (f"{'job':<24}{'samples/s':>10}{'s/step':>8}{'ratio':>7}{'resp len':>9}"
+    head = (f"{'job':<30}{'samples/s':>10}{'s/step':>8}{'ratio':>7}{'resp len':>9}"
             + "".join(f"{c:>11}" for c, _ in PARTS))
     lines = [head]
     for (contender, slow), s in sums.items():
         base = sums.get(("sync", slow))
         ratio = f"{base['step'] / s['step']:.2f}x" if base else "-"
-        lines.append(f"{job_name(contender, slow):<24}{STEP_SAMPLES / s['step']:>10.2f}"
+        lines.append(f"{job_name(contender, slow):<30}{STEP_SAMPLES / s['step']:>10.2f}"
                      f"{s['step']:>8.3f}{ratio:>7}{s['length']:>9.1f}"
                      + "".join(f"{s[c]:>11.3f}" if c in s else f"{'-':>11}" for c, _ in PARTS))
     return "\n".join(lines)
 
 
 def ratio_lines(results: dict[tuple[str, float], list[dict]]) -> list[str]:
-    """async against sync per reward: samples/s ratio (= inverse s/step ratio of medians)."""
+    """Per reward, samples/s ratios (= inverse s/step ratios of medians): async against sync,
+    and each contender against its run from the baseline; then what each slow reward costs
+    each job's step against the same job's with the instant reward (+0 s)."""
+    step = {key: speed_summary(rows)["step"] for key, rows in results.items()}
     out = []
     slows = sorted({slow for _, slow in results})
     for slow in slows:
-        if ("sync", slow) in results and ("async", slow) in results:
-            sync = speed_summary(results[("sync", slow)])["step"]
-            asyn = speed_summary(results[("async", slow)])["step"]
+        if ("sync", slow) in step and ("async", slow) in step:
+            sync, asyn = step[("sync", slow)], step[("async", slow)]
             out.append(f"reward +{slow:g} s: async {sync / asyn:.2f}x sync's samples/s "
                        f"({asyn:.3f} against {sync:.3f} s/step)")
+        for contender in CONTENDERS:
+            ours, base = step.get((contender, slow)), step.get((contender + BASELINE, slow))
+            if ours is not None and base is not None:
+                out.append(f"reward +{slow:g} s: {contender} {base / ours:.2f}x the baseline's "
+                           f"samples/s ({ours:.3f} against {base:.3f} s/step)")
+    for label in dict.fromkeys(label for label, _ in results):
+        for slow in slows:
+            if slow > 0 and (label, 0.0) in step and (label, slow) in step:
+                cost = step[(label, slow)] - step[(label, 0.0)]
+                out.append(f"{label}: the reward of +{slow:g} s costs the step {cost:+.3f} s "
+                           f"({step[(label, slow)]:.3f} against {step[(label, 0.0)]:.3f})")
     return out
 
 
@@ -289,18 +328,21 @@ def speed(args: argparse.Namespace) -> None:
     with workspace(args, "bench_async_") as root:
         shared = speed_assets(args, root)
         rewards = {slow: reward_file(slow, root) for slow in args.slow_reward_s}
-        jobs = [(c, slow) for slow in args.slow_reward_s for c in CONTENDERS]
+        trees = [None] + ([args.baseline] if args.baseline is not None else [])
+        jobs = [(c, slow, tree) for slow in args.slow_reward_s for c in args.contenders
+                for tree in trees]
         for round_ in range(args.rounds):
             # Which job goes first turns from round to round.
             turn = round_ % len(jobs)
-            for contender, slow in jobs[turn:] + jobs[:turn]:
-                print(f"round {round_ + 1}/{args.rounds}: {job_name(contender, slow)}",
+            for contender, slow, tree in jobs[turn:] + jobs[:turn]:
+                label = contender if tree is None else f"{contender}{BASELINE}"
+                print(f"round {round_ + 1}/{args.rounds}: {job_name(label, slow)}",
                       file=sys.stderr, flush=True)
-                out = root / f"{contender}_{slow:g}_{round_}"
+                out = root / f"{contender}_{slow:g}_{round_}{'_baseline' if tree else ''}"
                 rows = run_job([*shared, f"reward.function={rewards[slow]}",
                                 *CONTENDERS[contender], *args.overrides,
-                                f"trainer.steps={args.steps}"], out)
-                results.setdefault((contender, slow), []).extend(kept_rows(rows, args.warmup))
+                                f"trainer.steps={args.steps}"], out, tree)
+                results.setdefault((label, slow), []).extend(kept_rows(rows, args.warmup))
     load = os.getloadavg()
     print(f"\nGRPO {PROMPTS} prompts x {SAMPLES}, a random Llama {args.layers} x {args.hidden} "
           f"over {args.vocab} tokens, budget {args.budget}, rollout.engine={args.engine}; "

@@ -27,7 +27,10 @@ def test_ratio_is_sync_median_over_async_median_per_reward():
                ("sync", 1.0): _rows(8), ("async", 1.0): _rows(4)}
     assert bench.ratio_lines(results) == [
         "reward +0 s: async 2.00x sync's samples/s (2.500 against 5.000 s/step)",
-        "reward +1 s: async 2.00x sync's samples/s (4.000 against 8.000 s/step)"]
+        "reward +1 s: async 2.00x sync's samples/s (4.000 against 8.000 s/step)",
+        # What the slow reward costs each job: its step against its own with +0 s.
+        "sync: the reward of +1 s costs the step +3.000 s (8.000 against 5.000)",
+        "async: the reward of +1 s costs the step +1.500 s (4.000 against 2.500)"]
     table = bench.speed_table(results).splitlines()
     # 64 samples a step over the 2.5 s median: 25.60 samples/s; a part no row has is '-'.
     assert table[2].split()[:8] == ["async,", "reward", "+0", "s", "25.60", "2.500", "2.00x",
@@ -35,7 +38,22 @@ def test_ratio_is_sync_median_over_async_median_per_reward():
     assert table[2].split()[-1] == "-" and table[2].split()[-4] == "1.250"
 
 
+def test_a_baseline_run_is_set_against_the_same_contender_of_this_tree():
+    # This tree's sync 4 s a step with the slow reward, the baseline's 5 s: 1.25x its
+    # samples/s; its reward costs it 2 s a step, this tree's 1 s.
+    results = {("sync", 0.0): _rows(3), ("sync (baseline)", 0.0): _rows(3),
+               ("sync", 1.0): _rows(4), ("sync (baseline)", 1.0): _rows(5)}
+    assert bench.ratio_lines(results) == [
+        "reward +0 s: sync 1.00x the baseline's samples/s (3.000 against 3.000 s/step)",
+        "reward +1 s: sync 1.25x the baseline's samples/s (4.000 against 5.000 s/step)",
+        "sync: the reward of +1 s costs the step +1.000 s (4.000 against 3.000)",
+        "sync (baseline): the reward of +1 s costs the step +2.000 s (5.000 against 3.000)"]
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--contenders", "sync,fast"], "--contenders takes sync or async, comma-separated; got "
+                                    "sync,fast"),
+    (["--baseline", "/nonexistent"], "--baseline /nonexistent holds no rlhf_paro package"),
     (["--steps", "3", "--warmup", "2"], "must be at least --warmup (2) + 2"),
     (["--rounds", "0"], "--rounds must be at least 1"),
     (["--slow-reward-s", "-1"], "--slow-reward-s takes seconds >= 0"),
