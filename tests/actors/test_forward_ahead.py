@@ -46,9 +46,10 @@ CASES = {
 def _steps(rank: int, world_size: int, argv: list[str], ahead: bool) -> dict:
     from rlhf_paro.actors.actor import ActorWorker
     from rlhf_paro.actors.ref import RefWorker
-    from rlhf_paro.ppo import data
+    from rlhf_paro.ppo import algorithms, data
 
     cfg = load(argv)
+    from_update = algorithms.old_logprobs_from_update(cfg)
     actor, ref = ActorWorker(cfg, "actor", rank, world_size), RefWorker(cfg, "ref", rank,
                                                                          world_size)
     for worker in (actor, ref):
@@ -66,17 +67,18 @@ def _steps(rank: int, world_size: int, argv: list[str], ahead: bool) -> dict:
     steps = []
     for step in range(2):
         actor.set_rollout(rollout)
-        actor.old_logprobs()  # a no-op for the update where the trainer skips it; kept alike
+        if not from_update:  # else the update's forwards give them, as in the trainer
+            actor.old_logprobs()
         if ahead:
             actor.forward_ahead(ref_logp, None)
         ahead_forwards = len(forwards)
         actor.make_experience(ref_logp, None, score, kl_coef=0.1)
-        actor.train(step=step, kl_coef=0.1)
-        steps.append({"stats": dict(actor._train_stats),
+        steps.append({"returned": actor.train(step=step, kl_coef=0.1),
+                      "stats": dict(actor._train_stats),
                       "update_forwards": sum(forwards[ahead_forwards:])})
         actor._train_stats.clear()
         forwards.clear()
-    return {"steps": steps,
+    return {"steps": steps, "from_update": from_update,
             "params": {k: v.clone() for k, v in actor.engine.full_state_dict().items()}}
 
 
@@ -94,6 +96,13 @@ def test_the_forward_run_ahead_gives_the_same_step_to_the_bit(runs):
     for one, other in zip(before["steps"], ahead["steps"]):
         assert other["stats"]["grad_norm"][0] > 0  # the parameters moved
         assert other["stats"] == one["stats"]
+        # The KL and the engine's distance, which the update returns when it gives the old
+        # log-probs, come from the forward run ahead for its rows.
+        assert other["returned"] == one["returned"]
+
+
+def test_the_cases_cover_both_sources_of_the_old_log_probs(runs):
+    assert runs[True]["from_update"] == (runs[True]["steps"][0]["returned"] != {})
 
 
 def test_the_update_runs_one_training_forward_fewer(runs):
