@@ -346,13 +346,10 @@ class TrainedWorker(Worker):
         driver waits for what the loss needs and the forward does not (a slow reward's scores),
         it takes that forward off the step. Its memory is the update's own: one micro-batch's
         activations, held from here to that micro-batch's backward."""
-        if self.cfg.ppo.ppo_epochs < 1:
-            return
         self._first_pass = self._mini_batches(self._rollout.action_mask, agg)
-        micros = self._first_pass[0][0]
-        self.engine.set_micro_batches(len(micros))
+        rows = self._first_pass[0][0][0].rows
         with self.timed(TRAIN):
-            self._first_forward = (micros[0].rows, forward(micros[0].rows))
+            self._first_forward = (rows, forward(rows))
 
     def take_first(self, rows: torch.Tensor) -> Any | None:
         """The output of ``forward_first`` if it ran on ``rows`` (once), else None."""
