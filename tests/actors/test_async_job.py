@@ -50,6 +50,11 @@ def test_a_replica_of_its_own_repeats_the_colocated_run(root, algorithm):
     args = GRPO if algorithm == "grpo" else [
         "cluster.num_devices=1", "cluster.group_size=1", "ppo.rollout_batch_size=8",
         "ppo.mini_batch_size=8", "trainer.eval_every=0"]
+    # One thread in every phase of both runs: the replica's run has two devices, so by default
+    # each phase of it gets half the cores the colocated run's gets, and torch's CPU reductions
+    # split their sums by thread, which rounds the same operations differently
+    # (tests/actors/test_env_job.py measures it).
+    args = [*args, "cluster.cpu_threads=1"]
     cache = demo_cache()
     colocated = train(root / f"{algorithm}-colocated", *args, "trainer.steps=2", cache=cache)
     replica = train(root / f"{algorithm}-replica", *args, *REPLICA, "trainer.steps=2",
