@@ -95,6 +95,9 @@ class RankReport:
     # gradient norm) that this step saw, counting a run that began in earlier steps.
     skip_run: int = 0
     real_tokens: int = 0  # of ``tokens``, the real ones: the rest is padding
+    # Trained models: the optimizer steps this step applied, not skipped (a run whose models
+    # applied none ends in one line, not exit 0: trainer.py, ``_skip_stop``).
+    applied: int = 0
 
 
 def model_metrics(role: str, reports: list[RankReport]) -> dict[str, float]:

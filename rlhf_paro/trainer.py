@@ -22,8 +22,9 @@ rollouts (token ids and masks) the driver sees object references and a few sums.
 Every ``trainer.save_every`` steps the run is checkpointed (``actors/checkpoint.py``), and a run
 starts from the checkpoint ``trainer.resume`` names. Whatever stops a run (a worker that dies,
 raises or does not answer within ``trainer.step_timeout_s``, Ctrl-C, SIGTERM, too many skipped
-optimizer steps) comes out of ``fit`` as one ``RunError`` that names the model, the rank, the
-step and the checkpoint to resume from.
+optimizer steps, a last step after which a model has skipped every one of this run's) comes out
+of ``fit`` as one ``RunError`` that names the model, the rank, the step and the checkpoint to
+resume from.
 """
 
 from __future__ import annotations
@@ -185,6 +186,8 @@ class PPOTrainer:
         # Longest run of optimizer steps skipped in a row that each trained model saw in the
         # last step.
         self.skip_runs: dict[str, int] = {}
+        # Optimizer steps each trained model applied, not skipped, in this run's steps.
+        self.applied: dict[str, int] = {}
         self.start_step = 0  # steps done before this run: a resumed checkpoint's
         self.wandb_id: str | None = None  # the wandb run this run logs to, kept in checkpoints
         self.resumed_from = self._resume()  # the checkpoint this run started from, if any
@@ -226,8 +229,7 @@ class PPOTrainer:
                 with self._stops_at(step):
                     row = self.step(step)
                     done = step + 1
-                    over = {role: n for role, n in self.skip_runs.items()
-                            if n > trainer.max_skipped_steps}
+                    skip_stop = self._skip_stop(step)
                     if trainer.eval_every and (done % trainer.eval_every == 0
                                                or done == trainer.steps):
                         self.source.sync(self.updates)
@@ -237,15 +239,13 @@ class PPOTrainer:
                         runs.export(self.models, trainer.output_dir, self.wait, done)
                     # A run that stops here keeps its last checkpoint from before the skips.
                     try:
-                        if not over and trainer.save_every and done % trainer.save_every == 0:
+                        if not skip_stop and trainer.save_every and \
+                                done % trainer.save_every == 0:
                             row.update(self.save(done))
                     finally:  # the step's row, even when its checkpoint cannot be written
                         logger.log(step, row)
-                for role, n in over.items():
-                    raise self._stopped(
-                        f"{role} skipped {n} optimizer step{'s' * (n > 1)} in a row (non-finite "
-                        f"loss or gradient norm) at step {step}, more than "
-                        f"trainer.max_skipped_steps={trainer.max_skipped_steps}")
+                if skip_stop:
+                    raise self._stopped(skip_stop)
                 if self.stop.requested:
                     raise self._preempted(step)
             with self._stops_at(trainer.steps):
@@ -254,6 +254,29 @@ class PPOTrainer:
             self._in_steps = False
             logger.close()
         return report.draw(trainer.output_dir)
+
+    def _skip_stop(self, step: int) -> str | None:
+        """Why the optimizer steps skipped so far stop the run after ``step``, in words (exit 1,
+        as any failure); None when they do not. A trained model stops it when it skipped more
+        than ``trainer.max_skipped_steps`` in a row, or, once the run's last step is done, when
+        it skipped every optimizer step it took in this run, however few: that run ended with
+        exit 0 and its usual lines, having trained nothing."""
+        limit = self.cfg.trainer.max_skipped_steps
+        for role, n in self.skip_runs.items():
+            if n > limit:
+                return (f"{role} skipped {n} optimizer step{'s' * (n > 1)} in a row (non-finite "
+                        f"loss or gradient norm) at step {step}, more than "
+                        f"trainer.max_skipped_steps={limit}")
+        if step + 1 < self.cfg.trainer.steps:
+            return None
+        for role, n in self.skip_runs.items():
+            if n and not self.applied.get(role):
+                steps = (f"step {step}" if step == self.start_step else
+                         f"steps {self.start_step}-{step}")
+                return (f"{role} skipped every optimizer step of {steps} (non-finite loss or "
+                        f"gradient norm), no more than trainer.max_skipped_steps={limit} in a "
+                        "row: it trained nothing")
+        return None
 
     def _preempted(self, step: int) -> RunError:
         """The stop SIGTERM asked for, after ``step``: its state saved first with
@@ -264,7 +287,10 @@ class PPOTrainer:
                 checkpoint.checkpoint_dir(output_dir, done):
             with self._stops_at(step):
                 self.save(done)
-        return self._stopped(f"stopped by SIGTERM after step {step}", exit_code=143)
+        # Counted as the checkpoint's name counts them (``step_<done>``): the steps done, not
+        # the last one's index (rows and "at step" say that).
+        return self._stopped(f"stopped by SIGTERM after {done} step{'s' * (done != 1)}",
+                             exit_code=143)
 
     @contextlib.contextmanager
     def _stops_at(self, step: int) -> Iterator[None]:
@@ -551,6 +577,8 @@ class PPOTrainer:
             row.update(model_metrics(role, per_rank))
         self.skip_runs = {role: max(r.skip_run for r in reports[role])
                           for role in algorithms.trained_roles(self.cfg)}
+        for role in self.skip_runs:  # every rank of a model skips a step alike
+            self.applied[role] = self.applied.get(role, 0) + max(r.applied for r in reports[role])
         done = time.perf_counter()
         gen, exp, times = now.gen, now.exp, now.times
         if "ref" in self.models:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import inspect
+import math
+import numbers
 import reprlib
 import sys
 from pathlib import Path
@@ -74,3 +76,20 @@ def described(err: BaseException) -> str:
     """``Kind: first line`` of what user code raised, or its kind alone."""
     message = one_line(str(err))
     return f"{type(err).__name__}: {message}" if message else type(err).__name__
+
+
+# float32's largest finite value. Rewards, episode scores and the losses that read them are
+# float32: a finite float64 past this (``1e300``) is inf there, and every loss of the step NaN.
+FLOAT32_MAX = 3.4028234663852886e38
+# What a number that user code returns may be, as an error line's "allowed:".
+FINITE32 = f"a finite real number within float32's range (|x| <= {FLOAT32_MAX:.4g})"
+
+
+def finite32(value: numbers.Real) -> bool:
+    """Whether float32 holds ``value`` finite: the one rule for every number user code returns
+    (reward items and extras, a reward server's answers, environment rewards, episode scores)."""
+    try:
+        value = float(value)
+    except OverflowError:  # an int past even float64's range
+        return False
+    return math.isfinite(value) and abs(value) <= FLOAT32_MAX

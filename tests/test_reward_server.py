@@ -550,14 +550,19 @@ def test_no_failure_path_ever_shows_the_token(served, stub, other_stub, capfd, m
 @pytest.mark.parametrize("status, body, said, hits", [
     (200, '{"rewards": [1.0]}', " returned 1 values for 2 responses", 1),
     (200, '{"rewards": {"0": 1.0, "1": 2.0}}', " returned a dict; expected a list of 2", 1),
-    (200, '{"rewards": [1.0, NaN]}', ": item 1 is not finite (nan)", 1),
+    (200, '{"rewards": [1.0, NaN]}', ": item 1 is nan; allowed", 1),
+    # Finite as JSON reads it (float64), inf in float32: every loss of the step was NaN.
+    (200, '{"rewards": [1.0, 1e300]}', ": item 1 is 1e+300; allowed: a finite real number "
+                                       "within float32's range", 1),
+    (200, '{"rewards": [1.0, {"score": 1, "len": -1e39}]}', ": item 1's 'len' is -1e+39; allowed",
+     1),
     (200, '{"rewards": [1.0, {"score": 1, "ok": true}]}', ": item 1's extra 'ok' is a bool", 1),
     (200, "<html>busy</html>", ": the answer is not JSON (Expecting value", 1),
     (200, '{"scores": [1.0, 2.0]}', ": the answer has no 'rewards'", 1),
     (400, "no prompts\nat all", ": HTTP 400: no prompts", 1),
     (403, "", ": HTTP 403: the server refused the token", 1),
     (503, '{"error": "warming up"}', ": 3 attempts failed, the last: HTTP 503: warming up", 3),
-], ids=["length", "dict", "nan", "extra", "not_json", "no_rewards", "400", "403", "503"])
+], ids=["length", "dict", "nan", "past_float32", "extra_past_float32", "extra", "not_json", "no_rewards", "400", "403", "503"])
 def test_a_bad_answer_is_one_line_and_only_5xx_is_tried_again(stub, status, body, said, hits):
     stub.answer = (status, body)
     url = stub.url

@@ -148,7 +148,8 @@ def faults(tmp_path_factory) -> dict[str, Run]:
     # checkpoint step_{k+1}, the run's only one (save_every=0).
     preempted = train(out, *ONE, LONG, "trainer.save_every=0", cache=cache,
                       kill_after_step=1, kill=signal.SIGTERM, kill_driver=True)
-    k = _step_of(error_line(preempted), r"stopped by SIGTERM after step (\d+);")
+    # The line counts the steps done, as step_{k+1} does; k is the last row's step.
+    k = _step_of(error_line(preempted), r"stopped by SIGTERM after (\d+) steps;") - 1
     # On from step_{k+1} to k+3, a checkpoint a step.
     resumed = train(out, *ONE, f"trainer.steps={k + 3}", "trainer.save_every=1", cache=cache)
     # step_{k+3}, the newest, damaged: auto goes on from step_{k+2}; the actor is stopped once
@@ -177,7 +178,7 @@ def test_sigterm_during_a_save_finishes_the_save_and_stops_in_one_line(faults):
     assert in_save.returncode == 143, in_save.stderr
     # The checkpoint the signal found half written is complete, intact, and the newest; no
     # second one for the preemption, no scratch left behind, no process of the run alive.
-    assert line.startswith(f"error: stopped by SIGTERM after step 1; newest checkpoint: {step_2}"
+    assert line.startswith(f"error: stopped by SIGTERM after 2 steps; newest checkpoint: {step_2}"
                            "; resume with: python -m rlhf_paro.train "), line
     checkpoint.check(step_2)
     assert [p.name for p in (in_save.out / checkpoint.CHECKPOINTS).iterdir()] == ["step_2"]
@@ -193,7 +194,8 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_that_resumes(faults):
     # checkpoint after it is the preemption's (save_every=0 saves nothing else).
     assert k >= 2 and [r["step"] for r in preempted.rows] == list(range(k + 1))
     after = checkpoint.checkpoint_dir(out, k + 1)
-    assert line.startswith(f"error: stopped by SIGTERM after step {k}; newest checkpoint: "
+    # It said "after step {k}" beside step_{k+1}: one counted from 0, the other steps done.
+    assert line.startswith(f"error: stopped by SIGTERM after {k + 1} steps; newest checkpoint: "
                            f"{after}; resume with: python -m rlhf_paro.train "), line
     assert line.endswith("trainer.resume=auto") and preempted.left == []
     assert resumed.returncode == 0, resumed.stderr

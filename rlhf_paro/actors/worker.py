@@ -277,6 +277,7 @@ class TrainedWorker(Worker):
         self._skipped = 0  # optimizer steps the engine skipped (non-finite loss or norm), in all
         self._skip_run = 0  # of which the latest in a row
         self._longest_skip_run = 0  # the longest run in a row seen during this step
+        self._applied = 0  # optimizer steps applied (not skipped) during this step
         self._rollout: RolloutBatch | None = None  # this step's rollout of this rank
         # The update's first pass of mini-batches, drawn ahead of it, and the forward of its
         # first micro-batch, (rows, output), run ahead too (``forward_first``).
@@ -293,8 +294,9 @@ class TrainedWorker(Worker):
         report = super().report()
         report.train = {k: sum(v) / len(v) for k, v in self._train_stats.items()}
         report.train["skipped_steps"] = float(self._skipped)
-        report.skip_run = self._longest_skip_run
+        report.skip_run, report.applied = self._longest_skip_run, self._applied
         self._train_stats.clear()
+        self._applied = 0
         self._longest_skip_run = self._skip_run  # a run in a row goes on into the next step
         return report
 
@@ -358,6 +360,7 @@ class TrainedWorker(Worker):
 
     def _count_skip(self, skipped: bool) -> None:
         self._skipped += skipped
+        self._applied += not skipped
         self._skip_run = self._skip_run + 1 if skipped else 0
         self._longest_skip_run = max(self._longest_skip_run, self._skip_run)
 

@@ -26,8 +26,8 @@ is not valid Unicode too), or takes longer than ``env.timeout_s`` for one call s
 from __future__ import annotations
 
 import inspect
-import math
 import numbers
+import reprlib
 import time
 import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -53,17 +53,18 @@ class StepResult(NamedTuple):
 
 def check_step(value: Any, name: str, where: str) -> StepResult:
     """``step``'s return as a ``StepResult``; ``EnvError`` naming ``name`` and ``where`` for
-    anything but ``(observation | None, finite real reward, bool done)``."""
+    anything but ``(observation | None, real reward finite in float32, bool done)``."""
     if not isinstance(value, (tuple, list)) or len(value) != 3:
         got = f"a {type(value).__name__}" + (f" of {len(value)}" if isinstance(
             value, (tuple, list)) else "")
         raise EnvError(f"{name}.step returned {got} {where}; allowed: (observation | None, "
                        "reward, done)")
     observation, reward, done = value
+    # Within float32 (``usercode.finite32``), the rollout's scores' dtype: 1e300 is inf there.
     if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or \
-            not math.isfinite(float(reward)):
-        raise EnvError(f"{name}.step returned the reward {reward!r} {where}; allowed: a finite "
-                       "real number")
+            not usercode.finite32(reward):
+        raise EnvError(f"{name}.step returned the reward {reprlib.repr(reward)} {where}; "
+                       f"allowed: {usercode.FINITE32}")
     if not isinstance(done, bool):
         raise EnvError(f"{name}.step returned done={done!r} {where}; allowed: True or False")
     check_observation(observation, f"{name}.step", where)

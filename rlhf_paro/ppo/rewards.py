@@ -8,8 +8,9 @@ a tuple, or a 1-D numpy array or torch tensor. An item is a real number (not a b
 with a numeric ``score`` and optional named numeric extras (``{"score": 1.0, "has_answer": 1.0}``;
 an extra that is None is absent), logged as ``reward/<name>``. A server answers
 ``{"rewards": [items]}`` to a POST of ``{"prompts", "responses", "columns"}`` and its items are
-checked by the same rules. Anything else, a value that is not finite, or a function that raises
-stops the run with ``RewardFunctionError``, one line naming the function or server and the step.
+checked by the same rules. Anything else, a value that float32 does not hold finite (``1e300``
+too: the rewards are float32), or a function that raises stops the run with
+``RewardFunctionError``, one line naming the function or server, the step and the item.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from http import HTTPStatus
 from typing import Any, Callable
 
 from rlhf_paro.config import ConfigError
-from rlhf_paro.usercode import described, one_line
+from rlhf_paro.usercode import FINITE32, described, finite32, one_line
 
 # The function's own arguments: a column of these names would be passed twice (a TypeError
 # blaming the function, or a reward server's 500), so the prompt files may not have one.
@@ -319,8 +320,10 @@ def _number(value: Any) -> float | None:
 
 
 def _finite(value: float, what: str) -> float:
-    if not math.isfinite(value):
-        raise RewardFunctionError(f"{what} is not finite ({value})")
+    """``value`` if float32 holds it (``usercode.finite32``): the scores become a float32
+    tensor, where a finite float64 past its range is inf and the step's every loss NaN."""
+    if not finite32(value):
+        raise RewardFunctionError(f"{what} is {value:g}; allowed: {FINITE32}")
     return value
 
 

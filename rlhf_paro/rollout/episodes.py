@@ -28,7 +28,6 @@ row ends with an action. An episode's score that float32 cannot hold (step rewar
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -39,8 +38,8 @@ import torch
 from rlhf_paro.envs import EnvError, EnvRunner, Observations, StepResult
 from rlhf_paro.rollout.base import Requests, Rollout, Sampling
 from rlhf_paro.rollout.batch import PromptBatch, RolloutBatch
+from rlhf_paro.usercode import finite32
 
-FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # the largest score a rollout carries
 # Why an episode ended: its environment said done, or a budget cut it short.
 DONE, MAX_TURNS, MAX_TOKENS = "done", "max_turns", "max_total_tokens"
 
@@ -237,7 +236,7 @@ class _Play:
         episode, budget = self.episodes[i], self.budget
         name, where = self.runner.name, f"{self.where(i)} (turn {episode.turns - 1})"
         episode.score += result.reward
-        if not math.isfinite(episode.score) or abs(episode.score) > FLOAT32_MAX:
+        if not finite32(episode.score):  # each reward is, their sum may not be
             raise EnvError(f"{name}.step's rewards sum to {episode.score:g} {where}; allowed: "
                            "step rewards whose sum an episode's score (float32) holds")
         if result.done:

@@ -58,6 +58,14 @@ class Nan(Echo):
     def step(self, action):
         return (None, math.nan, False) if action == "bad" else super().step(action)
 
+class Far(Echo):
+    def step(self, action):
+        return (None, 1e300, False) if action == "bad" else super().step(action)
+
+class HugeInt(Echo):
+    def step(self, action):
+        return (None, -10**400, False) if action == "bad" else super().step(action)
+
 class Truthy(Echo):
     def step(self, action):
         return (None, 1.0, 1) if action == "bad" else super().step(action)
@@ -78,7 +86,7 @@ class Surrogate(Echo):
         return ("higher \\udcff lower", 0.0, False) if action == "bad" else super().step(action)
 
 class Overflow(Echo):
-    """Each step rewards 1e308 (summed in float64, inf at the second)."""
+    """Each step rewards 1e308: finite in float64, past float32."""
     def step(self, action):
         return "a", 1e308, False
 
@@ -277,6 +285,12 @@ def _runner(files, name, timeout_s=5.0):
     ("Broken", "Broken.step raised at step 3, sample 1 (ValueError: the game broke)"),
     ("Pair", "Pair.step returned a tuple of 2 at step 3, sample 1; allowed: (observation"),
     ("Nan", "Nan.step returned the reward nan at step 3, sample 1; allowed: a finite"),
+    # Finite in float64, inf in the scores' float32: every loss NaN, the run on with exit 0.
+    ("Far", "Far.step returned the reward 1e+300 at step 3, sample 1; allowed: a finite real "
+            "number within float32's range (|x| <= 3.403e+38)"),
+    # Past even float64: an OverflowError that blamed the actor.
+    ("HugeInt", "HugeInt.step returned the reward -10000000000000000...0000000000000000000 at "
+                "step 3, sample 1; allowed: a finite real number within float32's range"),
     ("Truthy", "Truthy.step returned done=1 at step 3, sample 1; allowed: True or False"),
     # sys.exit and KeyboardInterrupt in a step were the actor's death or a cancelled task.
     ("Exits", "Exits.step raised at step 3, sample 1 (SystemExit: 3)"),
@@ -808,8 +822,9 @@ def test_a_huge_observation_is_dropped_for_the_budget_without_being_tokenised_wh
 
 
 @pytest.mark.parametrize("name, says", [
-    ("Overflow", r"^Overflow.step's rewards sum to 1e\+308 at sample \d \(turn 0\); allowed: "
-                 r"step rewards whose sum an episode's score \(float32\) holds$"),
+    # Each reward past float32 is refused as it is read; before, only their sum was.
+    ("Overflow", r"^Overflow.step returned the reward 1e\+308 at sample \d \(turn 0\); allowed: "
+                 r"a finite real number within float32's range \(\|x\| <= 3.403e\+38\)$"),
     ("Past32", r"^Past32.step's rewards sum to 6e\+38 at sample \d \(turn 1\)"),
 ])
 def test_a_score_past_float32_is_the_environments_error(files, name, says):

@@ -18,6 +18,8 @@ PROMPTS = ["p0", "p1", "p2", "p3"]
 RESPONSES = ["r0", "r1", "r2", "r3"]
 WHERE = f"reward function {SPEC} at step 7"
 ITEM = "expected a number or a dict with a numeric 'score'"
+FINITE32 = "a finite real number within float32's range (|x| <= 3.403e+38)"
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def call(returned):
@@ -54,11 +56,19 @@ REFUSED = [
     (items({"score": 1.0, "ok": "yes"}), ": item 1's extra 'ok' is a str; expected a number"),
     (items({"score": 1.0, "a/b": 1.0}), ": item 1 has an extra named 'a/b'; allowed: letters, "
                                         "digits and _"),
-    (items(math.nan), ": item 1 is not finite (nan)"),
-    (np.array([1.0, 2.0, -np.inf, 0.0]), ": item 2 is not finite (-inf)"),
-    (items(10**400), ": item 1 is not finite (inf)"),
-    (items({"score": math.inf}), ": item 1's score is not finite (inf)"),
-    (items({"score": 1.0, "x": math.nan}), ": item 1's 'x' is not finite (nan)"),
+    (items(math.nan), f": item 1 is nan; allowed: {FINITE32}"),
+    (np.array([1.0, 2.0, -np.inf, 0.0]), ": item 2 is -inf; allowed: a finite real number"),
+    (items(10**400), ": item 1 is inf; allowed"),
+    (items({"score": math.inf}), ": item 1's score is inf; allowed"),
+    (items({"score": 1.0, "x": math.nan}), ": item 1's 'x' is nan; allowed"),
+    # Finite in float64, inf in the scores' float32 tensor: every step's loss was NaN, exit 0.
+    (items(1e300), f": item 1 is 1e+300; allowed: {FINITE32}"),
+    (items(-3.5e38), ": item 1 is -3.5e+38; allowed"),
+    (items({"score": 1e39}), ": item 1's score is 1e+39; allowed"),
+    (items({"score": 1.0, "x": 1e300}), ": item 1's 'x' is 1e+300; allowed"),
+    (np.array([1.0, 2.0, 1e300, 0.0]), ": item 2 is 1e+300; allowed"),
+    (items(np.float64(1e300)), ": item 1 is 1e+300; allowed"),
+    (items(10**39), ": item 1 is 1e+39; allowed"),
 ]
 
 
@@ -78,6 +88,9 @@ ACCEPTED = [
     (np.array([1, 0, -2, 3]), [1.0, 0.0, -2.0, 3.0]),
     (torch.tensor([1, 0.5, -2, 3], dtype=torch.bfloat16), [1.0, 0.5, -2.0, 3.0]),
     ([np.float64(1), np.int64(0), torch.tensor(-2.0), torch.tensor(3)], [1.0, 0.0, -2.0, 3.0]),
+    # float32's largest number is held, at either sign.
+    ([FLOAT32_MAX, -FLOAT32_MAX, np.float32(3e38), 0], [FLOAT32_MAX, -FLOAT32_MAX,
+                                                        float(np.float32(3e38)), 0.0]),
 ]
 
 
@@ -86,6 +99,8 @@ def test_numbers_in_a_list_tuple_array_or_tensor_are_the_scores(returned, scores
     out = call(returned)
     assert out == RewardOutput(scores, {})
     assert all(type(s) is float for s in out.scores)
+    # As the reward worker holds them: a float32 tensor, where each is still finite.
+    assert torch.tensor(out.scores).isfinite().all()
 
 
 def test_dicts_give_the_score_and_named_extras_with_none_where_an_item_lacks_one():
