@@ -542,7 +542,7 @@ class PPOTrainer:
                  actor.call("forward_ahead", ref_logp, values))
         kl_coef = self.kl_ctl.value
         targets, exp_stats = zip(*actor.call("make_experience", ref_logp, values, scores,
-                                             kl_coef=kl_coef, num_returns=2))
+                                             kl_coef=kl_coef, step=step, num_returns=2))
         if ahead:
             self.wait(actor=ahead)
         now.exp = _sum(self.wait(actor=list(exp_stats))["actor"])

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from rlhf_paro import models, rollout
+from rlhf_paro.usercode import FLOAT32_MAX
 from rlhf_paro.actors.rollout import Generation
 from rlhf_paro.actors.worker import TrainedWorker, Worker
 from rlhf_paro.comm.meter import GENERATE, SYNC
@@ -22,6 +23,7 @@ from rlhf_paro.comm.transfer import TransferGroup
 from rlhf_paro.metrics import INFERENCE
 from rlhf_paro.ppo import algorithms, core
 from rlhf_paro.ppo.data import rollout_tokenizer
+from rlhf_paro.ppo.rewards import RewardFunctionError
 from rlhf_paro.rollout import PromptBatch, RolloutBatch
 
 
@@ -156,7 +158,7 @@ class ActorWorker(TrainedWorker):
 
     @torch.no_grad()
     def make_experience(self, ref_logp: torch.Tensor | None, values: torch.Tensor | None,
-                        score: torch.Tensor, kl_coef: float
+                        score: torch.Tensor, kl_coef: float, step: int | None = None
                         ) -> tuple[torch.Tensor, dict[str, float]]:
         """This rank's experience (``core.make_experience``: token rewards, the KL penalty in
         them unless ``algorithm.kl_in_loss``, the run's advantage estimator).
@@ -165,6 +167,8 @@ class ActorWorker(TrainedWorker):
         A rank's rollout holds whole groups of ``rollout.n`` samples (``runs.Prompts.next``), so
         group baselines need nothing from other ranks; batch-wide normalisations sum their
         moments over ranks. Returns the critic's targets and this rank's sums for the driver.
+        Scores too large for the step's float32 arithmetic are a ``RewardFunctionError`` naming
+        their source and ``step`` (``check_experience``).
         """
         ppo, alg = self.cfg.ppo, self.cfg.algorithm
         mask = self._rollout.action_mask
@@ -174,6 +178,7 @@ class ActorWorker(TrainedWorker):
         exp = self._experience = core.make_experience(
             spec, self._old_logp, ref_logp, score, mask, groups, values, kl_coef,
             self.all_reduce_sum)
+        check_experience(exp, score, mask, reward_source(self.cfg), step)
         stats = {"count": float(mask.shape[0]), "tokens": float(mask.sum()),
                  "reward": float(score.sum()), "kl": float(exp.kl.sum()),
                  "advantage": float((exp.advantages * mask).sum()),
@@ -253,6 +258,38 @@ class ActorWorker(TrainedWorker):
         kl = (0.0 if ref_logp is None else
               float((core.kl_estimate(anchor, ref_logp, alg.kl_estimator) * mask).sum()))
         return {"kl": kl, **self._logprob_diff()}
+
+
+def reward_source(cfg: Any) -> str:
+    """What gave a run's scores, as its error lines name it."""
+    reward = cfg.reward
+    if reward.function is not None:
+        return f"reward function {reward.function}"
+    if reward.url is not None:
+        return f"reward server {reward.url}"
+    if reward.env_score:
+        return f"environment {cfg.env.function}"
+    return f"reward model {reward.path or 'reward.config'}"
+
+
+def check_experience(exp: core.Experience, score: torch.Tensor, mask: torch.Tensor,
+                     source: str, step: int | None) -> None:
+    """``RewardFunctionError`` naming ``source`` and ``step`` when scores that float32 holds one
+    by one (``usercode.finite32``, checked where they were read) still overflow the step's
+    arithmetic: a group's sum or squares (GRPO's mean and std), the returns' squares (the
+    critic's loss sums them over a micro-batch). The update would skip step after step on a
+    non-finite loss, and the skipped-step stop could only name the model. The bound is the
+    step's own: each tensor's squares, summed in float64 over the rank's tokens, fit float32,
+    which bounds every sum of squares a loss takes over a part of them."""
+    for name, tensor in (("advantages", exp.advantages), ("returns", exp.returns)):
+        kept = tensor[mask.bool()].double()
+        if bool(torch.isfinite(kept).all()) and float(kept.square().sum()) <= FLOAT32_MAX:
+            continue
+        where = source + (f" at step {step}" if step is not None else "")
+        raise RewardFunctionError(
+            f"{where}: the scores (largest |x| {float(score.abs().max()):.4g}) overflow "
+            f"float32 in the step's {name}; allowed: scores whose squares, summed over a "
+            f"step's samples, stay within float32's range ({FLOAT32_MAX:.4g})")
 
 
 def logprobs(worker: Worker, rows: RolloutBatch, train: bool = False) -> torch.Tensor:
