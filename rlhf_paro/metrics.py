@@ -216,7 +216,12 @@ class MetricsLogger:
             f"score={row['ppo/task_score']:.3f} reward={row['ppo/reward_mean']:.2f} "
             + (f"kl={row['ppo/kl']:.3f} " if "ppo/kl" in row else "")
             + f"{row['timing_s/step']:.1f}s", refresh=False)
-        self._bar.update(1)
+        # The bar's last state is drawn once, by close (which always draws it, the time spent
+        # after the last step, on the export and the dashboard, included): drawn here too, it
+        # was the console's last line twice.
+        self._bar.n += 1
+        if self._bar.n < self._bar.total:
+            self._bar.refresh()
 
     def close(self) -> None:
         self._bar.close()

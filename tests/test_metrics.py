@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import time
 
 import pytest
 
@@ -140,3 +142,22 @@ def test_missing_steps_are_those_without_a_row_before_the_resumed_step(tmp_path)
     path.write_text('{"step": 0}\n{"step": 2}\n{"step": 3, "ppo/kl\n{"step": 5}\n')
     assert missing_steps(str(path), 4) == [1, 3]
     assert missing_steps(str(path), 0) == []
+
+
+@pytest.mark.parametrize("num_steps", [1, 3])
+def test_the_progress_bar_draws_each_step_once_and_its_last_state_once(tmp_path, capsys,
+                                                                      num_steps):
+    # Into a pipe each redraw is a line: close() draws the bar's final state, which the last
+    # step's update had drawn already, so a run's last progress line came twice.
+    logger = MetricsLogger(str(tmp_path / "run"), num_steps=num_steps, run_info={},
+                           wandb_mode="disabled", show_progress=True)
+    row = {k: 0.25 for k in required_keys()}
+    for step in range(num_steps):
+        time.sleep(0.15)  # a step takes seconds: past tqdm's 0.1 s between two redraws
+        logger.log(step, row)
+    logger.close()
+    redraws = [part for part in re.split(r"[\r\n]", capsys.readouterr().err) if part.strip()]
+    done = [f" {k}/{num_steps} " for k in range(num_steps + 1)]
+    assert [sum(mark in part for part in redraws) for mark in done] == [1] * (num_steps + 1), \
+        redraws
+    assert "score=0.250" in redraws[-1]
