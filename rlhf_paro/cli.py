@@ -38,11 +38,20 @@ from rlhf_paro.compose import (
 from rlhf_paro.config import Config, ConfigError, NothingToRun, cli_errors
 
 OVERRIDES = """\
-overrides, applied in order (values are YAML: 3, 1e-5, abc, [a, b], {a: 1}, null):
+overrides, applied in order:
   key=value            set a key (inside a model's inline config, add one too)
   +key=value           add a key to a model's inline config, e.g. +actor.config.rms_norm_eps=1e-5
   ~key                 delete a key; a key of the schema is back at its default
   key=${other.key}     interpolation: another key's value; ${oc.env:NAME}: an environment variable
+values, as typed after the first "=" (# ~ = : spaces, it's and unicode are kept):
+  text, 3, 1e-5, true  a string key's value is its text (007 stays 007); another key's a number,
+                       true/false or text; null (or nothing) is null
+  'a b' "a b"          a quoted string: the quote starts the value and ends it ('it''s')
+  [a, b]  {a: 1}       a list or mapping (YAML's flow syntax)
+  a,b                  commas outside quotes, [ ], { } and ${ } separate a sweep's values (-m)
+  ~/path               a path key's leading ~ is the home directory (~user: that user's)
+  refused, in one line: a space at a value's start or end (quote it), an unclosed quote or
+  bracket, text after a closing one, a control character
 options:
   -h, --help           this text
   --cfg job            print the config of this command line as YAML; runs nothing

@@ -1,16 +1,38 @@
 """Composition: conf files, the command line's overrides and interpolations, built into a ``Config``.
 
-``load_config(["conf=ppo_tiny", "actor.strategy=IGG", ...])`` builds a ``Config`` in four steps:
+``load_config(["conf=ppo_tiny", "actor.strategy=IGG", ...])`` builds a ``Config`` in five steps:
 
 1. read ``conf/ppo_tiny.yaml`` (``conf=NAME``) or a ``.yaml`` path, over the confs its
    ``defaults:`` list names, merged in order (mappings key by key, anything else replaces);
 2. apply the overrides in order: ``key=value`` sets, ``+key=value`` adds a key to a model's
    inline ``config`` (the schema's own keys always exist), ``~key`` deletes (a schema key is then
-   back at its default); values are YAML, read as OmegaConf reads conf files. A key given
-   replaces the keys the schema says compete with it (``_drop_competing``);
+   back at its default); values as typed (below). A key given replaces the keys the schema
+   says compete with it (``_drop_competing``);
 3. resolve OmegaConf interpolations: ``${ppo.rollout_batch_size}`` (a key the conf or the command
    line sets), ``${oc.env:NAME}``, and any an entry point registered (``register_resolver``);
-4. build the dataclasses of ``rlhf_paro.config`` (the schema), checking every key and type.
+4. build the dataclasses of ``rlhf_paro.config`` (the schema), checking every key and type;
+5. expand a ``~`` that starts a path, once, for every key that names a file or directory
+   (``config.PATH_KEYS``): ``trainer.output_dir=~/runs/x`` (a shell leaves a ``~`` after
+   ``key=`` as typed) is the home's ``runs/x`` for the lock, the definition and the outputs
+   alike; ``~user/...`` is that user's home, and one of no user here is refused.
+
+Override values are read by one parser, which the sweep splitter (``split_sweep``) and the value
+reader (``_parse_value``) share, so a value is a sweep for both or for neither:
+
+- the value is everything after the key's first ``=``, as typed: ``=``, ``#``, ``~``, ``:``,
+  spaces inside it, a quote inside a word (``it's``) and any unicode are its own characters;
+- a value that starts with a quote is a quoted string (YAML's quoting: ``'it''s'``,
+  ``"a \\" b"``) and ends with its closing quote; one that starts with ``[`` or ``{`` is a list or
+  mapping in YAML's flow syntax (``[a, b]``, ``{a: 1}``), a ``#`` after a space there quoted;
+- any other value is plain: a string key's (``logger.wandb.name``, ``trainer.output_dir``)
+  is its text (``007``, ``1e-5``, ``yes`` and ``a #b`` stay text), another key's is read as a
+  YAML scalar is in a conf file (``3``, ``1e-5``, ``true``, ``.inf``); ``null`` or nothing after
+  the ``=`` is null for every key;
+- commas outside a quoted string, a list, a mapping and ``${...}`` separate the values of a
+  sweep (``-m``; without it a sweep is refused), but those of a file list (``data.train_files``)
+  and of ``env.tools=file.py:a,b`` are the value's own;
+- refused in one line naming the key: a space at the start or end of a plain value (quote it
+  to keep one), an unclosed quote or bracket, text after a closing one, a control character.
 
 Nothing here reads a file but the confs or makes anything; what the config names is checked,
 and what it leaves to be derived is set, by ``rlhf_paro.resolve`` afterwards. Like the schema,
@@ -24,8 +46,11 @@ import contextvars
 import dataclasses
 import functools
 import inspect
+import os
 import re
+import types
 import typing
+import unicodedata
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal, NamedTuple
 
@@ -35,12 +60,19 @@ from omegaconf.errors import OmegaConfBaseException, UnsupportedValueType
 
 from rlhf_paro.config import (
     FILE_LIST_KEYS, ROLES, Config, ConfigError, ModelConfig, _field_names, _join, _optional,
-    _unknown_key, build_config,
+    _unknown_key, build_config, map_paths,
 )
 
 # conf/ sits next to the package in the repository (and in an editable install).
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 DEFAULT_CONF = "ppo_tiny"
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    # Read for every key of every conf and override: evaluating the annotations each time was
+    # half of composing a command line.
+    return typing.get_type_hints(cls)
 
 
 def _schema_depth(parts: list[str]) -> int:
@@ -55,7 +87,7 @@ def _schema_depth(parts: list[str]) -> int:
         names = _field_names(node)
         if part not in names:
             raise _unknown_key(node, prefix, part)
-        node = _optional(typing.get_type_hints(node)[part])
+        node = _optional(_hints(node)[part])
         if typing.get_origin(node) is dict:
             return depth + 1
     return len(parts)
@@ -128,8 +160,22 @@ def _omegaconf_errors() -> Iterator[None]:
 def conf_path(name: str) -> Path:
     """``conf=NAME`` -> ``conf/NAME.yaml``; a value ending in .yaml/.yml is a path."""
     if name.endswith((".yaml", ".yml")):
-        return Path(name).expanduser()
+        return Path(_home("conf", name))
     return CONF_DIR / f"{name}.yaml"
+
+
+def _home(key: str, path: str) -> str:
+    """``path`` with the ``~`` or ``~user`` that starts it expanded, as a shell expands one
+    before a path (it leaves the one after ``key=`` as typed); ``ConfigError`` naming ``key``
+    for ``~user`` of a user this machine does not have."""
+    if not path.startswith("~"):
+        return path
+    expanded = os.path.expanduser(path)
+    if expanded.startswith("~"):
+        raise ConfigError(key, f"{path!r} starts with {path.partition('/')[0]}, the home of no "
+                               "user here; allowed: ~/PATH, ~USER/PATH of a user of this "
+                               "machine, or a path without a leading ~")
+    return expanded
 
 
 def available_confs() -> list[str]:
@@ -180,26 +226,95 @@ class Override(NamedTuple):
 
     op: Literal["=", "+", "~"]
     key: str
-    value: Any  # parsed as YAML; None for ``~``
+    value: Any  # read by ``_parse_value``; None for ``~``
 
 
-def split_sweep(text: str) -> list[str]:
-    """The values of a sweep ``a,b,c``: the text cut at commas outside brackets, braces and
-    quotes (``[a, b]``, ``{a: 1, b: 2}`` and ``'a,b'`` are one value each)."""
-    values, depth, quote, start = [], 0, "", 0
-    for i, char in enumerate(text):
-        if quote:
-            quote = "" if char == quote else quote
-        elif char in "'\"":
-            quote = char
-        elif char in "[{":
-            depth += 1
-        elif char in "]}":
-            depth -= 1
-        elif char == "," and depth == 0:
-            values.append(text[start:i])
-            start = i + 1
-    return values + [text[start:]]
+# --- override values (the module docstring's rule) -----------------------------------------------
+
+_QUOTES = "'\""
+_OPENS, _CLOSES = "[{", "]}"
+# What a plain value of a string key reads as null (YAML's nulls but ``~``, which starts a path).
+_TEXT_NULLS = ("", "null", "Null", "NULL")
+# A plain value of another key is typed as a YAML scalar in a conf file is, and nothing more:
+# no comment, no ``key: value`` mapping, no tag.
+_SCALARS = _YamlLoader("")
+
+
+def _closing_quote(key: str, text: str, start: int) -> int:
+    """The index after the quoted string that opens at ``text[start]``: YAML's quoting, ``''``
+    a quote inside single quotes, a backslash escaping inside double ones."""
+    quote, i = text[start], start + 1
+    while i < len(text):
+        if quote == '"' and text[i] == "\\":
+            i += 2
+        elif text[i] == quote and not (quote == "'" and text[i + 1:i + 2] == "'"):
+            return i + 1
+        else:
+            i += 2 if text[i] == quote else 1
+    raise ConfigError(key, f"{text[start:]!r} opens a quote it never closes; allowed: a quoted "
+                           f"string closed by its quote, or a quote inside a word (it's)")
+
+
+def _flow_end(key: str, text: str, start: int) -> int:
+    """The index after the list or mapping that opens at ``text[start]``. A quote opens a string
+    only where an item starts, as in YAML (``[it's]`` holds the word it's); a ``#`` after a space
+    would start a YAML comment and swallow the rest, so it is refused."""
+    depth, last, i = 0, text[start], start
+    while i < len(text):
+        char = text[i]
+        if char in _QUOTES and last in ",:[{":
+            i = _closing_quote(key, text, i)
+            last = char
+            continue
+        if char == "#" and text[i - 1].isspace():
+            raise ConfigError(key, f"{text[start:]!r}: a # after a space inside [ ] or {{ }} "
+                                   "starts a YAML comment; allowed: the item quoted ('a #b')")
+        depth += (char in _OPENS) - (char in _CLOSES)
+        if depth == 0:
+            return i + 1
+        last = last if char.isspace() else char
+        i += 1
+    raise ConfigError(key, f"{text[start:]!r} opens a {text[start]} it never closes; allowed: "
+                           f"a closed list [a, b] or mapping {{a: 1}}, or the text quoted")
+
+
+def _item_end(key: str, text: str, start: int, commas: bool) -> int:
+    """Where the value that starts at ``text[start]`` ends: after its closing quote or bracket,
+    or for a plain value at the first comma outside ``${...}`` (with ``commas``) or the end."""
+    first = text[start:start + 1]
+    if first and first in _QUOTES:
+        end = _closing_quote(key, text, start)
+    elif first and first in _OPENS:
+        end = _flow_end(key, text, start)
+    else:
+        depth = 0  # inside ${...}, whose resolver arguments have commas of their own
+        for i in range(start, len(text)):
+            char = text[i]
+            if char == "{" and (depth or text[i - 1:i] == "$"):
+                depth += 1
+            elif char == "}" and depth:
+                depth -= 1
+            elif char == "," and commas and not depth:
+                return i
+        return len(text)
+    if end < len(text) and not (commas and text[end] == ","):
+        raise ConfigError(key, f"{text[start:]!r} goes on after its closing {text[end - 1]}; "
+                               f"allowed: a quoted string, list or mapping alone, or the whole "
+                               f"text quoted: {quoted(text[start:])}")
+    return end
+
+
+def split_sweep(key: str, text: str) -> list[str]:
+    """The values of a sweep ``a,b,c``, each as typed: the text cut at commas outside quoted
+    strings, lists, mappings and ``${...}`` (``[a, b]``, ``{a: 1, b: 2}``, ``'a,b'`` and
+    ``${oc.env:A,b}`` are one value each; so is ``it's``, whose quote is inside a word)."""
+    values, start = [], 0
+    while True:
+        end = _item_end(key, text, start, commas=True)
+        values.append(text[start:end])
+        if end == len(text):
+            return values
+        start = end + 1
 
 
 def quoted(text: str) -> str:
@@ -215,7 +330,7 @@ def sweep_values(key: str, text: str) -> list[str]:
     function of the file before it (``a.py:f,g,b.py:h`` sweeps over two sets of tools)."""
     if key in FILE_LIST_KEYS:
         return [text]
-    values = split_sweep(text)
+    values = split_sweep(key, text)
     if key != "env.tools":
         return values
     joined: list[str] = []
@@ -247,17 +362,47 @@ def parse_overrides(argv: list[str]) -> tuple[str, list[Override]]:
             continue
         if op != "~" and len(sweep_values(key, text)) > 1:
             raise ConfigError(key, f"{text!r} is a sweep; allowed: -m to run one job per value, "
-                                   f"a list [{text}], or a quoted string '{text}'")
+                                   f"a list [{text}], or a quoted string {quoted(text)}")
         overrides.append(Override(op, key, None if op == "~" else _parse_value(key, text)))
     return conf, overrides
 
 
 def _parse_value(key: str, text: str) -> Any:
+    """One value of ``key=text`` (a whole value, or one of a sweep's), by the module docstring's
+    rule."""
+    bad = next((c for c in text if unicodedata.category(c) in ("Cc", "Cs")), None)
+    if bad is not None:
+        raise ConfigError(key, f"{text!r} holds {ascii(bad)}, a control character or a byte "
+                               "that is not UTF-8; allowed: printable text")
+    _item_end(key, text, 0, commas=False)  # a quoted string, list or mapping is the whole text
+    if text[:1] and text[:1] in _QUOTES + _OPENS:
+        try:
+            return yaml.load(text, Loader=_YamlLoader)
+        except yaml.YAMLError:
+            raise ConfigError(key, f"cannot parse {text!r} as a value; allowed: a quoted string "
+                                   "'a b', a list [a, b] or a mapping {a: 1} in YAML") from None
+    if text != text.strip():
+        raise ConfigError(key, f"{text!r} starts or ends with a space; allowed: the value "
+                               f"without it, or quoted to keep it: {quoted(text)}")
+    if _is_text(key):
+        return None if text in _TEXT_NULLS else text
+    tag = _SCALARS.resolve(yaml.ScalarNode, text, (True, False))
     try:
-        return yaml.load(text, Loader=_YamlLoader)
-    except yaml.YAMLError:
-        raise ConfigError(key, f"cannot parse {text!r} as a value; allowed: YAML such as 3, "
-                               "1e-5, abc, [a, b], {a: 1} or null") from None
+        return _SCALARS.construct_object(yaml.ScalarNode(tag, text))
+    except ValueError:  # YAML's pattern of a number that is none (0b_)
+        raise ConfigError(key, f"cannot parse {text!r} as a value; allowed: a number such as 3 "
+                               "or 1e-5, true, false, null or text") from None
+
+
+def _is_text(key: str) -> bool:
+    """Whether the schema types the dotted ``key`` as a string (``str`` or ``str | None``)."""
+    node: Any = Config
+    for part in key.split("."):
+        if not (dataclasses.is_dataclass(node) and part in _field_names(node)):
+            return False  # inside a model's inline config, or a key _apply reports
+        node = _hints(node)[part]
+    return node is str or (typing.get_origin(node) in (typing.Union, types.UnionType)
+                           and str in typing.get_args(node))
 
 
 def _apply(cfg: DictConfig, override: Override) -> None:
@@ -348,5 +493,6 @@ def compose(conf: str, overrides: list[Override]) -> dict[str, Any]:
 
 def load_config(argv: list[str]) -> Config:
     """The ``Config`` of a command line: ``[conf=NAME|conf=path.yaml] [override ...]``, composed
-    and built; nothing is read but the confs, nothing is made (``resolve`` comes next)."""
-    return build_config(compose(*parse_overrides(argv)))
+    and built, a ``~`` that starts a path expanded; nothing is read but the confs, nothing is made
+    (``resolve`` comes next)."""
+    return map_paths(build_config(compose(*parse_overrides(argv))), _home)

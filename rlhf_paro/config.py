@@ -8,7 +8,8 @@ The config is made in three parts, each run by the one before it:
    environment variable, no sibling section rewritten; the same data always builds the same
    config or raises the same error;
 2. composition (``rlhf_paro/compose.py``): conf files, their ``defaults:``, the command line's
-   overrides and the keys that replace one another, interpolations, then ``build_config``;
+   overrides and the keys that replace one another, interpolations, then ``build_config``, then
+   the ``~`` that starts a path expanded (``PATH_KEYS``, ``map_paths``);
 3. ``resolve()`` (``rlhf_paro/resolve.py``), run once by the entry points before anything runs:
    the demo's assets made, every file the config names checked, the values derived from other
    sections set (a model's source, a DeepSpeed model's strategy, the critic's source).
@@ -35,7 +36,7 @@ import types
 import typing
 import urllib.parse
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator, Literal
+from typing import Any, Callable, ClassVar, Iterator, Literal
 
 from rlhf_paro.comm.meter import ALGORITHM_CHOICES
 from rlhf_paro.sharding.strategy import Strategy, StrategyError
@@ -788,6 +789,18 @@ def data_files(text: str | None) -> list[str]:
 # Keys whose value is a comma-separated list of files, never a sweep.
 FILE_LIST_KEYS = ("data.train_files", "data.val_files")
 
+# Every key that names a local file or directory, and how its value holds it: a ``path``, a
+# comma-separated list of ``files``, or a ``spec`` (``file.py:NAME``, the file before the last
+# ``:``). Composition expands a ``~`` that starts one (``compose.load_config``), ``resolve`` makes
+# each absolute (``resolve.absolute_paths``); both through ``map_paths``.
+PATH_KEYS: dict[str, Literal["path", "files", "spec"]] = {
+    **{f"{role}.{key}": "path" for role in ROLES for key in ("path", "tokenizer")},
+    **{f"{role}.{key}": "spec" for role in ROLES for key in ("function", "score_function")},
+    "env.function": "spec", "env.tools": "spec",
+    **{key: "files" for key in FILE_LIST_KEYS},
+    "trainer.output_dir": "path", "trainer.resume": "path", "task.cache_dir": "path",
+}
+
 
 @dataclass
 class RayConfig:
@@ -1043,6 +1056,29 @@ class Config:
         return dataclasses.asdict(self)
 
 
+def map_paths(cfg: Config, change: Callable[[str, str], str]) -> Config:
+    """``cfg`` with ``change(key, path)`` applied to every local path its ``PATH_KEYS`` name: each
+    file of a list, the file of a ``file.py:NAME``; ``trainer.resume``'s words are not paths."""
+    def mapped(key: str, kind: str, value: str) -> str:
+        if kind == "spec":
+            file, _, names = value.rpartition(":")
+            return f"{change(key, file)}:{names}"
+        if kind == "files":
+            files = data_files(value)
+            changed = [change(key, file) for file in files]
+            return value if changed == files else ",".join(changed)
+        return value if key == "trainer.resume" and value in RESUME_CHOICES else change(key, value)
+
+    sections: dict[str, Any] = {}
+    for key, kind in PATH_KEYS.items():
+        name, _, field_name = key.partition(".")
+        section = sections.get(name, getattr(cfg, name))
+        value = getattr(section, field_name)
+        if value is not None:
+            sections[name] = dataclasses.replace(section, **{field_name: mapped(key, kind, value)})
+    return dataclasses.replace(cfg, **sections)
+
+
 def _normalise_strategy(role: str, text: str) -> str:
     """Canonical name (``zero3`` -> ``GGG``; a triple's P level for a frozen model) or ``auto``."""
     if text.strip().lower() == "auto":
@@ -1135,7 +1171,8 @@ def _optional(tp: Any) -> Any:
 def coerce(tp: Any, value: Any, key: str) -> Any:
     """``value`` as a value of the schema type ``tp``, or ``ConfigError`` naming ``key``."""
     inner = _optional(tp)
-    if value is None and inner is not tp:
+    optional = inner is not tp
+    if value is None and optional:
         return None
     tp = inner
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -1173,9 +1210,7 @@ def coerce(tp: Any, value: Any, key: str) -> Any:
     ok = {
         bool: isinstance(value, bool),
         int: isinstance(value, int) and not isinstance(value, bool),
-        # nan passes every range check (all comparisons are false), so it is refused here.
-        float: isinstance(value, (int, float)) and not isinstance(value, bool)
-        and not math.isnan(value),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
         # Numbers are fine as strings (a run name "1"), booleans and lists are not.
         str: isinstance(value, (str, int, float)) and not isinstance(value, bool),
     }
@@ -1183,7 +1218,20 @@ def coerce(tp: Any, value: Any, key: str) -> Any:
         raise TypeError(f"unsupported schema type {tp}")
     if not ok[tp]:
         raise ConfigError(key, f"expected {_TYPE_WORDS[tp]}, got {value!r}")
+    if tp is float and not _finite(value):
+        # Every float key, here once: nan passes every range check (all comparisons are false)
+        # and inf every lower bound, and either spoils a run only steps later. A key without a
+        # limit takes null where the schema says so (inf is never that word).
+        raise ConfigError(key, f"got {value!r}; allowed: a finite number"
+                               f"{' or null' if optional else ''}")
     return tp(value)
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer past float's range
+        return False
 
 
 @contextlib.contextmanager

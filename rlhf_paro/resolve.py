@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Callable
 
 from rlhf_paro.config import FROZEN_ROLES, MANIFEST, RESUME_CHOICES, ROLES, Config, ConfigError, \
-    data_files
+    data_files, map_paths
 from rlhf_paro import models, rollout, usercode
 from rlhf_paro.ppo import algorithms, demo, rewards
 
@@ -117,46 +117,14 @@ def check_longest_sequence(cfg: Config, longest: int, key: str, what: str,
                                "positions")
 
 
-def _absolute(path: str) -> str:
-    return os.path.abspath(os.path.expanduser(path))
-
-
-def _absolute_spec(spec: str | None) -> str | None:
-    """``file.py:NAME`` (or ``file.py:a,b``) with its file absolute."""
-    if spec is None:
-        return None
-    file, _, names = spec.rpartition(":")
-    return f"{_absolute(file)}:{names}"
-
-
 def absolute_paths(cfg: Config) -> Config:
-    """``cfg`` with every local path it names absolute, a relative one taken from this
-    process's working directory, where the user typed it. The workers do not run there: on a
-    joined cluster they start in the raylet's directory, on other nodes in theirs, so a
-    relative path would name another file or none (a run's checkpoints written under another
-    folder, a model directory not found)."""
-    def files(text: str | None) -> str | None:
-        return None if text is None else ",".join(_absolute(f) for f in data_files(text))
-
-    def maybe(path: str | None) -> str | None:
-        return None if path is None else _absolute(path)
-
-    models_ = {role: dataclasses.replace(
-        cfg.model(role), path=maybe(cfg.model(role).path),
-        tokenizer=maybe(cfg.model(role).tokenizer),
-        function=_absolute_spec(cfg.model(role).function),
-        score_function=_absolute_spec(cfg.model(role).score_function)) for role in ROLES}
-    resume = cfg.trainer.resume
-    return dataclasses.replace(
-        cfg, **models_,
-        env=dataclasses.replace(cfg.env, function=_absolute_spec(cfg.env.function),
-                                tools=_absolute_spec(cfg.env.tools)),
-        data=dataclasses.replace(cfg.data, train_files=files(cfg.data.train_files),
-                                 val_files=files(cfg.data.val_files)),
-        trainer=dataclasses.replace(
-            cfg.trainer, output_dir=_absolute(cfg.trainer.output_dir),
-            resume=resume if resume in RESUME_CHOICES else _absolute(resume)),
-        task=dataclasses.replace(cfg.task, cache_dir=maybe(cfg.task.cache_dir)))
+    """``cfg`` with every local path it names (``config.PATH_KEYS``) absolute, a relative one
+    taken from this process's working directory, where the user typed it. The workers do not
+    run there: on a joined cluster they start in the raylet's directory, on other nodes in
+    theirs, so a relative path would name another file or none (a run's checkpoints written
+    under another folder, a model directory not found). A leading ``~`` was expanded when the
+    config was composed (``compose.load_config``)."""
+    return map_paths(cfg, lambda key, path: os.path.abspath(path))
 
 
 def check_files(cfg: Config) -> None:
@@ -176,23 +144,22 @@ def check_files(cfg: Config) -> None:
                                                        "allowed: the name of a variable holding "
                                                        "the reward server's token")
             rewards.clean_token(token, model.token_env, f"{role}.token_env")
-        if model.tokenizer is not None and not Path(model.tokenizer).expanduser().is_dir():
+        if model.tokenizer is not None and not Path(model.tokenizer).is_dir():
             raise ConfigError(f"{role}.tokenizer", f"no directory at {model.tokenizer!r}; "
                                                    "allowed: a local tokenizer directory, never "
                                                    "downloaded")
-        if model.path is not None and not (Path(model.path).expanduser() / "config.json").is_file():
+        if model.path is not None and not (Path(model.path) / "config.json").is_file():
             raise ConfigError(f"{role}.path", f"no Hugging Face model directory at "
                                               f"{model.path!r} (needs config.json); allowed: an "
                                               "existing local directory, models are never "
                                               "downloaded")
     if cfg.env.function is not None:
         usercode.function_file(cfg.env.function, "env.function")
-    if cfg.env.tools is not None and not Path(cfg.env.tools.rpartition(":")[0]).expanduser() \
-            .is_file():
+    if cfg.env.tools is not None and not Path(cfg.env.tools.rpartition(":")[0]).is_file():
         raise ConfigError("env.tools", f"no file {cfg.env.tools.rpartition(':')[0]!r}; "
                                        "allowed: an existing .py file")
     resume = cfg.trainer.resume
-    if resume not in RESUME_CHOICES and not (Path(resume).expanduser() / MANIFEST).is_file():
+    if resume not in RESUME_CHOICES and not (Path(resume) / MANIFEST).is_file():
         raise ConfigError("trainer.resume", f"no complete checkpoint at {resume!r} (it has no "
                                             f"{MANIFEST}); allowed: auto, none or a checkpoint "
                                             "directory such as OUTPUT_DIR/checkpoints/step_10")
@@ -201,7 +168,7 @@ def check_files(cfg: Config) -> None:
             if not file.endswith((".json", ".jsonl", ".parquet")):
                 raise ConfigError(f"data.{key}", f"{file!r} is not a data file; allowed: local "
                                                  ".json, .jsonl or .parquet files")
-            if not Path(file).expanduser().is_file():
+            if not Path(file).is_file():
                 raise ConfigError(f"data.{key}", f"no file {file!r}; allowed: existing local "
                                                  "files")
 

@@ -180,7 +180,7 @@ def check_output_dir(output_dir: str) -> None:
     empty or a run's own (``RUN_MARKS``): a run replaces the files at its paths (``run.json``,
     ``hf/actor/``, ``checkpoints/step_<k>/``...), so a directory of the user's own files is
     refused rather than written into. Nothing is created."""
-    path = Path(output_dir).expanduser().absolute()
+    path = Path(output_dir).absolute()
     found = next(p for p in [path, *path.parents] if p.exists())
     if not found.is_dir():
         where = "is" if found == path else f"is under {found}, which is"

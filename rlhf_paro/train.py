@@ -181,9 +181,18 @@ def with_ray_address(cfg: Config, environ: Mapping[str, str]) -> Config:
 
 
 def resume_command(argv: list[str], resume: str) -> str:
-    """The command line ``argv`` again, going on from a checkpoint (``trainer.resume``)."""
+    """The command line ``argv`` again, going on from a checkpoint (``trainer.resume``), its
+    path quoted where the override parser would not read it back as typed (a comma in it)."""
+    from rlhf_paro.compose import parse_overrides, quoted
+
     kept = [arg for arg in argv if not arg.startswith("trainer.resume=")]
-    return shlex.join(["python", "-m", "rlhf_paro.train", *kept, f"trainer.resume={resume}"])
+    typed = f"trainer.resume={resume}"
+    try:
+        as_typed = parse_overrides([typed])[1][0].value == resume
+    except ConfigError:
+        as_typed = False
+    typed = typed if as_typed else f"trainer.resume={quoted(resume)}"
+    return shlex.join(["python", "-m", "rlhf_paro.train", *kept, typed])
 
 
 def require_ray(address: str) -> None:
