@@ -49,13 +49,43 @@ ACTOR_COMM_PHASES = (*COMM_PHASES, SYNC)
 # engine.transfers' keys (m/offload/<key>); memory()'s (m/mem/<key>_bytes) are the contract's.
 OFFLOAD_KEYS = ("d2h_bytes", "h2d_bytes", "transfers")
 LOOP_KEYS = (
-    "ppo/reward_mean", "ppo/task_score", "ppo/advantage_mean", "ppo/return_mean",
+    "ppo/reward_mean", "ppo/advantage_mean", "ppo/return_mean",
     "ppo/response_length",
     "timing_s/generate", "timing_s/make_experience", "timing_s/train", "timing_s/step",
     "perf/samples_per_s", "perf/tokens_per_s", "perf/padding_fraction",
 )
 # Loop keys of a run with a reference policy (ppo/algorithms.py drops ref when no KL is used).
 KL_KEYS = ("ppo/kl", "ppo/kl_coef")
+# The loop key of a run with a task score of its own (``has_task_score``).
+TASK_SCORE_KEY = "ppo/task_score"
+# What scores the rollouts (``reward_kind``) -> the reward's name on the progress bar, one word
+# each; the dashboard's are report.py's ``REWARD_LABELS``.
+BAR_REWARD_LABELS = {"model": "rm_score", "function": "fn_reward", "server": "server_reward",
+                     "environment": "env_score"}
+
+
+def reward_kind(config: dict[str, Any]) -> str:
+    """What scored a run's rollouts, from its resolved config as a dict (run.json's
+    ``config``): ``model``, or ``function``, ``server`` or ``environment`` (``env.reward=env``),
+    which run no model. An empty config: ``model``."""
+    reward = config.get("reward", {})
+    if reward.get("env_score"):
+        return "environment"
+    if reward.get("function") is not None:
+        return "function"
+    return "server" if reward.get("url") is not None else "model"
+
+
+def has_task_score(config: dict[str, Any]) -> bool:
+    """Whether a run, by its resolved config as a dict, has a task score of its own
+    (``reward.score_function``, or the task's rule on the task's own prompts: no
+    ``data.train_files``). Without one the reward worker's ``task_score`` sums are the reward
+    itself (``actors/reward.py``), which a row and the bar would only repeat under a name that
+    claims a ground truth, so neither has it. An empty config: the default run's, which has one."""
+    if not config:
+        return True
+    return (config.get("reward", {}).get("score_function") is not None
+            or config.get("data", {}).get("train_files") is None)
 
 
 def model_keys(role: str) -> list[str]:
@@ -72,11 +102,12 @@ def model_keys(role: str) -> list[str]:
     return keys
 
 
-def required_keys(roles: tuple[str, ...] = ROLES) -> list[str]:
+def required_keys(roles: tuple[str, ...] = ROLES, task_score: bool = True) -> list[str]:
     """Every key docs/design.md, "Metrics", promises in every row of metrics.jsonl of a run of
-    the models ``roles`` (``ppo/algorithms.roles``)."""
+    the models ``roles`` (``ppo/algorithms.roles``), with a task score or without
+    (``has_task_score``)."""
     keys = [k for role in roles for k in model_keys(role)] + list(LOOP_KEYS)
-    return keys + list(KL_KEYS) * ("ref" in roles)
+    return keys + [TASK_SCORE_KEY] * task_score + list(KL_KEYS) * ("ref" in roles)
 
 
 @dataclass
@@ -183,6 +214,8 @@ class MetricsLogger:
                 f.writelines(kept)
             os.replace(path + ".tmp", path)
         self._jsonl = open(path, "a" if start_step else "w")
+        config = run_info.get("config") or {}
+        self._reward_label = BAR_REWARD_LABELS[reward_kind(config)]
         self._bar = tqdm(total=num_steps, initial=start_step, desc="ppo", unit="step",
                          dynamic_ncols=True, disable=not show_progress)
         self._wandb = None
@@ -213,7 +246,8 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log({"step": step, **row})
         self._bar.set_postfix_str(
-            f"score={row['ppo/task_score']:.3f} reward={row['ppo/reward_mean']:.2f} "
+            (f"score={row[TASK_SCORE_KEY]:.3f} " if TASK_SCORE_KEY in row else "")
+            + f"{self._reward_label}={row['ppo/reward_mean']:.2f} "
             + (f"kl={row['ppo/kl']:.3f} " if "ppo/kl" in row else "")
             + f"{row['timing_s/step']:.1f}s", refresh=False)
         # The bar's last state is drawn once, by close (which always draws it, the time spent

@@ -32,7 +32,9 @@ from matplotlib.colors import LogNorm  # noqa: E402
 
 from rlhf_paro.comm.meter import FORWARD  # noqa: E402
 from rlhf_paro.config import ROLES  # noqa: E402
+from rlhf_paro.metrics import has_task_score as config_has_task_score  # noqa: E402
 from rlhf_paro.metrics import required_keys  # noqa: E402
+from rlhf_paro.metrics import reward_kind as config_reward_kind  # noqa: E402
 
 COLORS = {"actor": "#3b6fb6", "critic": "#e07b39", "reward": "#3a9a5b", "ref": "#8e6bbf"}
 STATE_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optim": "#55a868"}
@@ -148,10 +150,12 @@ def non_finite(path: str, rows: list[tuple[int, dict]]) -> list[str]:
             f"gaps ({'; '.join(found[:3])}{more})"]
 
 
-def lacking(path: str, rows: list[tuple[int, dict]], roles: tuple[str, ...]) -> list[str]:
-    """One line for the rows that lack metrics every row of a run of ``roles`` holds
-    (docs/design.md, "Metrics"), which the dashboard draws as gaps; none if no row lacks one."""
-    expected = required_keys(roles)
+def lacking(path: str, rows: list[tuple[int, dict]], roles: tuple[str, ...],
+            task_score: bool = True) -> list[str]:
+    """One line for the rows that lack metrics every row of a run of ``roles`` (with a task
+    score or without) holds (docs/design.md, "Metrics"), which the dashboard draws as gaps; none
+    if no row lacks one."""
+    expected = required_keys(roles, task_score)
     short = [(number, [k for k in expected if k not in row]) for number, row in rows]
     short = [(number, keys) for number, keys in short if keys]
     if not short:
@@ -198,7 +202,8 @@ def draw(output_dir: str, path: str | None = None, notes: list[str] | None = Non
     rows = [row for _, row in numbered]
     if notes is not None:
         notes += (skipped + empty + unread + lacking(metrics, numbered, run_roles(run, rows)
-                                                     or ROLES) + non_finite(metrics, numbered))
+                                                     or ROLES, has_task_score(run))
+                  + non_finite(metrics, numbered))
     if not rows:
         raise ValueError(f"{metrics} has no rows with metrics" if read else
                          f"{metrics} has no rows yet")
@@ -358,26 +363,15 @@ REWARD_LABELS = {"model": "reward model score", "function": "reward function",
 
 
 def reward_kind(run: dict) -> str:
-    """What scored the run's rollouts, from run.json's resolved config: ``model``, or
-    ``function``, ``server`` or ``environment`` (``env.reward=env``), which run no model. A
-    run.json without the config: ``model``."""
-    reward = run.get("config", {}).get("reward", {})
-    if reward.get("env_score"):
-        return "environment"
-    if reward.get("function") is not None:
-        return "function"
-    return "server" if reward.get("url") is not None else "model"
+    """What scored the run's rollouts (``metrics.reward_kind``), from run.json; a run.json
+    without the config: ``model``."""
+    return config_reward_kind(run.get("config") or {})
 
 
 def has_task_score(run: dict) -> bool:
-    """Whether ``ppo/task_score`` is a score of its own (``reward.score_function``, or the
-    task's rule on the task's own prompts) rather than the reward itself (its fallback,
-    ``actors/reward.py``). A run.json without the config: the default run's, which has one."""
-    config = run.get("config")
-    if not config:
-        return True
-    return (config.get("reward", {}).get("score_function") is not None
-            or config.get("data", {}).get("train_files") is None)
+    """Whether the run's rows have ``ppo/task_score`` (``metrics.has_task_score``), from
+    run.json; a run.json without the config: the default run's, which has one."""
+    return config_has_task_score(run.get("config") or {})
 
 
 def _learning(ax, rows, steps, window, run) -> None:

@@ -54,7 +54,8 @@ from rlhf_paro.actors.reward import RewardWorker
 from rlhf_paro.config import RAY_ADDRESS_ALLOWED, Config, ConfigError
 from rlhf_paro.envs import EnvError
 from rlhf_paro.metrics import (
-    MetricsLogger, logprob_diff, missing_steps, model_metrics, padding_fraction,
+    TASK_SCORE_KEY, MetricsLogger, has_task_score, logprob_diff, missing_steps, model_metrics,
+    padding_fraction,
 )
 from rlhf_paro.ppo import algorithms, core, pipeline
 from rlhf_paro.ppo.data import rollout_tokenizer
@@ -180,6 +181,8 @@ class PPOTrainer:
         self.prompts = runs.Prompts(cfg, task_from_config(cfg))
         # The update's forwards give the old log-probs: their own forward is skipped.
         self.old_from_update = algorithms.old_logprobs_from_update(cfg)
+        # Rows carry ppo/task_score only where a score of its own exists, not the reward again.
+        self.task_scored = has_task_score(cfg.to_dict())
         alg = cfg.algorithm
         self.kl_ctl = core.kl_controller(alg.kl_coef, alg.adaptive_kl, alg.kl_target,
                                          alg.kl_horizon)
@@ -381,7 +384,7 @@ class PPOTrainer:
         elif trainer.resume == "auto":
             source = self._newest_intact()
         else:
-            source = Path(trainer.resume).expanduser()
+            source = Path(trainer.resume)
             self._verify(source)
         if source is not None:
             self._load(source)
@@ -585,6 +588,8 @@ class PPOTrainer:
             kl = exp["kl"] / exp["count"]  # per sequence, summed over its tokens
             self.kl_ctl.update(kl, int(exp["count"]))
             row.update({"ppo/kl": kl, "ppo/kl_coef": now.kl_coef})
+        if self.task_scored:
+            row[TASK_SCORE_KEY] = gen["task_score"] / gen["count"]
         row.update(reward_extras(gen))
         row.update(env_metrics(gen))
         row.update(now.mismatch)
@@ -592,7 +597,6 @@ class PPOTrainer:
         generated = times.get("launch", 0.0) + times["wait_rollout"]
         row.update({
             "ppo/reward_mean": exp["reward"] / exp["count"],
-            "ppo/task_score": gen["task_score"] / gen["count"],
             "ppo/advantage_mean": exp["advantage"] / exp["tokens"],
             "ppo/return_mean": exp["return"] / exp["tokens"],
             "ppo/response_length": gen["response_length"] / gen["count"],

@@ -304,8 +304,9 @@ def ratio_lines(results: dict[tuple[str, float], list[dict]]) -> list[str]:
 
 
 def curve_table(runs: dict[tuple[str, int], list[dict]], at: list[int]) -> str:
-    """Per step of ``at``: samples trained on before it, then each run's ppo/task_score and
-    eval/score_mean ('-' where the step did not evaluate)."""
+    """Per step of ``at``: samples trained on before it, then each run's ppo/task_score (the
+    reward where the run has no task score apart from it: prompt files without
+    reward.score_function) and eval/score_mean ('-' where the step did not evaluate)."""
     names = list(runs)
     head = f"{'step':>5}{'samples':>9}" + "".join(
         f"{f'{c} s{seed} task':>17}{'eval':>7}" for c, seed in names)
@@ -315,7 +316,7 @@ def curve_table(runs: dict[tuple[str, int], list[dict]], at: list[int]) -> str:
         for name in names:
             row = runs[name][step]
             ev = row.get("eval/score_mean")
-            cells.append(f"{row['ppo/task_score']:>17.3f}"
+            cells.append(f"{row.get('ppo/task_score', row['ppo/reward_mean']):>17.3f}"
                          + (f"{ev:>7.3f}" if ev is not None else f"{'-':>7}"))
         lines.append("".join(cells))
     return "\n".join(lines)

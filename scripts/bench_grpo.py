@@ -269,7 +269,8 @@ def ours_episodes(python: str, steps: int, micro: int, new_tokens: int, out: Pat
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {"times": [r["timing_s/step"] for r in rows],
-            "scores": [r["ppo/task_score"] for r in rows],
+            # The environment's score is the reward (no task score apart from it).
+            "scores": [r["ppo/reward_mean"] for r in rows],
             "lengths": [r["env/action_tokens"] for r in rows],
             "generate": [r["timing_s/generate"] for r in rows],
             "experience": [r["timing_s/make_experience"] for r in rows]}

@@ -8,8 +8,10 @@ import time
 
 import pytest
 
-from rlhf_paro.metrics import (LOOP_KEYS, MetricsLogger, RankReport, logprob_diff, missing_steps,
-                               model_metrics, padding_fraction, read_jsonl, required_keys)
+from rlhf_paro.metrics import (
+    LOOP_KEYS, TASK_SCORE_KEY, MetricsLogger, RankReport, has_task_score, logprob_diff,
+    missing_steps, model_metrics, padding_fraction, read_jsonl, required_keys,
+)
 
 
 def _report(rank: int) -> RankReport:
@@ -161,3 +163,28 @@ def test_the_progress_bar_draws_each_step_once_and_its_last_state_once(tmp_path,
     assert [sum(mark in part for part in redraws) for mark in done] == [1] * (num_steps + 1), \
         redraws
     assert "score=0.250" in redraws[-1]
+
+
+@pytest.mark.parametrize("config, says, has_score", [
+    # The demo: the task's own rule scores its own prompts.
+    ({"reward": {"function": None}, "data": {"train_files": None}}, "rm_score=", True),
+    # Prompt files and a reward function, no score function: the reward is all there is.
+    ({"reward": {"function": "f.py:score", "score_function": None},
+      "data": {"train_files": ["p.jsonl"]}}, "fn_reward=", False),
+    ({"reward": {"url": "http://127.0.0.1:9/", "score_function": "f.py:exact"},
+      "data": {"train_files": ["p.jsonl"]}}, "server_reward=", True),
+    ({"reward": {"env_score": True}, "data": {"train_files": ["p.jsonl"]}}, "env_score=", False),
+])
+def test_the_bar_shows_a_task_score_only_where_one_exists_and_names_the_reward_s_kind(
+        tmp_path, capsys, config, says, has_score):
+    # Without reward.score_function on prompt files, ppo/task_score and the bar's score= were
+    # the reward again under a name that claims a ground truth.
+    assert has_task_score(config) is has_score
+    assert (TASK_SCORE_KEY in required_keys(task_score=has_task_score(config))) is has_score
+    logger = MetricsLogger(str(tmp_path / "run"), num_steps=1, run_info={"config": config},
+                           wandb_mode="disabled", show_progress=True)
+    row = {k: 0.25 for k in required_keys(task_score=has_score)}
+    logger.log(0, row)
+    logger.close()
+    last = [part for part in re.split(r"[\r\n]", capsys.readouterr().err) if part.strip()][-1]
+    assert f"{says}0.25 " in last and ("score=0.250" in last) is has_score, last

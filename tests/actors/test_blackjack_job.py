@@ -25,7 +25,7 @@ EPISODES = 64 * 8  # ppo.rollout_batch_size x rollout.n games a step
 def test_grpo_raises_the_blackjack_score_of_a_random_policy(tmp_path):
     run = train(tmp_path / "run", *SHORT, cache=demo_cache())
     assert run.returncode == 0, run.stderr
-    scores = [row["ppo/task_score"] for row in run.rows]
+    scores = [row["ppo/reward_mean"] for row in run.rows]  # the games' scores
     assert len(scores) == STEPS and all(-1 <= s <= 1 for s in scores)
     first, last = scores[:2], scores[-3:]
     # A step's score is the mean of EPISODES games of scores in [-1, 1]: its variance is at most

@@ -279,5 +279,5 @@ def test_a_run_of_train_with_the_example_reaches_its_server_every_step(echo, tmp
         # Every episode ran until the environment's done, after its third message.
         assert s["env/turns_mean"] == 3.0 and s["env/truncated_fraction"] == 0.0
         # Scores are 0.1 a word of the three messages, at most 5 tokens each.
-        assert 0.0 < s["ppo/task_score"] <= 1.5
+        assert 0.0 < s["ppo/reward_mean"] <= 1.5
         assert s["env/observation_tokens"] > 0
