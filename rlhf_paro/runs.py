@@ -400,10 +400,12 @@ def check_inputs(cfg: Config) -> dict[str, int]:
     elif cfg.reward.function is not None or cfg.reward.score_function is not None:
         raise ConfigError("reward.function", "a reward function reads the prompts' text; "
                                              "allowed: with data.train_files")
+    # A reward function's import is held to the bound the workers' start is held to.
+    limit = usercode.Limit(cfg.trainer.step_timeout_s, "trainer.step_timeout_s")
     for key in ("function", "score_function"):
         spec = getattr(cfg.reward, key)
         if spec is not None:
-            usercode.load_function(spec, f"reward.{key}")
+            usercode.load_function(spec, f"reward.{key}", limit)
     if cfg.trainer.eval_every and cfg.data.val_files is None:
         raise ConfigError("trainer.eval_every", "evaluates on data.val_files, which is not set")
     return vocab_sizes

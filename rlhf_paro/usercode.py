@@ -2,7 +2,9 @@
 a tool), loaded from its file as a fresh module.
 
 Below both of its readers: ``ppo`` (reward functions) and ``envs`` (environments and tools) load
-through here, so neither imports the other for it.
+through here, so neither imports the other for it. The driver's calls of user code before a run
+(imports, an environment's first build, tools' schemas) go through ``bounded``, held to the
+bound the same code meets on the workers.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import math
 import numbers
 import reprlib
 import sys
+import threading
+import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple, TypeVar
 
 from rlhf_paro.config import ConfigError, check_function_spec
 
@@ -29,21 +33,81 @@ def function_file(spec: str, key: str = "reward.function") -> Path:
     return Path(file).expanduser().resolve()
 
 
-def load_function(spec: str, key: str = "reward.function") -> Callable[..., Any]:
-    """The function ``name`` of ``file.py:name``, the file run as a fresh module."""
+# How often the driver, waiting for user code, looks at the clock and for a Ctrl-C.
+_POLL_S = 0.05
+
+
+class Limit(NamedTuple):
+    """How long the driver waits for one call of user code, and the key that sets it."""
+
+    seconds: float | None  # None: as long as it takes (the key set to null)
+    key: str
+
+
+T = TypeVar("T")
+
+
+def bounded(call: Callable[[], T], what: str, key: str, limit: Limit | None) -> T:
+    """``call()``'s result, the call run in a thread of its own and waited for ``limit`` (None:
+    run in this thread); what it raises is raised here. Past the limit, ``ConfigError`` naming
+    ``key`` (the user code's key), ``what`` was waited on and the key that sets the limit.
+
+    The same bound as the user's code meets on the workers (``env.timeout_s`` for an
+    environment's calls, ``trainer.step_timeout_s`` for a reward function's import). A blocked
+    thread cannot be killed, so it is a daemon: the command stops on the error raised here and
+    ends its process without waiting for the thread (``cli.exit_when_done``)."""
+    if limit is None:
+        return call()
+    outcome: list[tuple[bool, Any]] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as err:  # noqa: BLE001 - raised again in the waiting thread
+            outcome.append((False, err))
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"user code: {what}", daemon=True).start()
+    deadline = None if limit.seconds is None else time.monotonic() + limit.seconds
+    # Waited for in slices: a Ctrl-C that the kernel hands another thread is handled in this one
+    # between two waits, never only once the user's code returns.
+    while not done.wait(_POLL_S):
+        if deadline is not None and time.monotonic() > deadline:
+            raise ConfigError(key, f"{what} did not return within {limit.key}="
+                                   f"{limit.seconds:g} s; allowed: code that returns sooner, or "
+                                   f"a larger {limit.key}")
+    returned, value = outcome[0]
+    if not returned:
+        raise value
+    return value
+
+
+def load_function(spec: str, key: str = "reward.function", limit: Limit | None = None
+                  ) -> Callable[..., Any]:
+    """The function ``name`` of ``file.py:name``, the file run as a fresh module; its import
+    held to ``limit`` (``bounded``)."""
     path = function_file(spec, key)
     file, _, name = spec.rpartition(":")
     module_spec = importlib.util.spec_from_file_location(f"rlhf_paro_user_{path.stem}", path)
     module = importlib.util.module_from_spec(module_spec)
-    # Registered before it runs, as an import would: a dataclass in the file looks itself up.
-    sys.modules[module_spec.name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except KeyboardInterrupt:
-        raise
-    except BaseException as err:  # the user's file, whatever it raises, sys.exit() included
-        del sys.modules[module_spec.name]
-        raise ConfigError(key, f"{file} fails on import: {described(err)}") from None
+
+    def run_file() -> None:
+        # Registered before it runs, as an import would: a dataclass in the file looks itself up.
+        sys.modules[module_spec.name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except BaseException as err:  # the user's file, whatever it raises, sys.exit() included
+            del sys.modules[module_spec.name]
+            # Signals reach the main thread only: there a KeyboardInterrupt is a Ctrl-C of the
+            # command, in a thread of its own it is the file's.
+            if isinstance(err, KeyboardInterrupt) and \
+                    threading.current_thread() is threading.main_thread():
+                raise
+            raise ConfigError(key, f"{file} fails on import: {described(err)}") from None
+
+    bounded(run_file, f"importing {file}", key, limit)
     fn = getattr(module, name, None)
     if not callable(fn):
         what = (f"has no class or function {name!r}" if fn is None else

@@ -95,16 +95,23 @@ def check_observation(observation: Any, what: str, where: str) -> None:
                            "surrogates (valid Unicode)") from None
 
 
+def limit(cfg: Config) -> usercode.Limit:
+    """The bound on each call of an environment's code: its file's import and its tools'
+    schemas as much as a build, ``reset`` or ``step``."""
+    return usercode.Limit(cfg.env.timeout_s, "env.timeout_s")
+
+
 def load(cfg: Config) -> tuple[Callable[..., Any], str]:
     """(factory of one sample's environment, its name for error lines) of ``env.function`` or
-    ``env.tools``; ``ConfigError`` naming the key when the file or the name is not there."""
+    ``env.tools``; ``ConfigError`` naming the key when the file or the name is not there, or
+    when its import takes longer than ``env.timeout_s``."""
     env = cfg.env
     if env.tools is not None:
         from rlhf_paro.envs import tools
 
-        functions = tools.load_tools(env.tools)
+        functions = tools.load_tools(env.tools, limit(cfg))
         return (lambda **row: tools.ToolEnv(functions, **row)), "env.tools"
-    factory = usercode.load_function(env.function, "env.function")
+    factory = usercode.load_function(env.function, "env.function", limit(cfg))
     if not callable(factory):
         raise ConfigError("env.function", f"{env.function} is a {type(factory).__name__}; "
                                           "allowed: a class or a function that builds one "
@@ -118,24 +125,30 @@ def tool_schemas(cfg: Config) -> list[dict[str, Any]] | None:
         return None
     from rlhf_paro.envs import tools
 
-    return tools.schemas(tools.load_tools(cfg.env.tools))
+    functions = tools.load_tools(cfg.env.tools, limit(cfg))
+    return usercode.bounded(lambda: tools.schemas(functions), f"the schemas of {cfg.env.tools}",
+                            "env.tools", limit(cfg))
 
 
 def check_factory(cfg: Config, row: dict[str, Any]) -> None:
     """``ConfigError`` before anything starts when the environment cannot be built from the
-    columns of a prompt row (``NAME(**row)`` refused) or lacks ``reset`` / ``step``."""
+    columns of a prompt row (``NAME(**row)`` refused), lacks ``reset`` / ``step``, or takes
+    longer than ``env.timeout_s`` to build, as on the workers."""
     factory, name = load(cfg)
-    try:
-        env = factory(**row)
-    except TypeError as err:
-        raise ConfigError("env.function", f"{name}(**row) refuses the prompt rows' columns "
-                          f"{', '.join(sorted(row))} ({usercode.described(err)}); allowed: a class "
-                          "whose constructor takes those columns (or **row)") from None
-    except KeyboardInterrupt:  # here, in the driver's own thread: a Ctrl-C
-        raise
-    except BaseException as err:  # the user's constructor: anything it raises, sys.exit too
-        raise ConfigError("env.function", f"{name}(**row) raised on the first prompt row "
-                                          f"({usercode.described(err)})") from None
+
+    def build() -> Any:
+        try:
+            return factory(**row)
+        except TypeError as err:
+            raise ConfigError("env.function", f"{name}(**row) refuses the prompt rows' columns "
+                              f"{', '.join(sorted(row))} ({usercode.described(err)}); allowed: a "
+                              "class whose constructor takes those columns (or **row)") from None
+        except BaseException as err:  # in its thread, whatever it raises is the constructor's
+            raise ConfigError("env.function", f"{name}(**row) raised on the first prompt row "
+                                              f"({usercode.described(err)})") from None
+
+    env = usercode.bounded(build, f"{name}(**row) on the first prompt row", "env.function",
+                           limit(cfg))
     for method in ("reset", "step"):
         if not callable(getattr(env, method, None)):
             raise ConfigError("env.function", f"{name} has no {method}() method; allowed: an "

@@ -29,17 +29,20 @@ class ToolExit(Exception):
     """A tool raised what would end the process; ``str()`` names the tool, in one line."""
 
 
-def load_tools(spec: str) -> dict[str, Callable[..., Any]]:
+def load_tools(spec: str, limit: usercode.Limit | None = None) -> dict[str, Callable[..., Any]]:
     """The functions ``a, b`` of ``file.py:a,b`` by name; ``ConfigError`` naming ``env.tools``
-    for a file or function that is not there, or one without the docstring a schema needs."""
+    for a file or function that is not there, or one without the docstring a schema needs.
+    ``limit``: how long the file's import and the schemas may take (``usercode.bounded``)."""
     file, _, names = spec.rpartition(":")
     functions = {}
     for name in (n.strip() for n in names.split(",")):
-        function = usercode.load_function(f"{file}:{name}", "env.tools")
+        function = usercode.load_function(f"{file}:{name}", "env.tools", limit)
         if not callable(function):
             raise ConfigError("env.tools", f"{name} in {file} is not a function")
         functions[name] = function
-    schemas(functions)  # refuses a function whose schema cannot be made, before the run
+    # Refuses a function whose schema cannot be made, before the run. Reading its type hints
+    # evaluates the file's annotations: user code, held to the same limit as the import.
+    usercode.bounded(lambda: schemas(functions), f"the schemas of {spec}", "env.tools", limit)
     return functions
 
 

@@ -1,15 +1,17 @@
 """Prompts from files: the actor's tokenizer, the prompt dataset, its seeded epochs, left padding.
 
-``data.train_files`` are local .json, .jsonl or .parquet files read with the ``datasets`` library
-(nothing is downloaded). Each row's ``data.prompt_key`` column holds a string, or a list of chat
-messages ``[{"role": ..., "content": ...}]`` rendered with the tokenizer's chat template
-(``data.apply_chat_template=true``; a string is then one user message). The row's other columns
-travel with the prompt to a reward function (``ppo/rewards.py``).
+``data.train_files`` are local files (nothing is downloaded): .jsonl files of one JSON object a
+line, .json files of one array of objects (or JSON lines), both read here with ``json``, and
+.parquet files read with the ``datasets`` library. Each row's ``data.prompt_key`` column holds a
+string, or a list of chat messages ``[{"role": ..., "content": ...}]`` rendered with the
+tokenizer's chat template (``data.apply_chat_template=true``; a string is then one user message).
+The row's other columns travel with the prompt to a reward function (``ppo/rewards.py``).
 
-Every row is checked as it is read: text that is not UTF-8, a prompt that is neither a string
-nor chat messages (null, a number), or messages the chat template refuses (an unknown role) stop
-the run before it starts, in one line naming the file and the row, counted from 1 (a .jsonl
-file's line).
+Every row is checked as it is read: a line that is not JSON, not an object or names a key twice,
+text that is not UTF-8 (or a ``\\u`` escape of a lone surrogate), a prompt that is neither a
+string nor chat messages (null, a number), or messages the chat template refuses (an unknown
+role) stop the run before it starts, in one line naming the file and the row, counted from 1 (a
+.jsonl file's line).
 
 Policy for long prompts: a prompt of more than ``data.max_prompt_length`` tokens is skipped, and
 so is one that fills the shortest context of the run's models (no room for a response token);
@@ -23,14 +25,19 @@ same column in every row, and the models' position ids count valid tokens only
 
 from __future__ import annotations
 
+import codecs
+import contextlib
+import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator, NamedTuple
 
 import torch
 
 from rlhf_paro.config import ROLES, Config, ConfigError, data_files
 from rlhf_paro.ppo.rewards import ARGUMENTS
+from rlhf_paro.usercode import described, one_line
 
 
 def tokenizer_dir(cfg: Config) -> str | None:
@@ -129,45 +136,205 @@ class PromptSet:
                          {k: [v[i] for i in index] for k, v in self.columns.items()})
 
 
-def _read(files: list[str], key: str) -> list[tuple[str, Any]]:
+class _Table(NamedTuple):
+    """One prompt file as read: its columns (every row has each, None where the file's row
+    lacks it), its number of rows, and the rows, each with the number an error line names it
+    by (``_rows``), to be read once."""
+
+    columns: list[str]
+    num_rows: int
+    rows: Iterable[tuple[int, dict[str, Any]]]
+
+
+def _read(files: list[str], key: str) -> list[tuple[str, _Table]]:
     """Each file with its table. The tables are not joined into one: the rows are checked one
     by one (``_tokenized``), and files whose columns have different types (a string prompt in
     one, chat messages in another) are as good as one file that mixes them."""
+    tables = []
+    for file in files:
+        path = Path(file).expanduser()
+        if path.stat().st_size == 0:
+            raise ConfigError(key, f"{file!r} is empty; allowed: a file with at least one prompt")
+        table = (_parquet(file, path, key) if file.endswith(".parquet") else
+                 _json(file, path.read_bytes(), key))
+        if table.num_rows == 0:
+            raise ConfigError(key, f"{file!r} holds no rows; allowed: at least one prompt")
+        tables.append((file, table))
+    return tables
+
+
+def _parquet(file: str, path: Path, key: str) -> _Table:
+    """A .parquet file's table, read with the ``datasets`` library; its rows counted from 1."""
     import datasets
 
     datasets.disable_progress_bars()
-    parts = []
-    for file in files:
-        if Path(file).expanduser().stat().st_size == 0:
-            raise ConfigError(key, f"{file!r} is empty; allowed: a file with at least one prompt")
-        kind = "parquet" if file.endswith(".parquet") else "json"
-        try:
-            part = datasets.load_dataset(kind, data_files=str(Path(file).expanduser()),
-                                         split="train")
-        except Exception as err:  # the datasets library's parse errors come in many types
-            cause = err.__cause__ or err
-            detail = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
-            raise ConfigError(key, f"cannot read {file!r}: {detail}") from None
-        if len(part) == 0:
-            raise ConfigError(key, f"{file!r} holds no rows; allowed: at least one prompt")
-        parts.append(part)
-    return list(zip(files, parts))
+    # datasets logs a file it cannot read as well as raising: the error line says it once.
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        part = datasets.load_dataset("parquet", data_files=str(path), split="train")
+    except Exception as err:  # the datasets library's and pyarrow's errors come in many types
+        cause = err.__cause__ or err
+        detail = one_line(str(cause)) or type(cause).__name__
+        raise ConfigError(key, f"cannot read {file!r}: {detail}") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
 
-
-def _rows(tables: list[tuple[str, Any]], key: str) -> Iterator[tuple[str, Any]]:
-    """(where, row) for each row of each file: ``where`` names the file and the row there,
-    counted from 1 (a .jsonl file's line). Text that is not UTF-8 is found only here: the
-    reader keeps the bytes as they are, and decoding the row fails."""
-    for file, table in tables:
-        rows = iter(table)
-        for number in range(1, len(table) + 1):
-            where = f"{file!r} row {number}"
+    def rows() -> Iterator[tuple[int, dict[str, Any]]]:
+        table = iter(part)
+        for number in range(1, len(part) + 1):
             try:
-                row = next(rows)
-            except UnicodeDecodeError:
-                raise ConfigError(key, f"{where} is not UTF-8 text; allowed: UTF-8 files"
+                yield number, next(table)
+            except UnicodeDecodeError:  # a binary column is decoded only as its row is read
+                raise ConfigError(key, f"{file!r} row {number} is not UTF-8 text; allowed: UTF-8 "
+                                       "files") from None
+
+    return _Table(part.column_names, len(part), rows())
+
+
+# JSON's whitespace: what may stand between values, and all a blank line of JSON lines holds.
+_SPACE = re.compile(r"[ \t\n\r]*")
+# What a .jsonl and a .json file may hold, as the error lines say it.
+_ALLOWED = {".jsonl": "one JSON object on each line",
+            ".json": "a JSON array of objects, or one JSON object on each line"}
+
+
+class _RepeatedKey(Exception):
+    """An object of a prompt file names a key twice (``json`` keeps the last one silently)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) < len(pairs):
+        seen: set[str] = set()
+        raise _RepeatedKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return out
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys)
+
+
+def _json(file: str, data: bytes, key: str) -> _Table:
+    """A .json or .jsonl file's table, read here rather than by a library, so that whatever is
+    wrong with it is one line naming the file and the row: a .jsonl file is JSON lines (one
+    object a line, blank lines aside; its rows are named by their lines), a .json file one
+    array of objects (rows counted from 1), one object, or JSON lines."""
+    data = data.removeprefix(codecs.BOM_UTF8)  # as an editor may save UTF-8
+    allowed = _ALLOWED[".json" if file.endswith(".json") else ".jsonl"]
+    rows = _json_whole(file, data, key, allowed) if file.endswith(".json") else None
+    if rows is None:
+        rows = _json_lines(file, data, key, allowed)
+    # Rows that lack a column another has hold None there, as a table would.
+    columns = list(dict.fromkeys(column for _, row in rows for column in row))
+    return _Table(columns, len(rows), [(n, {c: row.get(c) for c in columns}) for n, row in rows])
+
+
+@contextlib.contextmanager
+def _json_errors(key: str, where: str, allowed: str) -> Iterator[None]:
+    """What reading the JSON of ``where`` raises, as one line naming ``key`` and ``where``."""
+    try:
+        yield
+    except _RepeatedKey as err:
+        raise ConfigError(key, f"{where} has the key {err.key!r} twice in one object; allowed: "
+                               "each key once") from None
+    except json.JSONDecodeError as err:
+        at = f"column {err.colno}" if err.lineno == 1 else f"line {err.lineno} column {err.colno}"
+        raise ConfigError(key, f"{where} is not JSON ({err.msg} at {at}); allowed: {allowed}"
+                          ) from None
+    except (ValueError, RecursionError) as err:  # a number of too many digits, nesting too deep
+        raise ConfigError(key, f"{where} cannot be read ({described(err)}); allowed: {allowed}"
+                          ) from None
+
+
+def _json_lines(file: str, data: bytes, key: str, allowed: str
+                ) -> list[tuple[int, dict[str, Any]]]:
+    """The rows of JSON lines, each named by its line."""
+    rows = []
+    for number, line in enumerate(data.split(b"\n"), 1):
+        if not line.strip(b" \t\r"):
+            continue  # a blank line holds no row, as the one a final newline leaves
+        where = f"{file!r} row {number}"
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ConfigError(key, f"{where} is not UTF-8 text; allowed: UTF-8 files") from None
+        with _json_errors(key, where, allowed):
+            value = _DECODER.decode(text)
+        rows.append((number, _object(value, where, key, allowed)))
+    return rows
+
+
+def _json_whole(file: str, data: bytes, key: str, allowed: str
+                ) -> list[tuple[int, dict[str, Any]]] | None:
+    """The rows of a .json file that is one JSON value (an array of objects, or one object);
+    None for a file that is not, to be read as JSON lines."""
+    array = data.lstrip(b" \t\n\r").startswith(b"[")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        if not array:
+            return None  # JSON lines name the line that is not UTF-8
+        line = data.count(b"\n", 0, err.start) + 1
+        raise ConfigError(key, f"{file!r} line {line} is not UTF-8 text; allowed: UTF-8 files"
+                          ) from None
+    if not array:
+        try:
+            whole = json.loads(text)
+        except (ValueError, RecursionError):
+            return None  # more than one value: JSON lines, or a fault they name by its line
+        if not isinstance(whole, dict):
+            raise ConfigError(key, f"{file!r} is {_kind(whole)}; allowed: {allowed}")
+        with _json_errors(key, f"{file!r} row 1", allowed):
+            return [(1, _DECODER.decode(text))]
+    with _json_errors(key, repr(file), allowed):
+        json.loads(text)  # the array's syntax, so that what follows reads a valid one
+    rows, line, seen = [], 1, 0
+    pos = _SPACE.match(text, _SPACE.match(text).end() + 1).end()  # past the "["
+    while text[pos] != "]":
+        line, seen = line + text.count("\n", seen, pos), pos
+        where = f"{file!r} row {len(rows) + 1} (line {line})"
+        with _json_errors(key, where, allowed):
+            value, pos = _DECODER.raw_decode(text, pos)
+        rows.append((len(rows) + 1, _object(value, where, key, allowed)))
+        pos = _SPACE.match(text, pos).end()
+        if text[pos] == ",":
+            pos = _SPACE.match(text, pos + 1).end()
+    return rows
+
+
+def _object(value: Any, where: str, key: str, allowed: str) -> dict[str, Any]:
+    """``value`` if it is an object whose text is all valid Unicode: a ``\\udcff`` escape
+    reads as a lone surrogate, which has no UTF-8 for the tokenizer or a reward server."""
+    if not isinstance(value, dict):
+        raise ConfigError(key, f"{where} is {_kind(value)}, not a JSON object; allowed: "
+                               f"{allowed}")
+    values = [value]
+    while values:
+        item = values.pop()
+        if isinstance(item, dict):
+            values += [*item, *item.values()]
+        elif isinstance(item, list):
+            values += item
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise ConfigError(key, f"{where} holds text with {item[err.start]!r} at character "
+                                       f"{err.start}, a lone surrogate; allowed: valid Unicode"
                                   ) from None
-            yield where, row
+    return value
+
+
+def _rows(tables: list[tuple[str, _Table]]) -> Iterator[tuple[str, Any]]:
+    """(where, row) for each row of each file: ``where`` names the file and the row there,
+    counted from 1 (a .jsonl file's line)."""
+    for file, table in tables:
+        for number, row in table.rows:
+            yield f"{file!r} row {number}", row
 
 
 def _kind(value: Any) -> str:
@@ -225,8 +392,8 @@ def _tokenized(prompt: Any, where: str, data: Any, tokenizer: Any,
 def first_row(cfg: Config) -> dict[str, Any]:
     """The first row of the first training file, as an environment is built from it
     (``NAME(**row)``: the prompt column as it is in the file, the other columns)."""
-    tables = _read(data_files(cfg.data.train_files)[:1], "data.train_files")
-    return dict(tables[0][1][0])
+    (_, table), = _read(data_files(cfg.data.train_files)[:1], "data.train_files")
+    return dict(next(iter(table.rows))[1])
 
 
 def load_prompts(cfg: Config, tokenizer: Any, split: str = "train",
@@ -243,13 +410,13 @@ def load_prompts(cfg: Config, tokenizer: Any, split: str = "train",
     key = f"data.{split}_files"
     files = data_files(data.train_files if split == "train" else data.val_files)
     tables = _read(files, key)
-    columns = tables[0][1].column_names
+    columns = tables[0][1].columns
     if data.prompt_key not in columns:
         raise ConfigError("data.prompt_key", f"no column {data.prompt_key!r} in {files[0]!r}"
                                              f"; allowed: {', '.join(columns)}")
     for file, table in tables[1:]:
-        if sorted(table.column_names) != sorted(columns):
-            raise ConfigError(key, f"{file!r} has the columns {', '.join(table.column_names)} "
+        if sorted(table.columns) != sorted(columns):
+            raise ConfigError(key, f"{file!r} has the columns {', '.join(table.columns)} "
                                    f"and {files[0]!r} {', '.join(columns)}; allowed: files "
                                    "with the same columns")
     if data.apply_chat_template and not getattr(tokenizer, "chat_template", None):
@@ -271,7 +438,7 @@ def load_prompts(cfg: Config, tokenizer: Any, split: str = "train",
     filling = (f"of {context[0]} tokens or more ({context[1]}: no room for a response)"
                if context is not None else "")
     skipped: dict[str, list[str]] = {longer: [], filling: []}  # why -> where, in file order
-    for where, row in _rows(tables, key):
+    for where, row in _rows(tables):
         text, ids = _tokenized(row[data.prompt_key], where, data, tokenizer, tools)
         if len(ids) > data.max_prompt_length or context is not None and len(ids) >= context[0]:
             skipped[longer if len(ids) > data.max_prompt_length else filling].append(where)
@@ -285,7 +452,7 @@ def load_prompts(cfg: Config, tokenizer: Any, split: str = "train",
     out.num_skipped = sum(map(len, skipped.values()))
     reasons = [f"{len(rows)} {why} ({_first(rows)})" for why, rows in skipped.items() if rows]
     if out.num_skipped:
-        num_rows = sum(len(table) for _, table in tables)
+        num_rows = sum(table.num_rows for _, table in tables)
         print(f"[data] {key}: skipped {out.num_skipped} of {num_rows} prompts: "
               f"{'; '.join(reasons)}", flush=True)
     if not out.ids:
