@@ -36,6 +36,9 @@ from rlhf_paro.config import FROZEN_ROLES, MANIFEST, RESUME_CHOICES, ROLES, Conf
 from rlhf_paro import models, rollout, usercode
 from rlhf_paro.ppo import algorithms, demo, rewards
 
+# The files a model directory saved by save_pretrained keeps its weights in, sharded or not.
+WEIGHT_FILES = ("model*.safetensors", "pytorch_model*.bin")
+
 
 def resolve(cfg: Config, say: Callable[[str], None] = print, engine_check: bool = True
             ) -> Config:
@@ -153,6 +156,13 @@ def check_files(cfg: Config) -> None:
                                               f"{model.path!r} (needs config.json); allowed: an "
                                               "existing local directory, models are never "
                                               "downloaded")
+        if model.path is not None and not any(any(Path(model.path).glob(pattern))
+                                              for pattern in WEIGHT_FILES):
+            # Else from_pretrained in every worker, after Ray and the engines have started.
+            raise ConfigError(f"{role}.path", f"{model.path!r} has a config.json but no weights "
+                                              f"({', '.join(WEIGHT_FILES)}); allowed: a "
+                                              "directory saved by save_pretrained, weights "
+                                              "included")
     if cfg.env.function is not None:
         usercode.function_file(cfg.env.function, "env.function")
     if cfg.env.tools is not None and not Path(cfg.env.tools.rpartition(":")[0]).is_file():

@@ -46,20 +46,34 @@ def tokenizer_dir(cfg: Config) -> str | None:
     return cfg.actor.tokenizer or cfg.actor.path
 
 
+# Text any tokenizer of a language model encodes into tokens: one that gives none has nothing to
+# encode with (a folder without tokenizer files still loads, empty, as its model type's class).
+PLAIN_TEXT = "The quick brown fox jumps over the lazy dog."
+
+
 def load_tokenizer(directory: str, trust_remote_code: bool = False, key: str = "actor.tokenizer"
                    ) -> Any:
-    """``AutoTokenizer`` from a local directory, with a pad token (the eos token when it has
-    none) and left padding for generation."""
+    """The tokenizer of a local directory, with a pad token (the eos token when it has none) and
+    left padding for generation: ``AutoTokenizer``'s, or the directory's own ``tokenizer.json``
+    as saved where the class ``AutoTokenizer`` picks by the model type encodes differently
+    (``_as_saved``). ``ConfigError`` naming ``key`` and the directory when none loads or what
+    loads encodes a plain sentence as no tokens."""
     import transformers
 
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(
-            str(Path(directory).expanduser()), local_files_only=True,
-            trust_remote_code=trust_remote_code)
+            directory, local_files_only=True, trust_remote_code=trust_remote_code)
+        tokenizer = _as_saved(tokenizer, Path(directory))
     except Exception as err:  # transformers raises many kinds for a directory without one
         detail = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ConfigError(key, f"no tokenizer loads from {directory!r} ({detail}); allowed: a "
                                "local directory saved by save_pretrained") from None
+    if not _encode(tokenizer, PLAIN_TEXT):
+        missing = [f for f in TOKENIZER_FILES if not (Path(directory) / f).is_file()]
+        why = f"no {' or '.join(missing)} there" if missing else "its files hold no vocabulary"
+        raise ConfigError(key, f"the tokenizer of {directory!r} encodes a plain sentence as no "
+                               f"tokens ({why}); allowed: a directory with the tokenizer saved "
+                               "by save_pretrained")
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
             raise ConfigError(key, f"the tokenizer of {directory!r} has neither a pad nor an eos "
@@ -67,6 +81,32 @@ def load_tokenizer(directory: str, trust_remote_code: bool = False, key: str = "
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _as_saved(tokenizer: Any, directory: Path) -> Any:
+    """``tokenizer``, or the directory's ``tokenizer.json`` as saved (with the special tokens
+    and chat template of its ``tokenizer_config.json``) where the two encode a plain sentence or
+    the file's own first words differently. ``AutoTokenizer`` builds the class of the model type
+    where the config names one (``Qwen2Tokenizer`` for a Qwen2 model), rebuilt from the file's
+    vocabulary: a word-level vocabulary then encodes every word as nothing."""
+    import tokenizers
+    import transformers
+
+    saved = directory / "tokenizer.json"
+    if not saved.is_file():
+        return tokenizer
+    own = tokenizers.Tokenizer.from_file(str(saved))
+    special = set(own.get_added_tokens_decoder())
+    words = own.decode([i for i in range(min(own.get_vocab_size(), 64)) if i not in special][:8])
+    if all(_encode(tokenizer, text) == own.encode(text, add_special_tokens=False).ids
+           for text in (PLAIN_TEXT, words)):
+        return tokenizer
+    return transformers.PreTrainedTokenizerFast.from_pretrained(str(directory),
+                                                                local_files_only=True)
 
 
 def actor_tokenizer(cfg: Config) -> Any:
