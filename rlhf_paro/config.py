@@ -422,14 +422,16 @@ class PPOConfig:
         "batch_size": "rollout_batch_size", "train_batch_size": "rollout_batch_size",
         "epochs": "ppo_epochs", "num_epochs": "ppo_epochs", "mini_batch": "mini_batch_size",
         "max_length": "max_new_tokens", "response_length": "max_new_tokens",
-        "max_response_length": "max_new_tokens", "max_prompt_length": "max_prompt_len",
+        "max_response_length": "max_new_tokens",
         "cliprange": "clip_eps", "clip_ratio": "clip_eps", "cliprange_value": "value_clip_eps",
         "gae_lambda": "lam", "lambda": "lam", "discount": "gamma"}
+    # Keys that went to another section: typed here, a line naming the one to type.
+    MOVED: ClassVar[dict[str, str]] = {"max_prompt_len": "data.max_prompt_length",
+                                       "max_prompt_length": "data.max_prompt_length"}
 
     rollout_batch_size: int = 32  # prompts generated per PPO step (each rollout.n times)
     mini_batch_size: int = 16  # sequences per optimizer step
     ppo_epochs: int = 1  # passes over the rollout per PPO step
-    max_prompt_len: int = 16  # longest prompt in tokens
     max_new_tokens: int = 8  # response length limit in tokens
     # Mean response length the planner sizes packed models' compute by (null: max_new_tokens,
     # the worst case); memory is always sized by max_new_tokens (docs/design.md, "Batching").
@@ -448,8 +450,8 @@ class PPOConfig:
     balance_batch: bool = True
 
     def __post_init__(self) -> None:
-        for key in ("rollout_batch_size", "mini_batch_size", "ppo_epochs", "max_prompt_len",
-                    "max_new_tokens", "temperature", "clip_eps", "value_clip_eps"):
+        for key in ("rollout_batch_size", "mini_batch_size", "ppo_epochs", "max_new_tokens",
+                    "temperature", "clip_eps", "value_clip_eps"):
             _positive(key, getattr(self, key))
         _unit_interval("gamma", self.gamma)
         _unit_interval("lam", self.lam)
@@ -771,7 +773,8 @@ class DataConfig:
     prompt_key: str = "prompt"
     # Render prompts with the tokenizer's chat template (needed for chat messages).
     apply_chat_template: bool = False
-    # Prompts longer than this many tokens are skipped, and the count is printed.
+    # The longest prompt in tokens, files' and the task's alike: longer ones in files are skipped
+    # and counted; the planner and the check of the models' positions size by it.
     max_prompt_length: int = 256
     shuffle: bool = True  # a new permutation of the prompts every epoch, seeded by trainer.seed
 
@@ -898,9 +901,9 @@ class Config:
         if expected is not None and not 1 <= expected <= bound:
             raise ConfigError("ppo.expected_response_length", f"got {expected}; allowed: null or "
                               f"an integer from 1 to {bound_key}={bound}")
-        if self.task.prompt_len > self.ppo.max_prompt_len:
+        if self.task.prompt_len > self.data.max_prompt_length:
             raise ConfigError("task.prompt_len", f"{self.task.prompt_len} exceeds "
-                              f"ppo.max_prompt_len={self.ppo.max_prompt_len}")
+                              f"data.max_prompt_length={self.data.max_prompt_length}")
 
     @property
     def deals_rollouts(self) -> bool:
@@ -966,11 +969,9 @@ class Config:
         return "ppo.max_new_tokens", self.ppo.max_new_tokens
 
     def prompt_bound(self) -> tuple[str, int]:
-        """(key, value) of the longest prompt a step can hold: ``data.max_prompt_length`` for
-        prompts from files, ``ppo.max_prompt_len`` for the task's."""
-        if self.data.train_files is not None:
-            return "data.max_prompt_length", self.data.max_prompt_length
-        return "ppo.max_prompt_len", self.ppo.max_prompt_len
+        """(key, value) of the longest prompt a step can hold: ``data.max_prompt_length``, the
+        one key, for prompts from files and the task's alike."""
+        return "data.max_prompt_length", self.data.max_prompt_length
 
     def _check_token_budget(self, role: str, model: ModelConfig) -> None:
         """``max_tokens_per_micro_batch``: trained models on the PaRO engine, and room for the
@@ -1127,6 +1128,10 @@ def _field_names(cls: type) -> list[str]:
 
 
 def _unknown_key(cls: type, prefix: str, key: str) -> ConfigError:
+    moved = getattr(cls, "MOVED", {}).get(key)
+    if moved is not None:
+        return ConfigError(_join(prefix, key), f"is gone: {moved} is the one key for it; "
+                                               f"allowed: {moved}")
     found = suggested_key(cls, prefix, key)
     hint = f" (did you mean {_join(prefix, found)}?)" if found else ""
     return ConfigError(_join(prefix, key), f"unknown key{hint}; allowed: "

@@ -224,8 +224,7 @@ def speed_assets(args: argparse.Namespace, into: Path) -> list[str]:
              f"max_position_embeddings: {prompt_len + args.budget}}}")
     return ["conf=grpo_tiny", "actor.path=null", f"actor.config={model}",
             f"actor.tokenizer={into / 'tokenizer'}", f"data.train_files={into / 'prompts.jsonl'}",
-            "data.val_files=null", "trainer.eval_every=0", f"ppo.max_prompt_len={prompt_len}",
-            f"data.max_prompt_length={prompt_len}",
+            "data.val_files=null", "trainer.eval_every=0", f"data.max_prompt_length={prompt_len}",
             f"ppo.max_new_tokens={args.budget}", f"rollout.engine={args.engine}",
             f"actor.optim.lr={args.lr:g}"]
 

@@ -121,7 +121,8 @@ def run(args: argparse.Namespace) -> dict[str, list[float]]:
              f"{args.heads}, num_key_value_heads: {args.heads}, vocab_size: {vocab}, "
              f"max_position_embeddings: {longest}}}")
     base = [f"actor.config={model}", "reward.path=null", "data.train_files=null",
-            "cluster.num_devices=1", "cluster.group_size=1", f"ppo.max_prompt_len={args.prompt}",
+            "cluster.num_devices=1", "cluster.group_size=1",
+            f"data.max_prompt_length={args.prompt}",
             f"ppo.max_new_tokens={longest - args.prompt}", f"ppo.rollout_batch_size={args.batch}",
             f"ppo.mini_batch_size={args.batch}", "rollout.engine=vllm",
             f"trainer.seed={args.seed}", "task.num_symbols=8"]

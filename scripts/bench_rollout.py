@@ -118,7 +118,7 @@ def load(args: argparse.Namespace, num_devices: int, group_size: int, batch: int
     return resolve(load_config([
         f"actor.config={model_config(args)}", "reward.path=null", "data.train_files=null",
         f"cluster.num_devices={num_devices}", f"cluster.group_size={group_size}",
-        f"ppo.max_prompt_len={args.max_prompt}", f"ppo.max_new_tokens={args.budget}",
+        f"data.max_prompt_length={args.max_prompt}", f"ppo.max_new_tokens={args.budget}",
         f"ppo.rollout_batch_size={total}", f"ppo.mini_batch_size={total}",
         f"actor.micro_batch_size={batch}", f"critic.micro_batch_size={batch}",
         f"rollout.engine={engine}", f"trainer.seed={args.seed}"]))

@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, list[float]], dict[str, lis
              f"max_position_embeddings: {longest}}}")
     cfg = resolve(load_config([
         f"actor.config={model}", "reward.path=null", "data.train_files=null",
-        "cluster.num_devices=1", "cluster.group_size=1", f"ppo.max_prompt_len={args.prompt}",
+        "cluster.num_devices=1", "cluster.group_size=1", f"data.max_prompt_length={args.prompt}",
         f"ppo.max_new_tokens={longest - args.prompt}", f"ppo.rollout_batch_size={args.batch}",
         f"ppo.mini_batch_size={args.batch}", f"rollout.engine={args.engine}",
         f"trainer.seed={args.seed}",

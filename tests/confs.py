@@ -6,7 +6,8 @@ TINY_MODEL = ("{model_type: llama, hidden_size: 64, intermediate_size: 128, num_
               "num_attention_heads: 4, num_key_value_heads: 4, max_position_embeddings: 64}")
 # actor.config drops the conf's actor.path, data.train_files=null its val_files and score; the
 # reward, critic and ref then inherit the actor's inline config.
-INLINE = [f"actor.config={TINY_MODEL}", "reward.path=null", "data.train_files=null"]
+INLINE = [f"actor.config={TINY_MODEL}", "reward.path=null", "data.train_files=null",
+          "data.max_prompt_length=8"]
 
 
 def load(argv, engine_check=True):

@@ -363,12 +363,12 @@ SHORT_MODEL = TINY_MODEL.replace("max_position_embeddings: 64", "max_position_em
 
 @pytest.mark.parametrize("argv, says", [
     ([*INLINE, f"actor.config={GPT2_64}", "ppo.max_new_tokens=60"],
-     "68 tokens (ppo.max_prompt_len=8 + ppo.max_new_tokens=60) exceed actor's "
+     "68 tokens (data.max_prompt_length=8 + ppo.max_new_tokens=60) exceed actor's "
      "max_position_embeddings=64; allowed: at most 64 tokens in all (ppo.max_new_tokens=56 "
      "here), or a model with more positions"),
     # Every model the run builds: here the reward model has fewer positions than the actor.
     ([*INLINE, f"reward.config={SHORT_MODEL}"],
-     "16 tokens (ppo.max_prompt_len=8 + ppo.max_new_tokens=8) exceed reward's "
+     "16 tokens (data.max_prompt_length=8 + ppo.max_new_tokens=8) exceed reward's "
      "max_position_embeddings=12; allowed: at most 12 tokens in all (ppo.max_new_tokens=4 here)"),
     # Prompts from files are bounded by data.max_prompt_length (the demo's models: 64 positions).
     (["data.max_prompt_length=60"], "68 tokens (data.max_prompt_length=60 + "
@@ -390,7 +390,7 @@ def test_a_sequence_longer_than_a_model_takes_is_one_line_before_anything_starts
 VLLM_MODEL = ("{model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
               "num_attention_heads: 2, num_key_value_heads: 2, max_position_embeddings: 64}")
 VLLM_RUN = [f"actor.config={VLLM_MODEL}", "reward.path=null", "data.train_files=null",
-            "rollout.engine=vllm"]
+            "data.max_prompt_length=8", "rollout.engine=vllm"]
 GEMMA2 = ("{{model_type: gemma2, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
           "num_attention_heads: 2, num_key_value_heads: 2, head_dim: 32, "
           "max_position_embeddings: 64, tie_word_embeddings: {tied}}}")
@@ -465,7 +465,7 @@ def test_a_sequence_longer_than_vllm_takes_the_model_at_is_one_line(jobs, capsys
     # vLLM reads a model's length from several keys of its config and takes the shortest; here
     # seq_length=32 under 64 positions: vLLM would refuse max_model_len=38 when it starts.
     _needs_vllm()
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from rlhf_paro.rollout import vllm
     from tests import hf_assets
@@ -476,15 +476,16 @@ def test_a_sequence_longer_than_vllm_takes_the_model_at_is_one_line(jobs, capsys
                          max_position_embeddings=64, seq_length=32)
     assert vllm.engine_max_len(config) == (
         32, "rollout.engine=vllm's max_model_len (the actor config's seq_length)")
-    config.save_pretrained(tmp_path / "model")
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
+    capsys.readouterr()  # save_pretrained's progress bar
     argv = [*VLLM_RUN[1:], f"actor.path={tmp_path / 'model'}", f"reward.config={VLLM_MODEL}",
             "ppo.max_new_tokens=30"]
     with pytest.raises(SystemExit) as info:
         train.main(argv)
     stderr = capsys.readouterr().err
     assert info.value.code == 2 and stderr.count("\n") == 1, stderr
-    assert stderr.startswith("error: ppo.max_new_tokens: 38 tokens (ppo.max_prompt_len=8 + "
+    assert stderr.startswith("error: ppo.max_new_tokens: 38 tokens (data.max_prompt_length=8 + "
                              "ppo.max_new_tokens=30) exceed rollout.engine=vllm's "
                              "max_model_len (the actor config's seq_length)=32; "), stderr
     # The hf engine has no limit of its own: the model's 64 positions hold 38 tokens.

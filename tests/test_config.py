@@ -66,7 +66,8 @@ def test_ppo_tiny_gives_the_values_of_the_default_run():
         (1e-3, (0.9, 0.95), 3e-3)
     assert (cfg.actor.micro_batch_size, cfg.reward.micro_batch_size, cfg.actor.lora.r) == (4, 8, 8)
     assert (cfg.ppo.rollout_batch_size, cfg.ppo.mini_batch_size, cfg.ppo.ppo_epochs) == (64, 32, 2)
-    assert (cfg.algorithm.kl_coef, cfg.algorithm.adaptive_kl, cfg.ppo.max_prompt_len) == (0.01, False, 8)
+    assert (cfg.algorithm.kl_coef, cfg.algorithm.adaptive_kl, cfg.data.max_prompt_length) == \
+        (0.01, False, 56)
     assert (cfg.trainer.steps, cfg.trainer.seed, cfg.trainer.output_dir) == \
         (50, 0, "outputs/ppo_tiny")
     assert (cfg.cluster.device, cfg.cluster.memory_gb, cfg.comm.algorithm) == ("cpu", None, "auto")
@@ -182,7 +183,12 @@ def test_nodes_and_gpus_per_node_define_the_cluster():
     (["actor.config=null", "actor.path=/no/such/model"], "actor.path", "never downloaded"),
     (["actor.config=null"], "actor", "actor.path"),
     (["ppo.gamma"], "ppo.gamma", "key=value"),
-    (["ppo.max_prompt_len=3"], "task.prompt_len", "ppo.max_prompt_len=3"),
+    (["data.max_prompt_length=3"], "task.prompt_len", "exceeds data.max_prompt_length=3"),
+    # Two prompt-length keys were one too many: ppo.max_prompt_len bounded the task's prompts,
+    # data.max_prompt_length the files'. The one left is named.
+    (["ppo.max_prompt_len=8"], "ppo.max_prompt_len",
+     "is gone: data.max_prompt_length is the one key for it; allowed: data.max_prompt_length"),
+    (["ppo.max_prompt_length=8"], "ppo.max_prompt_length", "allowed: data.max_prompt_length"),
     (["cluster=4"], "cluster", "expected a section"),
     (["cluster.num_devices.x=1"], "cluster.num_devices", "not a section"),
     (["+actor.strategy=IGG"], "actor.strategy", "allowed: actor.strategy=VALUE"),

@@ -402,8 +402,8 @@ def test_first_fit_rows_of_a_token_budget_stay_below_twice_the_budget_plus_the_l
 def test_the_plan_says_which_lengths_it_sized_memory_and_compute_by():
     cfg = load([*LONG, "ppo.expected_response_length=24", "actor.max_tokens_per_micro_batch=128"])
     out = format_plan(cfg, make_plan(cfg, vocab_sizes=VOCAB))
-    assert ("tokens per sequence: memory by the longest, 64 (ppo.max_prompt_len=8 + "
-            "ppo.max_new_tokens=56); compute by the expected 32 (ppo.max_prompt_len=8 + "
+    assert ("tokens per sequence: memory by the longest, 64 (data.max_prompt_length=8 + "
+            "ppo.max_new_tokens=56); compute by the expected 32 (data.max_prompt_length=8 + "
             "ppo.expected_response_length=24) for actor, reward, ref (packed); the padded 64 for "
             "critic (packing off)") in out.splitlines()
     # 8 sequences of a mini-batch per device, 32 tokens each expected: 2 micro-batches of 128.
@@ -595,8 +595,8 @@ def test_the_planner_plans_vllm_where_vllm_is_not_installed(monkeypatch, capsys)
 # in 2e9 bytes, 1e6 bytes of key/value cache a token, 1000 GB/s of memory and 100 TFLOP/s.
 PARAMS, WEIGHTS, KV = 10 ** 9, 2 * 10 ** 9, 10 ** 6
 MACHINE = ["cluster.memory_gbps=1000", "cluster.tflops=100"]
-# ppo_tiny's cluster is 4 devices; 8 prompts x 2 samples, prompts of up to 8 tokens (its
-# ppo.max_prompt_len), responses of up to 8.
+# ppo_tiny's cluster is 4 devices; 8 prompts x 2 samples, prompts of up to 8 tokens (INLINE's
+# data.max_prompt_length), responses of up to 8.
 SMALL = [*INLINE, *MACHINE, "ppo.rollout_batch_size=8", "rollout.n=2", "ppo.mini_batch_size=8",
          "ppo.max_new_tokens=8", "critic.micro_batch_size=1", "actor.micro_batch_size=1"]
 

@@ -81,7 +81,7 @@ def _argv(case: Case) -> list[str]:
             "rollout.tis_cap=2.0", f"algorithm.adv_estimator={case.estimator}",
             f"algorithm.loss_agg_mode={case.agg}", f"algorithm.kl_in_loss={case.kl_in_loss}",
             f"algorithm.kl_coef={KL_COEF}", "ppo.rollout_batch_size=8", "ppo.mini_batch_size=8",
-            "ppo.ppo_epochs=1", "ppo.max_prompt_len=6", "ppo.max_new_tokens=6",
+            "ppo.ppo_epochs=1", "data.max_prompt_length=6", "ppo.max_new_tokens=6",
             "actor.micro_batch_size=2", "critic.micro_batch_size=2", "actor.optim.lr=1e-4",
             "critic.optim.lr=1e-4", *split]
 

@@ -48,7 +48,7 @@ def _argv(case: str, packed: bool) -> list[str]:
             "cluster.num_devices=4", "cluster.group_size=2", f"actor.strategy={actor}",
             f"critic.strategy={critic}", f"reward.strategy={reward}",
             "ppo.rollout_batch_size=32", "ppo.mini_batch_size=16", "ppo.ppo_epochs=1",
-            "ppo.max_prompt_len=6", "ppo.max_new_tokens=8", "actor.micro_batch_size=2",
+            "data.max_prompt_length=6", "ppo.max_new_tokens=8", "actor.micro_batch_size=2",
             "critic.micro_batch_size=2", "actor.optim.lr=1e-4", "critic.optim.lr=1e-4",
             "actor.optim.eps=1e-6", "critic.optim.eps=1e-6", *split]
 
