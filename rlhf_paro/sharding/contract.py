@@ -69,8 +69,10 @@ class TrainEngine(Protocol):
     def gathered(self, phase: str = GATHER) -> ContextManager[nn.Module]: ...
 
     # Full parameters a unit at a time: (name in module.named_parameters(), tensor), each valid
-    # until the next unit's are drawn ([Note: a unit at a time]).
-    def unit_parameters(self, phase: str = GATHER) -> Iterator[tuple[str, torch.Tensor]]: ...
+    # until the next unit's are drawn ([Note: a unit at a time]); ``trainable_only``: the
+    # trained parameters alone.
+    def unit_parameters(self, phase: str = GATHER, trainable_only: bool = False
+                        ) -> Iterator[tuple[str, torch.Tensor]]: ...
 
     def memory(self) -> dict[str, int]: ...  # MEMORY_KEYS -> bytes
 

@@ -263,11 +263,14 @@ class DeepSpeedEngine:
             with deepspeed.zero.GatheredParameters(list(self.module.parameters())):
                 yield self.module
 
-    def unit_parameters(self, phase: str = GATHER) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every parameter, full: DeepSpeed gathers the whole model at once (no unit order of
-        its own to follow)."""
+    def unit_parameters(self, phase: str = GATHER, trainable_only: bool = False
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter, full (``trainable_only``: the trained ones): DeepSpeed gathers the
+        whole model at once (no unit order of its own to follow, nor a gather of the trained
+        parameters alone)."""
         with self.gathered(phase) as module:
-            yield from ((name, p.detach()) for name, p in module.named_parameters())
+            yield from ((name, p.detach()) for name, p in module.named_parameters()
+                        if p.requires_grad or not trainable_only)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded copies of every entry of ``module.state_dict()``, same keys."""

@@ -524,9 +524,12 @@ class ShardedEngine:
                 for unit in self.units:
                     unit.free()
 
-    def unit_parameters(self, phase: str = GATHER) -> Iterator[tuple[str, torch.Tensor]]:
+    def unit_parameters(self, phase: str = GATHER, trainable_only: bool = False
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
         """Every parameter, full, one unit gathered at a time: ``(name, tensor)`` with the names
-        of ``module.named_parameters()`` (a shared parameter once).
+        of ``module.named_parameters()`` (a shared parameter once). ``trainable_only``: the
+        trained parameters alone, each unit's trainable buffer gathered and its frozen one not
+        (a LoRA actor's adapters, for an engine that holds its base weights already).
 
         [Note: a unit at a time]  (docs/design.md, "Rollout")
         A unit is gathered (at its P scope, metered under ``phase``) and waited for before its
@@ -539,13 +542,23 @@ class ShardedEngine:
             raise EngineError("unit_parameters() between steps only, outside gathered()")
         self._check_on_device("unit_parameters()")
         for unit in self.units:
-            self._gather_now(unit, phase)
+            if not trainable_only:
+                self._gather_now(unit, phase)
+                buffers = unit.buffers
+            elif unit.trainable is None:
+                continue
+            else:
+                buffers = [unit.trainable]
+                unit.trainable.start_gather(self.comm, phase, async_op=False)
+                if unit.trainable.finish_gather() and self.verify_gathers:
+                    unit.trainable.verify(self.comm, unit.name)
             try:
-                for buf in unit.buffers:
+                for buf in buffers:
                     for name, param in zip(buf.names, buf.params):
                         yield name, param.detach()
             finally:
-                unit.free()
+                for buf in buffers:
+                    buf.free()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded copies of every entry of ``module.state_dict()``, same keys."""

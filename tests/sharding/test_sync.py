@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlhf_paro.sharding.layout import UnitSizes
 from tests.dist_utils import run_distributed
 from tests.sharding.parity import OPTIM, build_model, make_batches, micro_loss
 from tests.sharding.test_cost import sync_bytes
@@ -46,11 +47,18 @@ def sync_worker(rank: int, world_size: int, group_size: int) -> dict:
         # A tensor is valid until the next unit is drawn: keep copies.
         synced = [(name, tensor.clone()) for name, tensor in engine.unit_parameters(SYNC)]
         sent = engine.meter.by_phase()
+        # A LoRA actor's adapters alone (trainable_only): each unit's trainable buffer only.
+        engine.meter.reset()
+        adapters = [(name, tensor.clone())
+                    for name, tensor in engine.unit_parameters(SYNC, trainable_only=True)]
+        adapters_sent = engine.meter.by_phase()
         full = engine.full_state_dict()  # collective: every rank takes part
         expected = cost.traffic(Strategy.parse(strategy), sizes, world_size, group_size, 1,
                                 "fp32", algorithm, rank=rank, syncs=1)["sync"]
         out[strategy, algorithm, variant] = {"names": names, "synced": synced, "full": full,
-                                             "sent": sent, "sizes": sizes, "expected": expected}
+                                             "sent": sent, "sizes": sizes, "expected": expected,
+                                             "adapters": adapters,
+                                             "adapters_sent": adapters_sent}
     return out
 
 
@@ -90,3 +98,25 @@ def test_sync_hands_out_every_parameter_as_full_state_dict_has_it(results: list[
     trained = [name for name, p in initial.items() if p.requires_grad]
     synced = dict(results[0][case]["synced"])
     assert trained and all(not torch.equal(synced[name], initial[name]) for name in trained)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[2] == "lora"], ids="-".join)
+def test_the_trained_parameters_alone_gather_the_trainable_buffers_only(results: list[dict],
+                                                                         case: tuple) -> None:
+    # What a LoRA actor's sync sends after the base (unit_parameters(trainable_only=True)):
+    # every trained parameter, as full_state_dict has it, and the bytes of gathering the
+    # trainable buffers alone, not the frozen ones beside them.
+    strategy, algorithm, _ = case
+    trained = {name for name, p in build_model("lora").named_parameters() if p.requires_grad}
+    for rank in range(WORLD):
+        got = results[rank][case]
+        assert sorted(name for name, _ in got["adapters"]) == sorted(trained)
+        for name, tensor in got["adapters"]:
+            assert torch.equal(tensor, got["full"][name]), f"rank {rank} {name}"
+        totals = got["adapters_sent"].get("sync", {"intra_bytes": 0, "inter_bytes": 0})
+        sent = (totals["intra_bytes"], totals["inter_bytes"])
+        only = [UnitSizes(u.trainable, 0) for u in got["sizes"]]
+        assert sent == sync_bytes(strategy[0], only, WORLD, GROUP, 4, algorithm, rank)
+        if strategy[0] != "N":
+            assert 0 < sum(sent) < sum(sync_bytes(strategy[0], got["sizes"], WORLD, GROUP, 4,
+                                                  algorithm, rank))
