@@ -131,6 +131,11 @@ class LoraConfig:
     dropout: float = 0.0  # dropout on the adapter input
     target_modules: list[str] = field(  # linear layers that get adapters
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    # What a rollout engine with a copy of its own (vllm, a replica's) takes at each sync:
+    # the adapters alone, over the base weights it took once (at setup, after a resume), or
+    # the whole model with them merged in: the full model's bytes a sync, and no LoRA
+    # kernels in the engine's decoding.
+    sync: Literal["adapters", "merged"] = "adapters"
 
     def __post_init__(self) -> None:
         _positive("r", self.r)

@@ -586,12 +586,21 @@ def hf_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str,
     return {k: v for k, v in named if k is not None}
 
 
-def hf_weights(model: nn.Module, named: Iterable[tuple[str, torch.Tensor]], lora_scale: float
-               ) -> Iterator[tuple[str, torch.Tensor]]:
+# What a rollout engine's sync takes of the actor (``hf_weights``): the plain model's weights,
+# a LoRA actor's with its adapters merged in (``MERGED``); a LoRA actor's base weights without
+# them (``BASE``, taken once) and its adapters alone (``ADAPTERS``, each sync after that).
+MERGED, BASE, ADAPTERS = "merged", "base", "adapters"
+
+
+def hf_weights(model: nn.Module, named: Iterable[tuple[str, torch.Tensor]], lora_scale: float,
+               part: str = MERGED) -> Iterator[tuple[str, torch.Tensor]]:
     """The causal LM ``model``'s parameters ``named`` (engine names, a unit at a time) as the
     plain Hugging Face model's weights, in the same order: what a rollout engine loads. Under
-    LoRA (a PEFT model) each adapted linear comes merged, W + ``lora_scale`` B A (alpha / r),
-    once its base weight and both factors have come, which one unit holds."""
+    LoRA (a PEFT model) ``part`` says which: ``MERGED``, each adapted linear W + ``lora_scale``
+    B A (alpha / r, ``lora_merged``) once its base weight and both factors have come, which one
+    unit holds; ``BASE``, W alone; ``ADAPTERS``, the factors alone, as
+    ``<linear>.lora_A.weight`` and ``<linear>.lora_B.weight`` (PEFT's saved names without its
+    ``base_model.model.`` prefix), for which ``named`` may hold the trained parameters only."""
     pending: dict[str, dict[str, torch.Tensor]] = {}  # adapted linear -> the pieces seen
     for name, tensor in named:
         name = hf_name(model, name)
@@ -599,20 +608,34 @@ def hf_weights(model: nn.Module, named: Iterable[tuple[str, torch.Tensor]], lora
             continue
         name = name.removeprefix("base_model.model.")
         linear, piece = _lora_piece(name)
+        if part == ADAPTERS:
+            if piece in ("lora_A", "lora_B"):
+                yield f"{linear}.{piece}.weight", tensor
+            continue
         if linear is None:
             yield name, tensor
-            continue
-        if piece == "bias":
+        elif piece == "bias":
             yield f"{linear}.bias", tensor
-            continue
-        pieces = pending.setdefault(linear, {})
-        pieces[piece] = tensor
-        if len(pieces) == 3:
-            del pending[linear]
-            a, b = pieces["lora_A"].float(), pieces["lora_B"].float()
-            base = pieces["base"]
-            yield f"{linear}.weight", (base.float() + lora_scale * (b @ a)).to(base.dtype)
+        elif part == BASE:
+            if piece == "base":
+                yield f"{linear}.weight", tensor
+        else:
+            pieces = pending.setdefault(linear, {})
+            pieces[piece] = tensor
+            if len(pieces) == 3:
+                del pending[linear]
+                yield f"{linear}.weight", lora_merged(pieces["base"], pieces["lora_A"],
+                                                      pieces["lora_B"], lora_scale)
     assert not pending, f"adapted linears without all their pieces: {sorted(pending)}"
+
+
+def lora_merged(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float
+                ) -> torch.Tensor:
+    """An adapted linear's weight with its adapter merged in, W + ``scale`` B A, in fp32 and
+    rounded once to W's dtype: the one expression every merged sync computes, on the actor's
+    side (``hf_weights``) or on a replica's (``rollout.hf.HFReplica``), so both load the same
+    weights to the bit."""
+    return (base.float() + scale * (b.float() @ a.float())).to(base.dtype)
 
 
 def _lora_piece(name: str) -> tuple[str | None, str]:

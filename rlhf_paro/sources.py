@@ -24,7 +24,7 @@ from typing import Any, Callable
 import ray
 import torch
 
-from rlhf_paro import batching, runs
+from rlhf_paro import batching, rollout, runs
 from rlhf_paro.actors import checkpoint
 from rlhf_paro.actors.group import Call, ModelGroup, Placement
 from rlhf_paro.actors.rollout import RolloutWorker
@@ -178,6 +178,9 @@ class Replicas(RolloutSource):
         self.actor = actor
         self.placement = placement
         self.weights_sent = -1  # the policy version the replicas hold
+        # Whether the replicas hold a LoRA actor's base weights (sent with their first sync,
+        # where they take adapters: ``rollout.lora_sync``).
+        self.base_sent = False
         # A reward that reads nothing trained scores a rollout launched ahead as soon as it is
         # generated, while training goes on (a function, a server, the environment's score).
         self.scores_ahead = cfg.rollout.max_staleness > 0 and not cfg.reward.runs_model
@@ -221,9 +224,9 @@ class Replicas(RolloutSource):
         what they were generating."""
         if self.weights_sent == version:
             return
-        self.actor.call("send_weights")
-        self.generators.call("receive_weights")
-        self.weights_sent = version
+        self.actor.call("send_weights", base=not self.base_sent)
+        self.generators.call("receive_weights", base=not self.base_sent)
+        self.weights_sent, self.base_sent = version, True
 
     def launch(self, step: int, prompts: list[Any], rows: list[Any] | None,
                version: int) -> Launched:
@@ -267,7 +270,12 @@ class Replicas(RolloutSource):
 def make(cfg: Config, actor: ModelGroup, wait: Wait, pad_token_id: int,
          placement: Placement | None, issued: list[Call], use_gpu: bool) -> RolloutSource:
     """The run's source: replicas on ``placement`` (``rollout.num_devices`` devices of their
-    own, one replica each), or the actor's ranks where it is None."""
+    own, one replica each), or the actor's ranks where it is None. Says in one line when a LoRA
+    actor's engines take merged weights where the config asked for adapters
+    (``rollout.lora_sync``)."""
+    line = rollout.lora_sync(cfg)[1]
+    if line is not None:
+        print(line, flush=True)
     if placement is None:
         return Colocated(cfg, actor, wait, pad_token_id)
     replicas = ModelGroup(RolloutWorker, "rollout", cfg, placement, use_gpu, issued, share=1.0)

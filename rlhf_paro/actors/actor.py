@@ -18,7 +18,7 @@ from rlhf_paro import models, rollout
 from rlhf_paro.usercode import FLOAT32_MAX
 from rlhf_paro.actors.rollout import Generation
 from rlhf_paro.actors.worker import TrainedWorker, Worker
-from rlhf_paro.comm.meter import GENERATE, SYNC
+from rlhf_paro.comm.meter import BASE_SYNC, BASE_TRANSFER, GENERATE, SYNC, TRANSFER
 from rlhf_paro.comm.transfer import TransferGroup
 from rlhf_paro.metrics import INFERENCE
 from rlhf_paro.ppo import algorithms, core
@@ -43,6 +43,11 @@ class ActorWorker(TrainedWorker):
         # Whether the weights changed since the rollout engine last took them (an engine with a
         # copy of its own: ``Rollout.needs_sync``): at setup, after an update or a resume.
         self._engine_stale = True
+        # What each sync sends an engine with a copy of its own (``rollout.lora_sync``): the
+        # whole model, or a LoRA actor's adapters over base weights sent once.
+        self._sync_part = rollout.lora_sync(self.cfg)[0]
+        # Whether this rank's engine lacks the base weights (at setup, after a resume).
+        self._base_stale = True
 
     def shard_model(self) -> None:
         """``Worker.shard_model``, then the rollout engine ``rollout.engine`` names on this
@@ -61,14 +66,33 @@ class ActorWorker(TrainedWorker):
         return self.generation.engine
 
     # -- rollout replicas on devices of their own (rollout.num_devices > 0) -------------------
-    def weight_manifest(self) -> list[tuple[str, tuple[int, ...], str]]:
-        """(Hugging Face name, shape, dtype) of every weight a replica takes, in the order
-        ``send_weights`` sends them (one pass of the sync's gathers, on every rank)."""
+    def _weights(self, part: str) -> Any:
+        """The actor's weights as a sync sends them (``models.hf_weights``' ``part``), a unit at
+        a time: a LoRA actor's base ones gathered under ``base_sync``, its adapters from the
+        trainable buffers alone, the rest under ``sync``."""
         lora = self.model_cfg.lora
-        return [(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
-                for name, t in models.hf_weights(self.engine.module,
-                                                 self.engine.unit_parameters(SYNC),
-                                                 lora.alpha / lora.r)]
+        phase = BASE_SYNC if part == models.BASE else SYNC
+        named = self.engine.unit_parameters(phase, trainable_only=part == models.ADAPTERS)
+        return models.hf_weights(self.engine.module, named, lora.alpha / lora.r, part)
+
+    def _parts(self, base: bool) -> list[str]:
+        """What one sync sends, in order; ``base``: the engine lacks the base weights."""
+        if self._sync_part == models.MERGED:
+            return [models.MERGED]
+        return [models.BASE, models.ADAPTERS] if base else [models.ADAPTERS]
+
+    def weight_manifest(self) -> dict[str, list[tuple[str, tuple[int, ...], str]]]:
+        """By what a sync sends (``models.MERGED``, or ``BASE`` and ``ADAPTERS``): (Hugging Face
+        name, shape, dtype) of every weight a replica takes, in the order ``send_weights``
+        sends them (one pass of the sync's gathers, on every rank)."""
+        lora = self.model_cfg.lora
+        parts = self._parts(base=True)
+        phase = BASE_SYNC if models.BASE in parts else SYNC
+        shapes = [(name, t.to("meta")) for name, t in self.engine.unit_parameters(phase)]
+        return {part: [(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                       for name, t in models.hf_weights(self.engine.module, shapes,
+                                                        lora.alpha / lora.r, part)]
+                for part in parts}
 
     def join_transfer(self, host: str, port: int, same_node: list[bool]) -> None:
         """The transfer group of this rank and the replicas it serves (``comm/transfer.py``);
@@ -77,33 +101,37 @@ class ActorWorker(TrainedWorker):
                                       len(same_node) + 1, self.device, self.engine.meter,
                                       same_node)
 
-    def send_weights(self) -> None:
+    def send_weights(self, base: bool = False) -> None:
         """The weights to the replicas: every rank gathers each unit at the P scope (phase
         ``sync``, [Note: a unit at a time]) and a rank that serves replicas sends them each
-        weight (phase ``transfer``)."""
-        lora = self.model_cfg.lora
+        weight (phase ``transfer``). A LoRA actor whose replicas take adapters sends those
+        alone, after the base weights (phases ``base_sync``, ``base_transfer``) where ``base``:
+        the replicas' first sync."""
         with self.timed(SYNC):
-            for _, tensor in models.hf_weights(self.engine.module,
-                                                self.engine.unit_parameters(SYNC),
-                                                lora.alpha / lora.r):
-                if self.transfer is not None:
-                    self.transfer.broadcast(tensor.contiguous())
+            for part in self._parts(base):
+                phase = BASE_TRANSFER if part == models.BASE else TRANSFER
+                for _, tensor in self._weights(part):
+                    if self.transfer is not None:
+                        self.transfer.broadcast(tensor.contiguous(), phase)
 
     def load_checkpoint(self, directory: str) -> None:
         super().load_checkpoint(directory)
-        self._engine_stale = True
+        self._engine_stale = self._base_stale = True
 
     def sync_engine(self) -> None:
         """The actor's weights into a rollout engine that holds its own copy, a unit at a time
-        at the actor's P scope (phase ``sync``, [Note: a unit at a time]); nothing for one that
-        reads the actor's parameters, or when they have not changed since the last sync."""
+        at the actor's P scope (phase ``sync``, [Note: a unit at a time]): the whole model, or
+        a LoRA actor's adapters, after its base weights where the engine lacks them (phase
+        ``base_sync``); nothing for one that reads the actor's parameters, or when they have
+        not changed since the last sync."""
         if not (self.rollout_engine.needs_sync and self._engine_stale):
             return
-        lora = self.model_cfg.lora
+        engine = self.rollout_engine
         with self.timed(SYNC):
-            self.rollout_engine.sync(models.hf_weights(
-                self.engine.module, self.engine.unit_parameters(SYNC), lora.alpha / lora.r))
-        self._engine_stale = False
+            for part in self._parts(self._base_stale):
+                load = engine.sync_adapters if part == models.ADAPTERS else engine.sync
+                load(self._weights(part))
+        self._engine_stale = self._base_stale = False
 
     @torch.no_grad()
     def generate(self, prompts: PromptBatch, rows: dict[str, Any] | None = None,

@@ -119,13 +119,14 @@ class RolloutWorker(Worker):
         self.tokenizer = rollout_tokenizer(self.cfg)
         self.generation: Generation | None = None  # built at setup
         self.transfer: TransferGroup | None = None  # its actor rank and it (setup)
-        # (Hugging Face name, shape, dtype) of every weight, in the order the actor sends them.
-        self.manifest: list[tuple[str, tuple[int, ...], str]] = []
+        # (Hugging Face name, shape, dtype) of every weight, in the order the actor sends them,
+        # by what a sync sends (``ActorWorker.weight_manifest``).
+        self.manifest: dict[str, list[tuple[str, tuple[int, ...], str]]] = {}
         self.received_bytes = 0  # the last sync's, for the next generation's sums
         self.sync_s = 0.0  # the last sync's seconds, likewise
 
     def setup(self, host: str, port: int, source: int, group_rank: int, group_size: int,
-              manifest: list[tuple[str, tuple[int, ...], str]]) -> int:
+              manifest: dict[str, list[tuple[str, tuple[int, ...], str]]]) -> int:
         """Join the transfer group of actor rank ``source`` (as ``group_rank`` of
         ``group_size``) and build the engine; returns this worker's process id."""
         if self.device.type == "cpu":
@@ -141,14 +142,16 @@ class RolloutWorker(Worker):
         hf_config = models.hf_config("actor", actor, vocab_sizes(cfg)["actor"])
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         if cfg.rollout.engine == "hf":
-            # The plain model: a LoRA actor sends its weights merged (models.hf_weights).
+            # The plain model: a LoRA actor sends its weights merged, or its adapters, which the
+            # replica merges into it (models.hf_weights).
             plain = dataclasses.replace(actor, lora=dataclasses.replace(actor.lora, enabled=False))
             module = models.build_model("actor", plain, vocab_sizes(cfg)["actor"],
                                         seed=cfg.trainer.seed).to(self.device)
             module.eval()
             engine: rollout.Rollout = HFReplica(
                 LocalWeights(module), pad, eos, self.device, cfg.rollout.micro_batch_size,
-                static_decode(cfg, module.lm, self.device))
+                static_decode(cfg, module.lm, self.device),
+                lora_scale=actor.lora.alpha / actor.lora.r)
         else:
             from rlhf_paro.rollout.vllm import VLLMRollout
 
@@ -157,13 +160,14 @@ class RolloutWorker(Worker):
         self.generation = Generation(cfg, engine, self.tokenizer, self.device)
         return os.getpid()
 
-    def receive_weights(self) -> None:
+    def receive_weights(self, base: bool = False) -> None:
         """The actor's weights, as its rank sends them (``ActorWorker.send_weights``), into the
-        engine, one weight at a time (phase ``sync``)."""
+        engine, one weight at a time (phase ``sync``): the whole model, or a LoRA actor's
+        adapters, after its base weights where ``base`` (the first sync)."""
         engine = self.generation.engine
 
-        def stream() -> Any:
-            for name, shape, dtype in self.manifest:
+        def stream(part: str) -> Any:
+            for name, shape, dtype in self.manifest[part]:
                 tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
                 self.transfer.broadcast(tensor)
                 self.received_bytes += tensor.numel() * tensor.element_size()
@@ -172,7 +176,12 @@ class RolloutWorker(Worker):
         engine.wake()
         self.received_bytes = 0
         start = time.perf_counter()
-        engine.sync(stream())
+        if models.MERGED in self.manifest:
+            engine.sync(stream(models.MERGED))
+        else:
+            if base:
+                engine.sync(stream(models.BASE))
+            engine.sync_adapters(stream(models.ADAPTERS))
         self.sync_s = time.perf_counter() - start
 
     def generate(self, prompts: PromptBatch, rows: dict[str, Any] | None = None,

@@ -29,12 +29,15 @@ FORWARD, BACKWARD, BOUNDARY, UPDATE = "forward", "backward", "boundary", "update
 GENERATE = "generate"  # every unit gathered for the actor's generation
 SYNC = "sync"  # every unit gathered, one at a time, into the actor's rollout engine
 TRANSFER = "transfer"  # the gathered weights sent on to rollout replicas on devices of their own
+# A LoRA actor's base weights, gathered (BASE_SYNC) and sent on to replicas (BASE_TRANSFER) once,
+# for engines that take only its adapters at each sync after that.
+BASE_SYNC, BASE_TRANSFER = "base_sync", "base_transfer"
 GATHER = "gather"  # every unit gathered for anything else: a full state dict, an export
 VERIFY = "verify"  # checksums of gathered chunks (verify_gathers)
 CHECKPOINT = "checkpoint"  # a DeepSpeed model saving or loading its own checkpoint
 OTHER = "other"  # a DeepSpeed collective outside the engine's calls (its setup)
-PHASES = (FORWARD, BACKWARD, BOUNDARY, UPDATE, GENERATE, SYNC, TRANSFER, GATHER, VERIFY, CHECKPOINT,
-          OTHER)
+PHASES = (FORWARD, BACKWARD, BOUNDARY, UPDATE, GENERATE, SYNC, TRANSFER, BASE_SYNC, BASE_TRANSFER,
+          GATHER, VERIFY, CHECKPOINT, OTHER)
 
 
 class CommRecord(NamedTuple):

@@ -70,15 +70,15 @@ class TransferGroup:
         self.same_node = same_node or []
 
     @torch.no_grad()
-    def broadcast(self, tensor: torch.Tensor) -> None:
+    def broadcast(self, tensor: torch.Tensor, phase: str = TRANSFER) -> None:
         """``tensor`` from the sender to every replica of the group, in place on the replicas;
-        metered (phase ``transfer``) on the sender."""
+        metered (``phase``: ``transfer``, or a LoRA actor's ``base_transfer``) on the sender."""
         start = time.perf_counter()
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         self.group.broadcast([tensor], opts).wait()
         if self.rank == 0:
-            self.meter.record(TRANSFER, "broadcast", "transfer", "native",
+            self.meter.record(phase, "broadcast", "transfer", "native",
                               transfer_bytes(tensor.numel(), tensor.element_size(),
                                              self.same_node),
                               time.perf_counter() - start)

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from rlhf_paro.rollout import hf, vllm
 from rlhf_paro.rollout.base import ENGINES, EngineContext, Requests, Rollout, Sampling, build, \
-    check, generation_seed, max_len, needs_sync, register_engine, seeded, takes_requests
+    check, generation_seed, keeps_copy, lora_sync, max_len, needs_sync, register_engine, seeded, \
+    takes_requests
 from rlhf_paro.rollout.batch import PromptBatch, RolloutBatch, join, response_mask
 
 __all__ = ["ENGINES", "EngineContext", "PromptBatch", "Requests", "Rollout", "RolloutBatch",
-           "Sampling", "build", "check", "generation_seed", "hf", "join", "max_len", "needs_sync",
+           "Sampling", "build", "check", "generation_seed", "hf", "join", "keeps_copy", "lora_sync",
+           "max_len", "needs_sync",
            "register_engine", "response_mask", "seeded", "takes_requests", "vllm"]

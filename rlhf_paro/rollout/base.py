@@ -52,7 +52,13 @@ class Rollout(Protocol):
     def sync(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Take the actor's updated weights: ``(Hugging Face name, tensor)`` pairs
         (``models.hf_name``) a unit at a time, each tensor valid only until the next is drawn
-        ([Note: a unit at a time])."""
+        ([Note: a unit at a time]). A LoRA actor's whole model, merged or, before
+        ``sync_adapters``, its base weights (``models.hf_weights``)."""
+
+    def sync_adapters(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Take a LoRA actor's updated adapters (``models.ADAPTERS``: each adapted linear's
+        ``lora_A`` and ``lora_B``) over the base weights ``sync`` loaded: an engine whose
+        ``ADAPTERS`` entry says it can (``lora_sync``)."""
 
     def sleep(self) -> None:
         """Give the device memory the engine holds back to training."""
@@ -123,20 +129,27 @@ CHECKS: dict[str, Callable[[Any, Any], None]] = {}
 MAX_LENS: dict[str, Callable[[Any], tuple[int, str] | None]] = {}
 # The engines whose ``needs_sync`` is true, for the planner, which builds no engine.
 SYNCED: set[str] = set()
+# rollout.engine=name -> adapters(cfg): None where the engine, holding a copy of its own, takes a
+# LoRA actor's adapters over base weights it took once (``Rollout.sync_adapters``) on the run's
+# device; else why not, in a few words. An engine without an entry takes merged weights only.
+ADAPTERS: dict[str, Callable[[Any], str | None]] = {}
 
 
 def register_engine(name: str, check: Callable[[Any, Any], None] | None = None,
                     needs_sync: bool = False,
-                    max_len: Callable[[Any], tuple[int, str] | None] | None = None
+                    max_len: Callable[[Any], tuple[int, str] | None] | None = None,
+                    adapters: Callable[[Any], str | None] | None = None
                     ) -> Callable[[EngineFactory], EngineFactory]:
     """Register ``factory(context) -> Rollout`` as the engine ``rollout.engine=name``, with the
     ``check`` of a run's config it needs and its own ``max_len``; ``needs_sync``: its class's
-    ``needs_sync``."""
+    ``needs_sync``; ``adapters``: its ``ADAPTERS`` entry."""
 
     def add(factory: EngineFactory) -> EngineFactory:
         ENGINES[name] = factory
         if check is not None:
             CHECKS[name] = check
+        if adapters is not None:
+            ADAPTERS[name] = adapters
         if max_len is not None:
             MAX_LENS[name] = max_len
         if needs_sync:
@@ -155,7 +168,7 @@ def needs_sync(name: str) -> bool:
 def check(cfg: Any, actor_config: Any = None) -> None:
     """``ConfigError`` for an engine name not registered or, given ``actor_config`` (the actor's
     Hugging Face config), a run the engine cannot serve (its own check: what it needs installed
-    on the machine that runs it, the models it serves)."""
+    on the machine that runs it, the models it serves; and ``check_lora_targets``)."""
     from rlhf_paro.config import ConfigError
 
     name = cfg.rollout.engine
@@ -164,6 +177,68 @@ def check(cfg: Any, actor_config: Any = None) -> None:
                                             f"{', '.join(sorted(ENGINES))}")
     if actor_config is not None and name in CHECKS:
         CHECKS[name](cfg, actor_config)
+    if actor_config is not None:
+        check_lora_targets(cfg, actor_config)
+
+
+def keeps_copy(cfg: Any) -> bool:
+    """Whether the run's rollout engines hold a copy of the actor's weights of their own, which
+    the actor syncs: replicas on devices of their own, or an engine that ``needs_sync``."""
+    return cfg.rollout.num_devices > 0 or needs_sync(cfg.rollout.engine)
+
+
+def lora_sync(cfg: Any) -> tuple[str, str | None]:
+    """What each sync sends engines that keep a copy of their own: ``models.ADAPTERS`` (the base
+    weights once before, ``models.BASE``) or ``models.MERGED`` (the whole model, a LoRA actor's
+    adapters merged in); and, where a LoRA actor's ``lora.sync=adapters`` falls back to merged
+    because the engine cannot take adapters on the run's device, the one line that says so.
+    Read from the config and the installed engine alone, so the actor's ranks, the replicas and
+    the driver each find the same."""
+    from rlhf_paro.models import ADAPTERS as PART, MERGED
+
+    lora = cfg.actor.lora
+    if not (lora.enabled and lora.sync == PART and keeps_copy(cfg)):
+        return MERGED, None
+    name = cfg.rollout.engine
+    reason = ADAPTERS[name](cfg) if name in ADAPTERS else "it takes whole weights only"
+    if reason is None:
+        return PART, None
+    return MERGED, (f"actor.lora.sync=adapters: rollout.engine={name} cannot take adapters "
+                    f"on {cfg.cluster.device} ({reason}); each sync sends the whole model, "
+                    "the adapters merged in")
+
+
+def check_lora_targets(cfg: Any, actor_config: Any) -> None:
+    """``ConfigError`` naming ``actor.lora.target_modules`` when a module it adapts is not a
+    linear layer of the model's blocks (an embedding, the output head) and the rollout engines
+    keep a copy of the weights of their own: a sync carries adapted linears only (a merged
+    embedding or a head tied to it has no place in them). Checked on the model built on the
+    meta device: nothing is allocated."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_paro.config import ConfigError
+
+    lora = cfg.actor.lora
+    if not (lora.enabled and keeps_copy(cfg)):
+        return
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(actor_config)
+    head = model.get_output_embeddings()
+    linears = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                      if isinstance(module, torch.nn.Linear) and module is not head})
+    for target in lora.target_modules:
+        for name, module in model.named_modules():
+            if not (name == target or name.endswith(f".{target}")):
+                continue
+            if module is head or not isinstance(module, torch.nn.Linear):
+                what = ("the output head" if module is head
+                        else f"{type(module).__name__}, not a linear layer")
+                where = ("rollout.num_devices>0" if cfg.rollout.num_devices > 0
+                         else f"rollout.engine={cfg.rollout.engine}")
+                raise ConfigError("actor.lora.target_modules",
+                                  f"a rollout engine with weights of its own ({where}) cannot "
+                                  f"take an adapter on {target} ({what}); allowed: the model's "
+                                  f"linear layers ({', '.join(linears)})")
 
 
 def max_len(name: str, actor_config: Any) -> tuple[int, str] | None:

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from rlhf_paro.comm.meter import GENERATE
 from rlhf_paro.config import Config, ConfigError
-from rlhf_paro.models import position_ids
+from rlhf_paro.models import lora_merged, position_ids
 from rlhf_paro.rollout.base import EngineContext, Sampling, register_engine
 from rlhf_paro.rollout.batch import PromptBatch, RolloutBatch, join
 
@@ -700,7 +700,8 @@ def sampled_logprobs(logits: tuple[Tensor, ...], responses: Tensor, temperature:
                       for i in range(0, len(logits), k)], dim=1)
 
 
-@register_engine("hf", check=check, needs_sync=HFRollout.needs_sync)
+# Its replicas take a LoRA actor's adapters on any device (``HFReplica.sync_adapters``).
+@register_engine("hf", check=check, needs_sync=HFRollout.needs_sync, adapters=lambda cfg: None)
 def _hf(context: EngineContext) -> HFRollout:
     return HFRollout(context.engine, context.pad_token_id, context.eos_token_id, context.device,
                      context.cfg.rollout.micro_batch_size,
@@ -727,9 +728,39 @@ class LocalWeights:
 
 class HFReplica(HFRollout):
     """The hf engine of a rollout replica on a device of its own: it generates on its own copy
-    of the weights (``LocalWeights``), which ``sync`` overwrites after each update."""
+    of the weights (``LocalWeights``), which ``sync`` overwrites after each update, or, for a
+    LoRA actor, into which ``sync_adapters`` merges the adapters (``lora_scale``: alpha / r)."""
 
     needs_sync = True
 
+    def __init__(self, *args: Any, lora_scale: float = 1.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lora_scale = lora_scale
+        # Each adapted linear's base weight as ``sync`` loaded it, kept from the first
+        # ``sync_adapters`` on: every merge starts from it, as the actor's merged sync does, so
+        # both give the same weights to the bit.
+        self._base: dict[str, Tensor] = {}
+
     def sync(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        self._base.clear()
         self.engine.load(named_tensors)
+
+    @torch.no_grad()
+    def sync_adapters(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Each adapted linear's weight, W + alpha / r B A (``models.lora_merged``), once both
+        of its factors have come."""
+        factors: dict[str, dict[str, Tensor]] = {}
+        params = self.engine.params
+        for name, tensor in named_tensors:
+            linear, piece, _ = name.rsplit(".", 2)
+            pieces = factors.setdefault(linear, {})
+            pieces[piece] = tensor.detach().clone()
+            if len(pieces) < 2:
+                continue
+            weight = f"{linear}.weight"
+            if linear not in self._base:
+                self._base[linear] = params[weight].detach().clone()
+            params[weight].copy_(lora_merged(self._base[linear], pieces["lora_A"],
+                                             pieces["lora_B"], self.lora_scale))
+            del factors[linear]
+        assert not factors, f"adapted linears without both factors: {sorted(factors)}"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import itertools
+import json
 import math
 import os
 import shutil
@@ -28,7 +29,8 @@ import torch
 from torch import Tensor
 
 from rlhf_paro.config import Config, ConfigError
-from rlhf_paro.rollout.base import EngineContext, Sampling, register_engine
+from rlhf_paro.models import ADAPTERS
+from rlhf_paro.rollout.base import EngineContext, Sampling, lora_sync, register_engine
 from rlhf_paro.rollout.batch import PromptBatch, RolloutBatch, join
 
 NAME = "vllm"  # rollout.engine's value
@@ -89,6 +91,41 @@ def check(cfg: Config, hf_config: Any) -> None:
                                                 f"head size {head} (hidden_size / "
                                                 f"num_attention_heads); allowed head sizes: "
                                                 f"{', '.join(map(str, sizes))}, or engine hf")
+
+
+# The id of the actor's adapter in the engine: one adapter, replaced in place at each sync.
+LORA_ID = 1
+
+
+def lora_unsupported(cfg: Config) -> str | None:
+    """Why the installed vLLM cannot take a LoRA actor's adapters on the run's device
+    (``rollout.base.ADAPTERS``), or None: its platform of that device has no LoRA kernels (its
+    punica wrapper), or the adapters' rank is above the largest it takes. Asked of the
+    platform's class, not of the machine that asks, so the driver finds what the workers do."""
+    if not installed():
+        return "vllm is not installed"
+    device = cfg.cluster.device
+    try:
+        if device == "cpu":
+            from vllm.platforms.cpu import CpuPlatform as platform
+        else:
+            from vllm.platforms.cuda import CudaPlatform as platform
+        platform.get_punica_wrapper()
+    except (ImportError, NotImplementedError) as err:
+        return f"this vLLM build has no LoRA kernels for {device}: {type(err).__name__}"
+    if lora_rank(cfg.actor.lora.r) is None:
+        return f"lora.r={cfg.actor.lora.r} is above the largest rank vLLM takes"
+    return None
+
+
+def lora_rank(r: int) -> int | None:
+    """vLLM's ``max_lora_rank`` for adapters of rank ``r``: the smallest it allows that holds
+    them (it takes a few sizes only), or None above all of them."""
+    import typing
+
+    from vllm.config.lora import MaxLoRARanks
+
+    return min((k for k in typing.get_args(MaxLoRARanks) if k >= r), default=None)
 
 
 def architecture(hf_config: Any) -> str:
@@ -171,6 +208,9 @@ def engine_kwargs(cfg: Config, hf_config: Any, device_type: str, seed: int) -> d
     else:
         memory = {"gpu_memory_utilization": ro.gpu_memory_utilization,
                   "enable_sleep_mode": True}
+    if lora_sync(cfg)[0] == ADAPTERS:
+        # One adapter, the actor's, in the engine's LoRA layers (``VLLMRollout.sync_adapters``).
+        memory.update(enable_lora=True, max_loras=1, max_lora_rank=lora_rank(cfg.actor.lora.r))
     return dict(load_format="dummy", skip_tokenizer_init=True, dtype=DTYPES[cfg.actor.precision],
                 seed=seed, max_model_len=longest, max_num_seqs=ro.max_num_seqs,
                 enforce_eager=ro.enforce_eager, enable_prefix_caching=ro.enable_prefix_caching,
@@ -201,6 +241,10 @@ class VLLMRollout:
         self.vocab_size = hf_config.vocab_size
         self.device = device
         self._keys = itertools.count()  # the keys of requests (``submit``)
+        # The actor's adapter, which every request generates with, once ``sync_adapters`` has
+        # loaded it; None for whole weights.
+        self._lora: Any = None
+        self._lora_cfg = cfg.actor.lora
         # The engine reads the config's directory only: its weights come from sync.
         # The directory goes once the engine is built: a worker that Ray kills runs no
         # finaliser, and each left one behind in the temporary folder.
@@ -230,8 +274,8 @@ class VLLMRollout:
                     for ids, mask in zip(prompts.input_ids, prompts.attention_mask)]
         params = (self._params(sampling, None) if seeds is None
                   else [self._params(sampling, seed) for seed in seeds])
-        outputs = [out.outputs[0] for out in self.llm.generate(requests, params,
-                                                               use_tqdm=False)]
+        outputs = [out.outputs[0] for out in self.llm.generate(requests, params, use_tqdm=False,
+                                                               lora_request=self._lora)]
         width = max(len(o.token_ids) for o in outputs)
         responses = torch.full((len(outputs), width), self.pad_token_id, dtype=torch.long)
         logprobs = None if sampling.greedy else torch.zeros(len(outputs), width)
@@ -249,7 +293,8 @@ class VLLMRollout:
         key = str(next(self._keys))
         # (add_request returns the engine's internal id; the outputs carry ours)
         self.llm.llm_engine.add_request(key, TokensPrompt(prompt_token_ids=context),
-                                        self._params(sampling, seed, final_only=True))
+                                        self._params(sampling, seed, final_only=True),
+                                        lora_request=self._lora)
         return key
 
     def step(self) -> list[tuple[str, list[int], list[float] | None]]:
@@ -299,6 +344,31 @@ class VLLMRollout:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
         self.llm.reset_prefix_cache()
 
+    def sync_adapters(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Load the actor's adapters (``models.ADAPTERS``) as vLLM's LoRA adapter, in place of
+        the last: vLLM reads an adapter from a folder only, so they go through a folder of
+        their own, written, loaded and removed within the call; then drop the prefix cache."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        lora = self._lora_cfg
+        folder = tempfile.mkdtemp(prefix="rlhf_paro_lora_")
+        try:
+            save_file({f"base_model.model.{name}": tensor.detach().contiguous().clone()
+                       for name, tensor in named_tensors},
+                      os.path.join(folder, "adapter_model.safetensors"))
+            with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+                json.dump({"peft_type": "LORA", "r": lora.r, "lora_alpha": lora.alpha,
+                           "target_modules": list(lora.target_modules), "bias": "none"}, f)
+            # Loaded now, replacing the adapter of the same id; the requests name it without
+            # load_inplace, so no step of the engine reads the folder again.
+            self.llm.llm_engine.add_lora(LoRARequest("actor", LORA_ID, folder,
+                                                     load_inplace=True))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        self._lora = LoRARequest("actor", LORA_ID, folder)
+        self.llm.reset_prefix_cache()
+
     def sleep(self) -> None:
         """On CUDA the engine's device memory goes back to training: level 1 drops the key/value
         cache and moves the weights to host memory. vLLM has no sleep on a CPU."""
@@ -320,7 +390,8 @@ def logprobs_mode(ppo: Any) -> str:
     return "raw_logprobs" if ppo.top_k and ppo.temperature == 1.0 else "processed_logprobs"
 
 
-@register_engine(NAME, check=check, needs_sync=VLLMRollout.needs_sync, max_len=engine_max_len)
+@register_engine(NAME, check=check, needs_sync=VLLMRollout.needs_sync, max_len=engine_max_len,
+                 adapters=lora_unsupported)
 def _vllm(context: EngineContext) -> VLLMRollout:
     cfg = context.cfg
     rank = int(torch.distributed.get_rank()) if torch.distributed.is_initialized() else 0
