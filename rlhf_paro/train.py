@@ -60,6 +60,10 @@ def prepare(cfg: Config, conf: str) -> Config:
     require_gpus(cfg, conf)
     if cfg.ray.address:
         require_ray(cfg.ray.address)
+    else:  # a private Ray's workers fork from a zygote, which imports while this reads on
+        from rlhf_paro.actors.group import start_worker_zygote
+
+        start_worker_zygote()
     # Everything below needs transformers; a bad command line has failed before it.
     from rlhf_paro import models, plan
     from rlhf_paro.resolve import resolve

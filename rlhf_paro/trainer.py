@@ -47,7 +47,7 @@ from rlhf_paro.actors.actor import ActorWorker
 from rlhf_paro.actors.critic import CriticWorker
 from rlhf_paro.actors.group import (
     Call, ModelGroup, NoAnswerError, RayOutput, StopRequested, WorkerError, get, init_ray,
-    missing_devices, place,
+    missing_devices, phase, place,
 )
 from rlhf_paro.actors.ref import RefWorker
 from rlhf_paro.actors.reward import RewardWorker
@@ -135,8 +135,13 @@ class PPOTrainer:
         num_devices, use_gpu = cluster.num_devices, cluster.device == "cuda"
         # The training devices, then the rollout's own (rollout.num_devices).
         replicas = cfg.rollout.num_devices
+        # Each phase of the start that takes more than a few seconds says so in one line.
+        say = output.say if output is not None else lambda line: print(line, flush=True)
         try:
-            init_ray(cfg.ray.address, cfg.ray.num_cpus, num_devices + replicas, output)
+            # Joining a cluster takes a second; a wait for its devices says so itself (place).
+            with contextlib.nullcontext() if cfg.ray.address else \
+                    phase("starting Ray on this machine", say):
+                init_ray(cfg.ray.address, cfg.ray.num_cpus, num_devices + replicas, output)
         except ConnectionError as err:
             refused = "authentication" in str(err)  # a cluster that answers: the address is good
             raise ConfigError("ray.address", str(err) if refused else
@@ -147,7 +152,7 @@ class PPOTrainer:
             raise ConfigError(key, problem)
         self.cfg = cfg
         wait = dict(use_gpu=use_gpu, timeout_s=cfg.ray.placement_timeout_s,
-                    stop=lambda: self.stop.requested, say=lambda line: print(line, flush=True))
+                    stop=lambda: self.stop.requested, say=say)
         self.placement = place(num_devices, cluster.group_size, **wait)
         # Each replica a device of its own, on any node.
         try:
@@ -167,9 +172,18 @@ class PPOTrainer:
         # their own (rollout.num_devices), each alone on its own.
         self.source = sources.make(cfg, self.models["actor"], self.wait, self.pad_token_id,
                                    replica_placement, self.issued, use_gpu)
+        groups = self.groups()
+        processes = sum(group.num_ranks for group in groups.values())
+        with phase(f"starting {processes} worker processes ({', '.join(groups)})", say):
+            self.wait(**{role: group.call("node") for role, group in groups.items()})
         # The models join their process groups and build their engines at once.
-        self.pids = self.wait(**{role: group.rendezvous() for role, group in self.models.items()})
-        self.pids.update(self.source.start())
+        with phase(f"building the models on {num_devices} device{'s' * (num_devices > 1)} "
+                   "(process groups, weights, engines)", say):
+            self.pids = self.wait(**{role: group.rendezvous()
+                                     for role, group in self.models.items()})
+        with phase(f"starting the rollout's {replicas} replica{'s' * (replicas > 1)}", say) \
+                if replicas else contextlib.nullcontext():
+            self.pids.update(self.source.start())
         self.issued.clear()
         # A step's stages by name (ppo/pipeline.py runs them in order), the rollouts launched
         # ahead.

@@ -7,14 +7,14 @@
   workers. Runs stay apart by output directory and Ray job; a test about Ray's own start-up (a
   refused address, token authentication, a lost node), one whose workers must read the
   driver's environment (``train(..., private=True)``) and an in-process ``PPOTrainer`` keep a
-  private Ray. The workers of the shared cluster and of an in-process ``PPOTrainer``'s Ray fork
-  from a process that has imported what a worker imports (``forked_workers``,
-  ``tests/ray_worker.py``); every job test shares one demo cache (``demo_cache``).
+  private Ray. The workers of the shared cluster fork from a process that has imported what a
+  worker imports, as those of every private Ray do (``actors/group.py``,
+  ``preloaded_workers``); every job test shares one demo cache (``demo_cache``).
 - ``train``: ``python -m rlhf_paro.train`` on the tiny job, as a user runs it, with the faults
   the job tests inject (a killed worker or driver, a signal during a save, a NaN loss), and what
   it left: rows, the one error line, processes still alive. A joined run's driver forks from a
-  process that has already imported what a driver imports (``tests/zygote.py``), with the
-  environment it imported in: about 5 s less a run.
+  process that has already imported what a driver imports (``rlhf_paro/actors/zygote.py``),
+  with the environment it imported in: about 5 s less a run.
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
 from rlhf_paro.actors import checkpoint
+from rlhf_paro.actors.group import preloaded_workers
 from rlhf_paro.actors.worker import NAN_LOSS_ENV
+from rlhf_paro.actors.zygote import Driver, Zygote
 from rlhf_paro.cli import register_demo_resolver
 from rlhf_paro.metrics import read_jsonl
-from tests.ray_worker import ZYGOTE_ENV
-from tests.zygote import Driver, Zygote
 
 register_demo_resolver()
 
@@ -68,14 +68,6 @@ SHARED_STOP_S = 10.0
 # (EADDRINUSE at a model's setup).
 WORKER_PORTS = (20000, 29999)
 
-# What every worker of a job imports before its first call (``python -X importtime``), imported
-# once by the zygote the shared cluster's workers fork from (``tests/ray_worker.py``). Not Ray:
-# its configuration is read from the environment when it is imported (a worker's job id among
-# it), so each worker imports Ray itself.
-WORKER_PRELOAD = ["torch", "torch.distributed", "transformers",
-                  "transformers.models.llama.modeling_llama", "safetensors.torch",
-                  "rlhf_paro.models", "rlhf_paro.sharding.engine", "rlhf_paro.comm.collectives"]
-
 _shared: dict[str, object] = {}
 
 
@@ -102,39 +94,14 @@ def _loopback_without_auth() -> Iterator[None]:
                 os.environ[key] = value
 
 
-@contextlib.contextmanager
-def forked_workers() -> Iterator[None]:
-    """A Ray started inside (the shared cluster, or a private one by ``ray.init``) starts its
-    workers through ``tests/ray_worker.py``: each forks from the session's zygote that has
-    imported what a worker imports, instead of importing it again (about 4.5 s of a core a
-    worker). The raylet keeps the zygote's address from the environment it starts in."""
-    import ray._private.parameter as parameter
-
-    if "worker_zygote" not in _shared:
-        _shared["worker_zygote"] = Zygote(WORKER_PRELOAD, dict(os.environ))
-    base = parameter.RayParams
-
-    class Params(base):  # type: ignore[misc, valid-type] - Ray's class, its setup script ours
-        def __init__(self, *args, **kwargs) -> None:
-            kwargs.setdefault("setup_worker_path", str(Path(__file__).with_name("ray_worker.py")))
-            super().__init__(*args, **kwargs)
-
-    parameter.RayParams = Params
-    os.environ[ZYGOTE_ENV] = _shared["worker_zygote"].address  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        parameter.RayParams = base
-        os.environ.pop(ZYGOTE_ENV)
-
-
 def shared_ray() -> str:
     """The address of this session's Ray cluster, started on first use and stopped when the
     session ends (``pytest_sessionfinish``)."""
     if "address" not in _shared:
         from ray.cluster_utils import Cluster
 
-        with _loopback_without_auth(), forked_workers():
+        # Its workers fork from this session's zygote, as a run's on its own machine do.
+        with _loopback_without_auth(), preloaded_workers():
             cluster = Cluster(initialize_head=True, head_node_args={
                 "num_cpus": SHARED_SLOTS, "include_dashboard": False,
                 "node_ip_address": "127.0.0.1", "object_store_memory": 1 << 30,
@@ -159,8 +126,8 @@ DRIVER_PRELOAD = ["rlhf_paro.train", "rlhf_paro.trainer", "rlhf_paro.resolve", "
 
 
 def _zygote() -> Zygote:
-    """The process a joined run's driver forks from (``tests/zygote.py``), started on first
-    use with the environment of a joined run."""
+    """The process a joined run's driver forks from (``rlhf_paro/actors/zygote.py``), started on
+    first use with the environment of a joined run."""
     if "zygote" not in _shared:
         _shared["zygote"] = Zygote(DRIVER_PRELOAD, shared_env())
     return _shared["zygote"]  # type: ignore[return-value]
@@ -170,10 +137,9 @@ def pytest_sessionfinish(session, exitstatus) -> None:  # noqa: ARG001 - pytest'
     cluster = _shared.pop("cluster", None)
     if cluster is not None:
         cluster.shutdown()
-    for name in ("zygote", "worker_zygote"):  # after the cluster: no worker asks any more
-        zygote = _shared.pop(name, None)
-        if zygote is not None:
-            zygote.close()
+    zygote = _shared.pop("zygote", None)  # after the cluster: no driver asks any more
+    if zygote is not None:
+        zygote.close()
     cache = _shared.pop("demo_cache", None)
     if cache is not None:
         shutil.rmtree(cache, ignore_errors=True)

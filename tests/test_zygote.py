@@ -1,5 +1,6 @@
-"""The zygote the job tests' drivers and workers fork from (``tests/zygote.py``): a child is what
-``python -m`` (or ``python SCRIPT``) would have started, and ends as it would."""
+"""The zygote a private Ray's workers and the job tests' drivers fork from
+(``rlhf_paro/actors/zygote.py``): a child is what ``python -m`` (or ``python SCRIPT``) would have
+started, and ends as it would; the server leaves a Ctrl-C to its caller and ends with it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 
 import pytest
 
-from tests.zygote import _STATUS, Zygote, _recv_exact, request
+from rlhf_paro.actors.zygote import _STATUS, Zygote, _recv_exact, request
 
 # A module the child runs: what it was given, then the exit its first argument asks for.
 PROBE = '''
@@ -20,6 +21,10 @@ import json, os, sys, time
 print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "mark": os.environ.get("MARK"),
                   "path0": sys.path[0], "main": __name__}), flush=True)
 how = sys.argv[1]
+if how == "blocked":
+    import signal
+    print(sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, ())), flush=True)
+    sys.exit(0)
 if how == "raise":
     raise ValueError("from the probe")
 if how == "sleep":
@@ -86,3 +91,25 @@ def test_a_script_child_takes_the_callers_streams_and_dies_with_the_process_it_n
     caller.wait()
     _, code = _STATUS.unpack(_recv_exact(conn, _STATUS.size))
     assert code == -signal.SIGKILL
+
+
+def test_a_ctrl_c_in_the_terminal_leaves_the_server_serving_and_a_child_gets_the_callers_mask(
+        zygote, tmp_path):
+    # The server is in the driver's process group: a Ctrl-C reaches it too, and it was the
+    # driver's to handle (before, the server died of it and every later worker start fell back
+    # to a fresh interpreter). A Ray worker's set-up process has SIGINT blocked, as Ray's own
+    # processes do; its forked child keeps that mask, as the exec'd worker would.
+    server, where, env = zygote
+    os.kill(server._proc.pid, signal.SIGINT)
+    time.sleep(0.5)
+    assert server._proc.poll() is None
+    out = (tmp_path / "out").open("w")
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(server.address)
+    conn, _ = request(conn, {"script": str(where / "zygote_probe.py"), "args": ["blocked"],
+                             "env": env, "cwd": str(tmp_path),
+                             "blocked": {signal.SIGINT, signal.SIGUSR1}}, [0, out.fileno(), 2])
+    _, code = _STATUS.unpack(_recv_exact(conn, _STATUS.size))
+    assert code == 0
+    lines = (tmp_path / "out").read_text().splitlines()
+    assert lines[-1] == str(sorted([int(signal.SIGINT), int(signal.SIGUSR1)]))

@@ -8,12 +8,15 @@ quarter of a GPU, or of a CPU slot here, for PPO's four models). Each model has 
 group: rank 0 of the model picks a free port on its node and every rank of that model joins
 ``tcp://ip:port``, so the models never share collectives and each builds its own ``Topology``.
 
-On one machine ``init_ray`` starts a private Ray; on a cluster start Ray on every node
-(``ray start --head`` on one, ``ray start --address=HEAD:6379`` on the others) and set
-``ray.address`` (a driver whose environment names the cluster in RAY_ADDRESS, as a Ray job's
-does, joins it without): the same code then places each group on a node of its own, waiting for
-devices other jobs hold (``place``), and each worker binds gloo to its node's Ray address
-(``worker.bind_gloo``). What Ray and the workers print goes to the run's log (``RayOutput``).
+On one machine ``init_ray`` starts a private Ray, whose workers fork from a process that has
+imported torch, transformers and the models once (``preloaded_workers``); on a cluster start
+Ray on every node (``ray start --head`` on one, ``ray start --address=HEAD:6379`` on the
+others) and set ``ray.address`` (a driver whose environment names the cluster in RAY_ADDRESS,
+as a Ray job's does, joins it without): the same code then places each group on a node of its
+own, waiting for devices other jobs hold (``place``), each worker binds gloo to its node's Ray
+address (``worker.bind_gloo``), and Ray starts the workers as it always does. What Ray and the workers
+print goes to the run's log (``RayOutput``); a phase of the start that takes more than a few
+seconds says so on the console (``phase``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from ray.exceptions import RayActorError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rlhf_paro.actors.ray_worker import ZYGOTE_ENV
+from rlhf_paro.actors.zygote import Zygote
 from rlhf_paro.config import ConfigError
 from rlhf_paro.ppo import algorithms
 
@@ -125,6 +130,10 @@ class RayOutput:
         # with: a traceback's lines, a warning's source line.
         self._going_on: dict[Any, str | re.Pattern] = {}
         self._attached: tuple[Any, Any] | None = None
+        # The console's descriptor while ``capture`` holds stdout (None: stdout is the console);
+        # ``say`` reads it from another thread, ``capture`` sets it: under the lock.
+        self._console: int | None = None
+        self._console_lock = threading.Lock()
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
@@ -134,6 +143,8 @@ class RayOutput:
         for stream in streams:
             stream.flush()
         saved = [os.dup(1), os.dup(2)]
+        with self._console_lock:
+            self._console = saved[0]
         os.dup2(self._file.fileno(), 1)
         os.dup2(self._file.fileno(), 2)
         sys.stdout = sys.stderr = self._file
@@ -144,8 +155,19 @@ class RayOutput:
             sys.stdout, sys.stderr = streams
             os.dup2(saved[0], 1)
             os.dup2(saved[1], 2)
+            with self._console_lock:
+                self._console = None
             for fd in saved:
                 os.close(fd)
+
+    def say(self, line: str) -> None:
+        """``line`` on the console (this process's stdout), also while ``capture`` holds it; from
+        any thread."""
+        with self._console_lock:
+            if self._console is None:
+                print(line, flush=True)
+            else:
+                os.write(self._console, f"{line}\n".encode())
 
     def attach(self) -> None:
         """Route what Ray forwards to this driver into the log, until ``close``."""
@@ -272,12 +294,65 @@ def _init(address: str | None, num_cpus: int | None, num_devices: int) -> None:
     ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
     # "local": a new Ray even where RAY_ADDRESS names a cluster (ray.init would join that).
     try:
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
-                 _node_ip_address="127.0.0.1")
+        with preloaded_workers():
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                     _node_ip_address="127.0.0.1")
     except Exception as err:  # noqa: BLE001 - a start-up timeout under load, a full /tmp...
         if ray.is_initialized():
             ray.shutdown()
         raise RayStartError(f"Ray did not start on this machine ({_first_line(err)})") from None
+
+
+# What every worker of a run imports before its first call (``python -X importtime``), imported
+# once by the zygote that a private Ray's workers fork from (``preloaded_workers``). Not Ray, nor
+# a module that imports it (the workers' own): Ray reads its configuration from the environment
+# as it is imported, a worker's job id among it, so each worker imports it itself.
+WORKER_PRELOAD = ["torch", "torch.distributed", "transformers",
+                  "transformers.models.llama.modeling_llama", "safetensors.torch",
+                  "rlhf_paro.models", "rlhf_paro.sharding.engine", "rlhf_paro.comm.collectives",
+                  "rlhf_paro.comm.transfer", "rlhf_paro.ppo.core", "rlhf_paro.ppo.data",
+                  "rlhf_paro.ppo.rewards", "rlhf_paro.rollout.hf", "rlhf_paro.metrics"]
+# The zygote of this process (``preloaded_workers``), started with its first private Ray and
+# ending with the process; every later Ray of the process (a multirun's jobs) forks from it too.
+_worker_zygote: list[Zygote] = []
+
+
+def start_worker_zygote() -> None:
+    """Start this process's zygote (``preloaded_workers``) unless it runs: an entry point that
+    will start a private Ray calls it first thing, so that the zygote imports while the driver
+    reads its config, on a core the driver leaves idle."""
+    if not _worker_zygote:
+        _worker_zygote.append(Zygote(WORKER_PRELOAD, dict(os.environ)))
+
+
+@contextlib.contextmanager
+def preloaded_workers() -> Iterator[None]:
+    """A Ray started inside (``ray.init`` of a private Ray, or a test's cluster) starts its
+    workers through ``actors/ray_worker.py``: each forks from this process's zygote, which has
+    imported ``WORKER_PRELOAD``, instead of importing it again (about 4.5 s of a core a worker;
+    ``actors/zygote.py`` says what a fork keeps). The zygote starts with this process's
+    environment (the one the raylet and its workers inherit), here unless it runs already
+    (``start_worker_zygote``), and imports while Ray starts; the raylet keeps its address from
+    the environment it starts in. Only for a Ray of this machine:
+    a run that joins a cluster keeps Ray's own start, on nodes where no zygote runs."""
+    import ray._private.parameter as parameter
+
+    start_worker_zygote()
+    base = parameter.RayParams
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ray_worker.py")
+
+    class Params(base):  # type: ignore[misc, valid-type] - Ray's class, its set-up script ours
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("setup_worker_path", script)
+            super().__init__(*args, **kwargs)
+
+    parameter.RayParams = Params
+    os.environ[ZYGOTE_ENV] = _worker_zygote[0].address
+    try:
+        yield
+    finally:
+        parameter.RayParams = base
+        os.environ.pop(ZYGOTE_ENV)
 
 
 def _first_line(err: BaseException) -> str:
@@ -512,6 +587,20 @@ def bundle_share(cfg: Any) -> float:
     """The fraction of a bundle (a device) each model's rank takes: the run's models share every
     device equally."""
     return 1.0 / len(algorithms.roles(cfg))
+
+
+@contextlib.contextmanager
+def phase(line: str, say: Callable[[str], None]) -> Iterator[None]:
+    """A phase of the run's start: ``line`` through ``say`` (from a timer thread, once) when it
+    goes on for more than ``NOTE_S`` seconds, so that a start that takes long says what it
+    waits for; nothing when it is quick."""
+    timer = threading.Timer(NOTE_S, say, [line])
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 class Call(NamedTuple):

@@ -13,7 +13,7 @@ import torch
 from rlhf_paro.actors.group import init_ray
 from rlhf_paro.metrics import read_jsonl
 from tests.confs import load
-from tests.conftest import demo_cache, forked_workers
+from tests.conftest import demo_cache
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -40,8 +40,7 @@ def job(tmp_path_factory):
         f"trainer.steps={STEPS}", f"trainer.save_every={STEPS}",
         "logger.wandb.mode=disabled", "logger.progress=false",
     ])
-    with forked_workers():
-        init_ray(None, num_cpus=N, num_devices=N)
+    init_ray(None, num_cpus=N, num_devices=N)
     from rlhf_paro.trainer import PPOTrainer
 
     trainer = PPOTrainer(cfg)

@@ -17,7 +17,6 @@ import torch
 from rlhf_paro.actors.group import init_ray
 from rlhf_paro.metrics import read_jsonl
 from tests.confs import load
-from tests.conftest import forked_workers
 from tests import hf_assets
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -65,8 +64,7 @@ def runs(tmp_path_factory):
     val = hf_assets.write_prompts(root / "val.jsonl", 6, chat=True, seed=1)
     plain = hf_assets.write_prompts(root / "train.jsonl", 32)
     fns = hf_assets.write_reward_functions(root / "fns.py")
-    with forked_workers():
-        init_ray(None, num_cpus=N, num_devices=N)
+    init_ray(None, num_cpus=N, num_devices=N)
     out = {}
     out["llama"] = run([
         *COMMON, f"actor.path={llama}", f"reward.function={fns}:length",

@@ -15,7 +15,7 @@ from rlhf_paro.sharding import Strategy
 from rlhf_paro.sharding.cost import traffic
 from rlhf_paro.sharding.layout import unit_sizes
 from tests.confs import load
-from tests.conftest import demo_cache, forked_workers
+from tests.conftest import demo_cache
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -48,8 +48,7 @@ def job(tmp_path_factory):
         # ~1e-6, and the run goes through the path a mismatched engine would take.
         "rollout.tis_cap=2.0",
     ])
-    with forked_workers():
-        init_ray(None, num_cpus=N, num_devices=N)
+    init_ray(None, num_cpus=N, num_devices=N)
     from rlhf_paro.trainer import PPOTrainer
 
     trainer = PPOTrainer(cfg)

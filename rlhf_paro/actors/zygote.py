@@ -1,22 +1,31 @@
-"""``python -m MODULE ARGS`` (or ``python SCRIPT ARGS``) as a child of one process that has
-already imported its dependencies: what a job test's driver or Ray worker spends its first
-seconds on (torch, transformers, the trainer), paid once per test session instead of once per
-process.
+"""A process that has already imported the modules a Ray worker (or a driver) imports first, and
+forks a child for each request: ``python -m MODULE ARGS`` (or ``python SCRIPT ARGS``) without the
+seconds of a core each new interpreter spends on torch and transformers.
 
-The server (this file run as a script) imports ``preload`` and then, for each request, forks a
-child that becomes what ``python -m`` would have started: the request's environment, working
-directory, argument vector and ``sys.path[0]``; standard input from ``/dev/null`` and output
-into the caller's files; fresh seeds for ``random`` (and NumPy's global generator), which a
+A run on its own machine starts its Ray workers this way (``actors/group.py``, ``init_ray``;
+``actors/ray_worker.py`` is the set-up script Ray runs for each worker); the tests' drivers too.
+
+The server (``python -m rlhf_paro.actors.zygote SOCKET PRELOAD``) listens at once, imports
+``preload`` and then, for each request, forks a child that becomes what ``python -m`` would have
+started: the request's environment, working directory, argument vector, ``sys.path[0]`` and
+blocked signals; standard input from ``/dev/null`` and output into the caller's files (or the
+caller's own descriptors); fresh seeds for ``random`` (and NumPy's global generator), which a
 fork would otherwise share; and at the end what the interpreter's own exit does (non-daemon
 threads joined, ``atexit`` run, streams flushed) and its exit status (1 and a traceback for an
 uncaught exception). The caller gets a ``Driver``: its pid (the real process, for signals),
-``poll``, ``wait`` and ``communicate``, as ``subprocess.Popen`` gives them.
+``poll``, ``wait`` and ``communicate``, as ``subprocess.Popen`` gives them. The server ends with
+the process that started it, and blocks SIGINT as Ray's own processes do: a Ctrl-C in the
+terminal is the driver's to handle.
 
 What a fork cannot give: a module reads at import what the server's environment held, not the
 request's (the server starts with the environment its first caller passes, and callers pass
-one that differs only in what is read at run time); ``/proc/PID/cmdline`` and ``environ`` of the
-child are the server's (its children, started after the environment is set, carry the
-request's); and Python's string hash seed is the server's, the same in every child.
+one that differs only in what is read at run time; a Ray worker's own variables, its job id
+and ``OMP_NUM_THREADS`` among them, are read after the fork: Ray is never preloaded, and torch
+sizes its thread pool at first use); ``/proc/PID/cmdline`` and ``environ`` of the child are the
+server's (its children, started after the environment is set, carry the request's); and
+Python's string hash seed is the server's, the same in every child. CUDA is never initialised
+in the server (a forked CUDA context is unusable): the preload only imports, and a server that
+finds CUDA initialised after it exits, its callers falling back to a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import os
 import pickle
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -50,9 +60,10 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
 
 def request(conn: socket.socket, what: dict,
             fds: Sequence[int] = ()) -> tuple[socket.socket, int]:
-    """Ask the server for a child (``what``: module or script, args, env, cwd; the standard
-    streams as ``fds`` or as the files ``stdout`` and ``stderr``); its pid. The connection then
-    carries its exit status (``_STATUS``)."""
+    """Ask the server for a child (``what``: module or script, args, env, cwd; optionally the
+    signals it starts with blocked, ``blocked``, and the pid of a process it ends with,
+    ``die_with``; the standard streams as ``fds`` or as the files ``stdout`` and ``stderr``); its
+    pid. The connection then carries its exit status (``_STATUS``)."""
     payload = pickle.dumps(what)
     socket.send_fds(conn, [_LEN.pack(len(payload))], list(fds))
     conn.sendall(payload)
@@ -92,7 +103,7 @@ class Driver:
 
 
 class Zygote:
-    """The server process and a client's side of it (one per test session)."""
+    """The server process and a client's side of it."""
 
     def __init__(self, preload: list[str], env: dict[str, str]) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="zygote-"))
@@ -100,11 +111,12 @@ class Zygote:
         self._log = self._dir / "server.log"  # a file: nobody reads a pipe while it fills
         with self._log.open("wb") as log:
             self._proc = subprocess.Popen(
-                [sys.executable, __file__, self._path, ",".join(preload)], env=env,
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+                [sys.executable, "-m", __name__, self._path, ",".join(preload)], env=env,
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                preexec_fn=_block_sigint)
 
     def _connect(self) -> socket.socket:
-        deadline = time.monotonic() + 120  # the preload takes seconds on a loaded machine
+        deadline = time.monotonic() + 120  # the socket is there within a second or so
         while True:
             if self._proc.poll() is not None:
                 raise RuntimeError(f"the zygote exited ({self._proc.returncode}): "
@@ -138,12 +150,13 @@ class Zygote:
             self._proc.wait(10)
         except subprocess.TimeoutExpired:
             self._proc.kill()
-        for path in self._dir.iterdir():
-            path.unlink()
-        self._dir.rmdir()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 # The server's side.
+
+def _block_sigint() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 def _exit_code(exc: SystemExit) -> int:
     """What the interpreter exits with for ``SystemExit(code)``."""
@@ -185,6 +198,7 @@ def _become(request: dict, fds: list[int]) -> None:
     for sig in (signal.SIGCHLD, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_SETMASK, request.get("blocked", ()))
     if fds:  # the caller's own standard streams
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
@@ -237,20 +251,31 @@ def _serve(path: str, preload: list[str]) -> None:
     import importlib
 
     sys.path[0] = os.getcwd()  # as ``python -m`` from here; each child sets its own
+    parent = os.getppid()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".tmp")
+    # Listening before the preload: a caller's request waits in the backlog until it is done.
+    listener.listen(128)
+    os.rename(path + ".tmp", path)
     for name in preload:
         importlib.import_module(name)
-    parent = os.getppid()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        raise SystemExit(f"CUDA was initialised by the preload ({', '.join(preload)}): a "
+                         "forked child could not use it")
+    try:
+        parent_gone = [os.pidfd_open(parent)]  # readable once the parent has exited
+    except OSError:  # a kernel without pidfd_open: the loop looks every second
+        parent_gone = []
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path + ".tmp")
-    os.rename(path + ".tmp", path)  # a client connects only once the preload is done
-    listener.listen(64)
     waiting: dict[int, socket.socket] = {}
-    while os.getppid() == parent:  # the test session is gone: so is the server
-        ready = select.select([listener, wake_r], [], [], 1.0)[0]
+    while os.getppid() == parent:  # the process that started it is gone: so is the server
+        ready = select.select([listener, wake_r, *parent_gone], [], [], 1.0)[0]
+        if set(parent_gone) & set(ready):
+            break
         if wake_r in ready:
             os.read(wake_r, 4096)
         while waiting:
@@ -268,22 +293,32 @@ def _serve(path: str, preload: list[str]) -> None:
         if listener in ready:
             conn, _ = listener.accept()
             conn.settimeout(30)
-            header, fds, _, _ = socket.recv_fds(conn, _LEN.size, 3)
-            header += _recv_exact(conn, _LEN.size - len(header))
-            what = pickle.loads(_recv_exact(conn, _LEN.unpack(header)[0]))
+            try:
+                header, fds, _, _ = socket.recv_fds(conn, _LEN.size, 3)
+                header += _recv_exact(conn, _LEN.size - len(header))
+                what = pickle.loads(_recv_exact(conn, _LEN.unpack(header)[0]))
+            except (OSError, EOFError, pickle.UnpicklingError):  # a caller that went away
+                conn.close()
+                continue
             pid = os.fork()
             if pid == 0:
                 listener.close()
                 conn.close()
                 for other in waiting.values():
                     other.close()
-                os.close(wake_r)
-                os.close(wake_w)
+                for fd in (wake_r, wake_w, *parent_gone):
+                    os.close(fd)
                 _become(what, fds)
             for fd in fds:
                 os.close(fd)
-            conn.sendall(struct.pack("!i", pid))
+            try:
+                conn.sendall(struct.pack("!i", pid))
+            except OSError:  # the caller went away; its child ends with it (``die_with``)
+                pass
             waiting[pid] = conn
+    # Without the interpreter's teardown of torch and transformers, seconds on a loaded machine
+    # during which a finished run would still have a process.
+    os._exit(0)
 
 
 if __name__ == "__main__":
