@@ -4,6 +4,7 @@ rollout.max_staleness=1``), 10 steps, on each engine.
 
     merged     actor.lora.sync=merged: the whole model, adapters merged in, at every sync
     adapters   the default: the base weights with the first sync, the adapters alone after
+    resumed    (hf) adapters' step-5 checkpoint resumed: the base goes again, the same rows
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from rlhf_paro import models
+from rlhf_paro.actors import checkpoint
 from rlhf_paro.ppo.data import vocab_sizes
 from rlhf_paro.rollout import vllm
 from tests.actors.test_async_job import GRPO
@@ -20,6 +22,7 @@ from tests.conftest import SMALL, compared, demo_cache, train
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 STEPS = 10
+RESUME_AT = 5  # the hf run resumes from its checkpoint of this step
 LORA = ["actor.lora.enabled=true", "actor.lora.r=8",
         "actor.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]", "rollout.num_devices=1",
         "rollout.max_staleness=1", f"trainer.steps={STEPS}"]
@@ -36,7 +39,8 @@ def test_after_the_first_sync_only_the_adapters_travel_and_the_rows_are_the_merg
     args = [*GRPO, *LORA, *ENGINES[engine]]
     cache = demo_cache()
     merged = train(tmp_path / "merged", *args, "actor.lora.sync=merged", cache=cache)
-    adapters = train(tmp_path / "adapters", *args, cache=cache)
+    adapters = train(tmp_path / "adapters", *args, f"trainer.save_every={RESUME_AT}",
+                     cache=cache)
     assert merged.returncode == 0, merged.stderr
     assert adapters.returncode == 0, adapters.stderr
     cfg = load([*SMALL, f"task.cache_dir={cache}", *args])  # the config train() runs
@@ -71,3 +75,12 @@ def test_after_the_first_sync_only_the_adapters_travel_and_the_rows_are_the_merg
             assert diff == merged_diff, got["step"]
         assert abs(diff - merged_diff) <= 2e-4, got["step"]
     assert adapters.rows[0]["rollout/logprob_diff_max"] <= 1e-4  # the policy that sampled it
+    if engine == "hf":  # one engine is enough for what a resume adds: the base goes again
+        step = checkpoint.checkpoint_dir(adapters.out, RESUME_AT)
+        resumed = train(tmp_path / "resumed", *args, f"trainer.resume={step}", cache=cache)
+        assert resumed.returncode == 0, resumed.stderr
+        # New processes: the replica's engine has no weights until the base comes again.
+        assert resumed.rows[0]["actor/comm/base_transfer/intra_bytes"] == model_bytes
+        for want, got in zip(adapters.rows[RESUME_AT:], resumed.rows, strict=True):
+            assert got["step"] == want["step"]
+            assert compared(got) == pytest.approx(compared(want), rel=1e-6, abs=0), got["step"]
