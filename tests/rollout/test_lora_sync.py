@@ -14,6 +14,8 @@ whole model merged (``models.MERGED``).
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -106,6 +108,22 @@ def test_a_target_the_engines_cannot_take_is_one_line_naming_it():
         _lora_cfg("actor.lora.target_modules=[lm_head]", "rollout.num_devices=1")
     # The hf engine on the actor's own parameters syncs nothing: any target PEFT takes.
     _lora_cfg("actor.lora.target_modules=[q_proj,embed_tokens]")
+
+
+@pytest.mark.slow
+def test_through_the_command_line_the_refusal_is_one_line_and_exit_2_before_ray(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "rlhf_paro.train", *INLINE,
+                           "actor.lora.enabled=true", "actor.lora.target_modules=[embed_tokens]",
+                           "rollout.num_devices=1", f"trainer.output_dir={out}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: actor.lora.target_modules: a rollout engine with weights of its own "
+        "(rollout.num_devices>0) cannot take an adapter on embed_tokens (Embedding, not a "
+        "linear layer); allowed: the model's linear layers ("), proc.stderr
+    assert not out.exists()  # nothing started: no run folder, no Ray
 
 
 def test_an_engine_without_lora_kernels_on_the_device_syncs_merged_and_says_so(monkeypatch):
