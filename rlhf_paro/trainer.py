@@ -41,7 +41,7 @@ from typing import Any, Iterator
 import ray
 from omegaconf import OmegaConf
 
-from rlhf_paro import report, runs, sources
+from rlhf_paro import runs, sources
 from rlhf_paro.actors import checkpoint
 from rlhf_paro.actors.actor import ActorWorker
 from rlhf_paro.actors.critic import CriticWorker
@@ -270,6 +270,9 @@ class PPOTrainer:
         finally:
             self._in_steps = False
             logger.close()
+        # Imported here: matplotlib is a second or two of the start that only the end needs.
+        from rlhf_paro import report
+
         return report.draw(trainer.output_dir)
 
     def _skip_stop(self, step: int) -> str | None:
