@@ -222,7 +222,8 @@ def check_lora_targets(cfg: Any, actor_config: Any) -> None:
     if not (lora.enabled and keeps_copy(cfg)):
         return
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(actor_config)
+        model = AutoModelForCausalLM.from_config(
+            actor_config, trust_remote_code=cfg.actor.trust_remote_code)
     head = model.get_output_embeddings()
     linears = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
                       if isinstance(module, torch.nn.Linear) and module is not head})
