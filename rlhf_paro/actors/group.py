@@ -21,6 +21,7 @@ seconds says so on the console (``phase``).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import re
@@ -323,6 +324,8 @@ def start_worker_zygote() -> None:
     reads its config, on a core the driver leaves idle."""
     if not _worker_zygote:
         _worker_zygote.append(Zygote(WORKER_PRELOAD, dict(os.environ)))
+        # Stopped at exit with its socket and log, not left to notice its driver is gone.
+        atexit.register(_worker_zygote[0].close)
 
 
 @contextlib.contextmanager
