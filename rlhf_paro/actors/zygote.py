@@ -109,11 +109,16 @@ class Zygote:
         self._dir = Path(tempfile.mkdtemp(prefix="zygote-"))
         self._path = str(self._dir / "socket")
         self._log = self._dir / "server.log"  # a file: nobody reads a pipe while it fills
-        with self._log.open("wb") as log:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", __name__, self._path, ",".join(preload)], env=env,
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                preexec_fn=_block_sigint)
+        # SIGINT blocked from its first instruction on: the new process inherits the mask of
+        # the thread that starts it (a Ctrl-C meanwhile waits here, pending, for the caller).
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            with self._log.open("wb") as log:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-m", __name__, self._path, ",".join(preload)], env=env,
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     def _connect(self) -> socket.socket:
         deadline = time.monotonic() + 120  # the socket is there within a second or so
@@ -154,9 +159,6 @@ class Zygote:
 
 
 # The server's side.
-
-def _block_sigint() -> None:
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 def _exit_code(exc: SystemExit) -> int:
     """What the interpreter exits with for ``SystemExit(code)``."""
