@@ -36,7 +36,7 @@ def _same(expected: list[dict], got: list[dict], steps: range) -> None:
     # order: tests/test_trainer.py's fp32 bound, 1e-6 relative.
     for step in steps:
         want, have = compared(expected[step]), compared(got[step])
-        assert set(have) == set(want) and "ppo/task_score" in have
+        assert set(have) == set(want) and "ppo/reward_mean" in have
         assert have == pytest.approx(want, rel=1e-6, abs=0), step
 
 

@@ -99,7 +99,7 @@ def test_a_one_turn_episode_repeats_the_single_turn_run_row_for_row(root, engine
         assert episodes.returncode == 0, episodes.stderr
         for step in range(2):
             expected, got = compared(single.rows[step]), compared(episodes.rows[step])
-            assert set(got) == set(expected) and "ppo/task_score" in got
+            assert set(got) == set(expected) and "ppo/reward_mean" in got
             # The same tokens sampled by the same random streams, the same scores: the same fp32
             # arithmetic in the same order (tests/test_trainer.py's bound, 1e-6 relative).
             assert got == pytest.approx(expected, rel=1e-6, abs=0), (name, step)

@@ -68,7 +68,7 @@ def test_the_conf_makes_the_agents_assets_alone_and_points_the_users_keys_at_the
     assert cfg.env.function == demo.GUESS_ENV and cfg.env.max_turns == 5
     # The environment's score is the reward: no model, function or server scores episodes.
     assert cfg.env_scores and cfg.reward.env_score and not cfg.reward.runs_model
-    assert cfg.reward.score_function is None  # ppo/task_score is the environment's score
+    assert cfg.reward.score_function is None  # the environment's score is the reward
     rows = [json.loads(line) for line in open(cfg.data.train_files)]
     assert len(rows) == 32 and {tuple(sorted(r)) for r in rows} == {
         ("num_symbols", "prompt", "secret")}
