@@ -1,7 +1,7 @@
 """Start-up of a run, phase by phase: where the seconds from the command to the first step go.
 
     python scripts/bench_startup.py                       # the default tiny run and an own model
-    python scripts/bench_startup.py --rounds 3 --baseline /tmp/before
+    python scripts/bench_startup.py --rounds 3 --baseline <dir>
     python scripts/bench_startup.py --jobs tiny -- ray.num_cpus=4
 
 Jobs (--jobs, default both), each ``python -m rlhf_paro.train ... trainer.steps=1`` on this
@@ -32,7 +32,7 @@ without changing them, and the table gives, per phase, the median seconds over -
 --baseline DIR runs each job again from another checkout of the project (its ``rlhf_paro``
 first on the path, Ray's workers included), interleaved with this tree's, as "<job>
 (baseline)": a change measured side by side with the tree before it, e.g. ``git worktree add
-/tmp/before HEAD~1``. The probe's extra call to every worker (``workers``) costs a round trip.
+<dir> HEAD~1``. The probe's extra call to every worker (``workers``) costs a round trip.
 
 Overrides after ``--`` go to every job.
 """
