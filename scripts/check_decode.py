@@ -1,7 +1,7 @@
-"""Checks the planner's generation time ([Note: generation time] in rlhf_paro/plan.py) on this
-device: the achieved memory bandwidth (cluster.memory_gbps), then decoding steps of a Llama
-model's shape (its matrices and a key/value cache, random, no checkpoint) at several numbers of
-sequences at once, measured against (weights + cache read) / bandwidth.
+"""Checks the planner's generation time ([Note: generation time] in rlhf_paro/plan/step.py) on this
+device: the achieved memory bandwidth (cluster.memory_gbps), then decoding steps of a Llama model's
+shape (its matrices and a key/value cache, random, no checkpoint) at several numbers of sequences at
+once, measured against (weights + cache read) / bandwidth.
 
     python scripts/check_decode.py                      # Llama-2-7B's shape on cuda, bf16
     python scripts/check_decode.py --device cpu --hidden 256 --ffn 688 --layers 4 \\

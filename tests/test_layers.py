@@ -285,3 +285,53 @@ def test_the_checker_sees_deferred_and_relative_imports(tmp_path):
     path.write_text("from ..actors import worker\n\n\ndef f():\n    import rlhf_paro.trainer\n")
     assert imported_names("rlhf_paro.ppo.mod", path) == [
         (1, "rlhf_paro.actors.worker"), (5, "rlhf_paro.trainer")]
+
+
+def bare_deferred_imports(path: Path) -> list[int]:
+    """Lines of the imports inside a function of ``path`` with no comment on their line or the
+    line above to say why they wait for the call."""
+    text = path.read_text()
+    lines = text.splitlines()
+    found = []
+    for node in ast.walk(ast.parse(text, filename=str(path))):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for inner in ast.walk(node):
+            if isinstance(inner, (ast.Import, ast.ImportFrom)):
+                said = "#" in lines[inner.lineno - 1] or \
+                    lines[inner.lineno - 2].lstrip().startswith("#")
+                if not said:
+                    found.append(inner.lineno)
+    return sorted(set(found))
+
+
+PLANNER = "rlhf_paro.plan"
+# The planner's command line, the one part of it that runs the entry points' shared ``cli``;
+# the cost model, the search, the step and the printout are a library that train.py imports.
+PLANNER_COMMAND = ("rlhf_paro.plan.command", "rlhf_paro.plan.__main__")
+
+
+def test_the_planner_defers_no_import_without_saying_why():
+    bare = [f"{path.relative_to(PACKAGE_DIR.parent)}:{line}"
+            for module, path in modules().items() if _within(module, PLANNER)
+            for line in bare_deferred_imports(path)]
+    assert not bare, "function-level imports without a comment saying why:\n" + "\n".join(bare)
+
+
+def test_the_planner_library_imports_nothing_of_the_command_line():
+    found = [f"{path.relative_to(PACKAGE_DIR.parent)}:{line} imports {name}"
+             for module, path in modules().items()
+             if _within(module, PLANNER) and module not in PLANNER_COMMAND
+             for line, name in imported_names(module, path) if _within(name, "rlhf_paro.cli")]
+    assert not found, "\n".join(found)
+    graph = import_graph(modules())
+    # Nor the other way round: cli runs the planner's command, it never reaches the planner.
+    assert not [t for t in reachable(graph, "rlhf_paro.cli") if _within(t, PLANNER)]
+
+
+def test_the_deferred_import_check_finds_a_bare_one_and_passes_a_said_one(tmp_path):
+    path = tmp_path / "mod.py"
+    path.write_text("import math\n\n\ndef f():\n    import torch\n\n\ndef g():\n"
+                    "    # only this path needs vllm\n    import vllm\n"
+                    "    from x import y  # heavy\n")
+    assert bare_deferred_imports(path) == [5]

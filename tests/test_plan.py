@@ -376,7 +376,7 @@ def test_a_token_budget_bounds_training_activations_never_below_its_sequences_at
 
 def test_first_fit_rows_of_a_token_budget_stay_below_twice_the_budget_plus_the_longest():
     # The bound the planner takes for a packed micro-batch under max_tokens_per_micro_batch=B
-    # (plan.py, [Note: real tokens]): K rows as wide as the longest W hold K x W < 2 B + W
+    # (plan/cost.py, [Note: real tokens]): K rows as wide as the longest W hold K x W < 2 B + W
     # positions, whatever the lengths.
     import torch
 
