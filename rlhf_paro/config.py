@@ -550,9 +550,10 @@ class RolloutConfig:
     # synchronous order. K > 0 needs rollout.num_devices > 0.
     max_staleness: int = 0
 
-    def streams(self) -> bool:
-        """Whether episodes stream on an engine that takes requests (``streaming``)."""
-        return self.engine != "hf" if self.streaming == "auto" else bool(self.streaming)
+    def streams(self, by_default: bool) -> bool:
+        """Whether episodes stream on an engine that takes requests (``streaming``); where
+        auto, the engine's own choice ``by_default`` (``Rollout.streams_by_default``)."""
+        return by_default if self.streaming == "auto" else bool(self.streaming)
 
     def __post_init__(self) -> None:
         _positive("n", self.n)

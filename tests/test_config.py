@@ -9,6 +9,8 @@ from rlhf_paro.compose import CONF_DIR, available_confs, load_config, split_swee
 from rlhf_paro.config import AlgorithmConfig, ConfigError, build_config, cli_errors
 from rlhf_paro.resolve import resolve
 from rlhf_paro.rollout import vllm as vllm_engine
+from rlhf_paro.rollout.hf import HFRollout
+from rlhf_paro.rollout.vllm import VLLMRollout
 from tests.confs import INLINE, load
 
 
@@ -231,7 +233,8 @@ def test_episodes_stream_on_vllm_by_default_and_on_hf_when_asked(engine, setting
     if engine == "vllm" and not vllm_engine.installed():  # the config checks the engine's import
         pytest.skip('needs the vllm extra: pip install -e ".[vllm]"')
     argv = [f"rollout.engine={engine}"] + ([f"rollout.streaming={setting}"] if setting else [])
-    assert load(argv).rollout.streams() is streams
+    own = {"hf": HFRollout, "vllm": VLLMRollout}[engine].streams_by_default  # auto's answer
+    assert load(argv).rollout.streams(own) is streams
 
 
 def test_the_engine_s_share_is_auto_by_default_or_a_number():

@@ -38,9 +38,9 @@ class Generation:
         self.tokenizer = tokenizer  # its pad and eos ids, and an episode's text
         self.device = device
         # Episodes each their own loop, each sample its own seeded stream (a single-turn
-        # response an episode's first action): rollout.streaming on an engine that takes
-        # requests.
-        self._streams = cfg.rollout.streams() and rollout.takes_requests(engine)
+        # response an episode's first action): rollout.streaming (auto: the engine's own
+        # choice) on an engine that takes requests.
+        self._streams = engine.takes_requests and cfg.rollout.streams(engine.streams_by_default)
         # Multi-turn episodes (env.function, env.tools): the environments' runner and what
         # turns their observations into tokens; None for single-turn rollouts.
         self.env_runner: envs.EnvRunner | None = None

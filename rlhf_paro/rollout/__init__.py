@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from rlhf_paro.rollout import hf, vllm
 from rlhf_paro.rollout.base import ENGINES, EngineContext, Requests, Rollout, Sampling, build, \
-    check, generation_seed, keeps_copy, lora_sync, max_len, needs_sync, register_engine, seeded, \
-    takes_requests
+    check, generation_seed, keeps_copy, lora_sync, max_len, needs_sync, register_engine, seeded
 from rlhf_paro.rollout.batch import PromptBatch, RolloutBatch, join, response_mask
 
 __all__ = ["ENGINES", "EngineContext", "PromptBatch", "Requests", "Rollout", "RolloutBatch",
            "Sampling", "build", "check", "generation_seed", "hf", "join", "keeps_copy", "lora_sync",
            "max_len", "needs_sync",
-           "register_engine", "response_mask", "seeded", "takes_requests", "vllm"]
+           "register_engine", "response_mask", "seeded", "vllm"]

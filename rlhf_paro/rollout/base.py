@@ -39,6 +39,12 @@ class Rollout(Protocol):
     # counts in ``perf/padding_fraction``.
     computes_padding: bool
     eos_token_id: int  # the token that ends a response (an action of an episode)
+    # Whether the engine also takes one response at a time (``Requests``), so that episodes may
+    # each run a loop of their own (``episodes.stream``); False: a batch of prompts at a time.
+    takes_requests: bool
+    # Whether episodes stream on it where ``rollout.streaming=auto`` (``RolloutConfig.streams``):
+    # the engine's own measured choice, read only where it ``takes_requests``.
+    streams_by_default: bool
 
     def generate(self, prompts: PromptBatch, sampling: Sampling) -> RolloutBatch:
         """One response per prompt; responses as wide as the longest, never padded out to
@@ -69,8 +75,8 @@ class Rollout(Protocol):
 
 class Requests(Rollout, Protocol):
     """An engine that also takes one response at a time (vLLM's request-level loop; ``hf``'s
-    rows joining and leaving its batch between steps): what a multi-turn episode of its own
-    needs (``episodes.stream``)."""
+    rows joining and leaving its batch between steps), one whose ``takes_requests`` is true:
+    what a multi-turn episode of its own needs (``episodes.stream``)."""
 
     def submit(self, context: list[int], sampling: Sampling, seed: int | None) -> Any:
         """Start a response to the token ids ``context``; returns the request's key. ``seed``:
@@ -82,12 +88,6 @@ class Requests(Rollout, Protocol):
 
     def abort(self, keys: list[Any]) -> None:
         """Drop requests no one will collect (a rollout that failed)."""
-
-
-def takes_requests(engine: Rollout) -> bool:
-    """Whether ``engine`` takes one response at a time (``Requests``; an engine whose
-    ``streams`` is false, ``hf`` on the static cache, does not)."""
-    return callable(getattr(engine, "submit", None)) and getattr(engine, "streams", True)
 
 
 def generation_seed(run_seed: int, step: int, shard: int) -> int:

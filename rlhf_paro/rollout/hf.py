@@ -120,6 +120,8 @@ class HFRollout:
         self.device = device
         self.micro_batch_size = micro_batch_size
         self.static = static
+        # Requests (``submit``, ``step``) decode on the dynamic cache only.
+        self.takes_requests = static is None
         # Inside turns() (dynamic cache only): the keys and values of the last call's sequences,
         # which the next turn's contexts continue (and, streaming, of every ended request).
         self.kept: TurnCache | None = None
@@ -130,11 +132,6 @@ class HFRollout:
         self._waiting: list[tuple[int, list[int], Sampling, int | None]] = []
         self._waited = 0
         self._keys = itertools.count()
-
-    @property
-    def streams(self) -> bool:
-        """Whether it takes one response at a time (``Requests``): on the dynamic cache."""
-        return self.static is None
 
     @torch.no_grad()
     def generate(self, prompts: PromptBatch, sampling: Sampling,
@@ -272,6 +269,10 @@ class HFRollout:
     # One static batch per chunk: every row computed on as wide as the chunk's longest, its
     # prompt's left padding and the positions after its end included.
     computes_padding = True
+    # Episodes go turn by turn where rollout.streaming=auto: with environments that answer at
+    # once, a join's cache copy and prefill cost more than the waiting they save
+    # (docs/design.md, "Multi-turn episodes").
+    streams_by_default = False
 
     def sync(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         pass

@@ -230,6 +230,9 @@ class VLLMRollout:
     # Continuous batching over each sequence's own tokens: no padding is computed on (the rows
     # are padded only when the responses are laid out for the trainer).
     computes_padding = False
+    # A request-level engine: each request joins vLLM's running batch inside its own step, so
+    # episodes stream by default (docs/design.md, "Multi-turn episodes").
+    takes_requests = streams_by_default = True
 
     def __init__(self, cfg: Config, hf_config: Any, eos_token_id: int, pad_token_id: int,
                  device: torch.device, seed: int) -> None:

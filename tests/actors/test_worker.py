@@ -101,7 +101,7 @@ def test_generation_counts_the_positions_its_engine_computes_on(engine, computed
 
     class Engine:  # the registered engine's answers, without its model
         computes_padding = {"hf": HFRollout, "vllm": VLLMRollout}[engine].computes_padding
-        needs_sync = False
+        needs_sync = takes_requests = False
 
         def generate(self, prompts, sampling):
             return batch
