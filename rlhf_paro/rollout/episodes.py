@@ -1,14 +1,16 @@
 """Multi-turn episodes on one actor rank: the one place that assembles an episode's tokens
 (docs/design.md, "Multi-turn episodes").
 
-Two loops, one set of rules (``_Play``). ``run``, turn by turn: each turn generates the next
-action of every episode still running, in one batched call of the rollout engine
-(``Rollout.generate`` on the episodes' contexts; finished episodes drop out), and steps their
-environments (``envs.EnvRunner``: in threads, each call within ``env.timeout_s``). ``stream``,
-each episode its own loop, on an engine that takes requests (``Requests``: vLLM): an episode's
-next action is a request submitted the moment its own environment step returns, so no episode
-waits for another's action or step. Once all have ended, either closes the environments that
-have a ``close()``.
+One loop (``_loop``), one set of rules (``_Play``), two schedules. Every episode's next action
+is a request to the engine (``Requests``), and the loop steps the engine while requests are in
+flight and starts each ended action's environment step at once (``envs.EnvRunner``: in threads,
+each call within ``env.timeout_s``). ``stream``, each episode its own loop, on an engine that
+takes requests (``Rollout.takes_requests``: vLLM, ``hf`` on its dynamic cache): an episode's next
+action is submitted the moment its own environment step returns, so no episode waits for
+another's action or step. ``run``, turn by turn, on any engine: the answers of a turn's steps are
+held until all have returned, and the next turn's actions, submitted together, are one batched
+``Rollout.generate`` on the episodes' contexts (``_Batched``; finished episodes drop out). Once
+all have ended, the loop closes the environments that have a ``close()``.
 Token in, token out: an episode's context is the exact token ids of its prompt, its actions and
 the observations' tokens (``envs.Observations``), never a re-tokenised transcript, so the
 trainer's log-probs of an action are those of the context it was sampled in. An action runs
@@ -28,10 +30,11 @@ row ends with an action. An episode's score that float32 cannot hold (step rewar
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 
@@ -85,36 +88,11 @@ def run(engine: Rollout, prompts: PromptBatch, rows: Sequence[dict[str, Any]],
     (when the first and the last episode ended), ``step_latencies_s`` (each environment step's
     seconds). ``where(i)`` names sample i in error lines.
 
-    Turn by turn: each turn's actions are one batched ``engine.generate``, then all their
-    environment steps at once; ``stream`` is the loop of an engine that takes requests."""
-    play = _Play(engine.eos_token_id, runner, observations, sampling, budget, where)
-    envs, episodes = play.start(prompts, rows, seeds)
-    with engine.turns():
-        for turn in range(budget.max_turns):
-            active = [i for i, e in enumerate(episodes) if e.ended is None]
-            if not active:
-                break
-            contexts = [episodes[i].prompt + episodes[i].tokens for i in active]
-            room = max(budget.max_total_tokens - len(c) for c in contexts)
-            begin = time.monotonic()
-            batch = engine.generate(
-                PromptBatch.left_padded(contexts, pad_token_id),
-                dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens, room)))
-            play.busy_s += time.monotonic() - begin
-            stepping, actions = [], []
-            for row, i in enumerate(active):
-                keep = batch.action_mask[row].bool()
-                action = play.act(i, batch.responses[row][keep].tolist(),
-                                  None if batch.logprobs is None
-                                  else batch.logprobs[row][keep].tolist())
-                if action is not None:
-                    stepping.append(i)
-                    actions.append(decode(action))
-            results = runner.step([envs[i] for i in stepping], actions,
-                                  lambda k: where(stepping[k]) + f" (turn {turn})")
-            for i, result in zip(stepping, results):
-                play.observe(i, result)
-    return play.finish(envs, pad_token_id)
+    Turn by turn, on any engine: the episode loop (``_loop``) holding each turn's actions until
+    every environment step of the turn before has returned, then decoding them in one batched
+    ``engine.generate`` (``_Batched``), from the process's random stream."""
+    return _loop(_Batched(engine, pad_token_id), prompts, rows, seeds, runner, observations,
+                 decode, sampling, budget, pad_token_id, where, None, by_turns=True)
 
 
 def stream(engine: Requests, prompts: PromptBatch, rows: Sequence[dict[str, Any]],
@@ -127,16 +105,34 @@ def stream(engine: Requests, prompts: PromptBatch, rows: Sequence[dict[str, Any]
     the others' and the environments step in their threads. A sampled action draws from its
     own stream, seeded from ``sample_seeds[i]`` and its turn (``action_seed``), so which tokens
     it samples does not depend on what else the engine decodes; greedy actions are ``run``'s."""
+    return _loop(engine, prompts, rows, seeds, runner, observations, decode, sampling, budget,
+                 pad_token_id, where, sample_seeds, by_turns=False)
+
+
+def _loop(engine: Requests, prompts: PromptBatch, rows: Sequence[dict[str, Any]],
+          seeds: Sequence[int], runner: EnvRunner, observations: Observations,
+          decode: Callable[[list[int]], str], sampling: Sampling, budget: Budget,
+          pad_token_id: int, where: Callable[[int], str], sample_seeds: Sequence[int] | None,
+          by_turns: bool) -> tuple[RolloutBatch, dict[str, Any]]:
+    """The one episode loop: every episode's first action submitted, then the engine stepped
+    while requests are in flight, each ended action's environment step started at once, and
+    each answer observed and the episode's next action submitted. ``by_turns``: the answers
+    are held until no request and no step is in flight, then observed in episode order (a
+    turn boundary: the next turn's actions are submitted together); else each is observed as
+    it returns. ``sample_seeds``: each sampled action's seed (``action_seed``); None: the
+    engine's own stream."""
     play = _Play(engine.eos_token_id, runner, observations, sampling, budget, where)
     envs, episodes = play.start(prompts, rows, seeds)
     requests: dict[Any, int] = {}  # request -> its episode
     steps: dict[Future, int] = {}  # environment step in flight -> its episode
+    answered: dict[int, StepResult] = {}  # episode -> its step's answer, not yet observed
 
     def submit(i: int) -> None:
         episode = episodes[i]
         context = episode.prompt + episode.tokens
         room = budget.max_total_tokens - len(context)
-        seed = None if sampling.greedy else action_seed(sample_seeds[i], episode.turns)
+        seed = (None if sampling.greedy or sample_seeds is None
+                else action_seed(sample_seeds[i], episode.turns))
         requests[engine.submit(context, dataclasses.replace(
             sampling, max_new_tokens=min(sampling.max_new_tokens, room)), seed)] = i
 
@@ -157,9 +153,13 @@ def stream(engine: Requests, prompts: PromptBatch, rows: Sequence[dict[str, Any]
                                                      f" (turn {episodes[i].turns - 1})")] = i
                 # With requests in flight the engine goes on at once; without, wait for a step.
                 for future in runner.poll(set(steps), 0 if requests else _WAIT_S):
-                    i = steps.pop(future)
-                    if play.observe(i, future.result()):
+                    answered[steps.pop(future)] = future.result()
+                if by_turns and (requests or steps):
+                    continue
+                for i in sorted(answered):
+                    if play.observe(i, answered[i]):
                         submit(i)
+                answered.clear()
     except BaseException:
         engine.abort(list(requests))
         runner.cancel(set(steps))
@@ -167,7 +167,45 @@ def stream(engine: Requests, prompts: PromptBatch, rows: Sequence[dict[str, Any]
     return play.finish(envs, pad_token_id)
 
 
-# How long the streaming loop waits for an environment step when the engine has nothing to
+class _Batched:
+    """An engine's ``generate`` taken as requests (``Requests``): a ``step`` decodes every
+    request submitted since the last in one batched call, each left-padded, to the largest of
+    their budgets (an action past its own room is cut by ``_Play.act``), and ends them all.
+    Sampled from the process's random stream: a request's seed is not read."""
+
+    def __init__(self, engine: Rollout, pad_token_id: int) -> None:
+        self.engine, self.pad_token_id = engine, pad_token_id
+        self.eos_token_id = engine.eos_token_id
+        self.waiting: list[tuple[int, list[int], Sampling]] = []
+        self.keys = itertools.count()
+
+    def turns(self) -> ContextManager[None]:
+        return self.engine.turns()
+
+    def submit(self, context: list[int], sampling: Sampling, seed: int | None) -> int:
+        key = next(self.keys)
+        self.waiting.append((key, context, sampling))
+        return key
+
+    def step(self) -> list[tuple[int, list[int], list[float] | None]]:
+        waiting, self.waiting = self.waiting, []
+        batch = self.engine.generate(
+            PromptBatch.left_padded([context for _, context, _ in waiting], self.pad_token_id),
+            dataclasses.replace(waiting[0][2], max_new_tokens=max(
+                sampling.max_new_tokens for _, _, sampling in waiting)))
+        ended = []
+        for row, (key, _, _) in enumerate(waiting):
+            keep = batch.action_mask[row].bool()
+            ended.append((key, batch.responses[row][keep].tolist(),
+                          None if batch.logprobs is None else batch.logprobs[row][keep].tolist()))
+        return ended
+
+    def abort(self, keys: list[int]) -> None:
+        gone = set(keys)
+        self.waiting = [w for w in self.waiting if w[0] not in gone]
+
+
+# How long the episode loop waits for an environment step when the engine has nothing to
 # decode, before it looks for steps past their deadline.
 _WAIT_S = 0.05
 
@@ -179,8 +217,8 @@ def action_seed(sample_seed: int, turn: int) -> int:
 
 
 class _Play:
-    """The episodes of one rollout as they grow: what either loop does with an action and
-    with an environment's answer, and the sums at the end."""
+    """The episodes of one rollout as they grow: what the loop does with an action and with an
+    environment's answer, under either schedule, and the sums at the end."""
 
     def __init__(self, eos_token_id: int, runner: EnvRunner, observations: Observations,
                  sampling: Sampling, budget: Budget, where: Callable[[int], str]) -> None:
