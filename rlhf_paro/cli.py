@@ -1,10 +1,11 @@
 """The command line of the entry points (``rlhf_paro.train``, ``rlhf_paro.plan``).
 
-    python -m rlhf_paro.<entry> [-h|--help] [--cfg job] [-m|--multirun] [conf=NAME] [override ...]
+    python -m rlhf_paro.<entry> [-h|--help] [--cfg job|step] [-m|--multirun] [conf=NAME] [override ...]
 
 ``--help`` lists every key with the value this command line gives it and its comment from
-``config.py``; ``--cfg job`` prints the config as YAML and runs nothing. Both show the config as
-composed, before ``prepare`` resolves it: a demo asset not made yet is ``${demo:NAME}``, and
+``config.py``; ``--cfg job`` prints the config as YAML and runs nothing; ``--cfg step`` prints
+the plan of one training step (``ppo/step.py``: its calls, what each reads and gives, the
+speed-ups the config allows) and runs nothing. They show the config as composed, before ``prepare`` resolves it: a demo asset not made yet is ``${demo:NAME}``, and
 nothing is made or written. ``-m`` runs one job per
 combination of the values of every swept override ``key=a,b,c`` (the cartesian product, the
 first swept key varying slowest), one after another; job k writes to
@@ -36,6 +37,7 @@ from rlhf_paro.compose import (
     available_confs, load_config, parse_overrides, quoted, register_resolver, sweep_values,
 )
 from rlhf_paro.config import Config, ConfigError, NothingToRun, cli_errors
+from rlhf_paro.ppo import step
 
 OVERRIDES = """\
 overrides, applied in order:
@@ -55,6 +57,7 @@ values, as typed after the first "=" (# ~ = : spaces, it's and unicode are kept)
 options:
   -h, --help           this text
   --cfg job            print the config of this command line as YAML; runs nothing
+  --cfg step           print the plan of one training step (its calls); runs nothing
   -m, --multirun       one job per combination of the values of every key=a,b,c (the product),
                        one after another; job k writes to <trainer.output_dir>/<k>_<key=value,...>"""
 
@@ -70,7 +73,7 @@ def main(argv: list[str], *, prog: str, about: str, prepare: Callable[[Config, s
     config to run (raising ``ConfigError`` for a user's mistake), ``execute(cfg, job_argv)``
     runs it; ``job_argv`` is the command line of that job alone (a multirun job's values and
     output directory). A job whose ``prepare`` raises ``NothingToRun`` is skipped, its line
-    printed. ``--help`` and ``--cfg job`` stop before ``prepare``: they make and write
+    printed. ``--help`` and ``--cfg`` stop before ``prepare``: they make and write
     nothing."""
     register_demo_resolver()
     with cli_errors():
@@ -86,7 +89,9 @@ def main(argv: list[str], *, prog: str, about: str, prepare: Callable[[Config, s
         if show_cfg:
             for k, (job, cfg) in enumerate(zip(jobs, configs)):
                 header = f"# job {k}: {job.name or 'nothing swept'}\n" if multirun else ""
-                print(header + OmegaConf.to_yaml(cfg.to_dict()), end="")
+                shown = (OmegaConf.to_yaml(cfg.to_dict()) if show_cfg == "job" else
+                         step.describe(cfg) + "\n")
+                print(header + shown, end="")
             return
         ready: list[Config | None] = []
         for job, cfg in zip(jobs, configs):
@@ -142,9 +147,10 @@ def register_demo_resolver() -> None:
     register_resolver("demo", demo.resolver)
 
 
-def _options(argv: list[str]) -> tuple[bool, bool, bool, list[str]]:
-    """(--help, --cfg job, -m, the other arguments)."""
-    show_help = show_cfg = multirun = False
+def _options(argv: list[str]) -> tuple[bool, str, bool, list[str]]:
+    """(--help, what --cfg shows: "job", "step" or "", -m, the other arguments)."""
+    show_help = multirun = False
+    show_cfg = ""
     args = []
     rest = iter(argv)
     for arg in rest:
@@ -154,11 +160,11 @@ def _options(argv: list[str]) -> tuple[bool, bool, bool, list[str]]:
             multirun = True
         elif arg in ("-c", "--cfg") or arg.startswith("--cfg="):
             what = arg.partition("=")[2] if "=" in arg else next(rest, "")
-            if what != "job":
-                raise ConfigError("--cfg", f"got {what!r}; allowed: job")
-            show_cfg = True
+            if what not in ("job", "step"):
+                raise ConfigError("--cfg", f"got {what!r}; allowed: job, step")
+            show_cfg = what
         elif arg.startswith("-"):
-            raise ConfigError(arg, "unknown option; allowed: -h/--help, --cfg job, "
+            raise ConfigError(arg, "unknown option; allowed: -h/--help, --cfg job|step, "
                                           "-m/--multirun, then conf=NAME and overrides")
         else:
             args.append(arg)
@@ -191,7 +197,7 @@ def help_text(prog: str, about: str, argv: list[str]) -> str:
     rows = [(f"{key}={_flow(value)}", comment) for key, value, comment in _leaves(cfg, "")]
     width = min(max(len(left) for left, _ in rows), 44)
     return "\n".join([
-        f"usage: python -m {prog} [-h] [--cfg job] [-m] [conf=NAME|conf=FILE.yaml] "
+        f"usage: python -m {prog} [-h] [--cfg job|step] [-m] [conf=NAME|conf=FILE.yaml] "
         "[override ...]", "", about.strip(), "", OVERRIDES, "",
         f"confs (conf=NAME): {', '.join(available_confs())}", "",
         f"keys, with their values under conf={parse_overrides(argv)[0]} and the overrides given:",

@@ -160,18 +160,174 @@ def model_metrics(role: str, reports: list[RankReport]) -> dict[str, float]:
     return row
 
 
-def logprob_diff(per_rank: list[dict[str, float]]) -> dict[str, float]:
+def logprob_diff(sums: Sums | None) -> dict[str, float]:
     """``rollout/logprob_diff_{max,mean}``: how far the engine's log-probs of the sampled tokens
-    are from the trainer's (the actor's ``old_logprobs`` sums), over the real response tokens of
-    all ranks; nothing when the engine gives none. In fp32 the two differ by summation order
-    (1e-5 for hf); in bf16 by rounding, within (16 L + 2) Z / 32 for L layers and logits of
-    magnitude up to Z (docs/design.md, "Rollout")."""
-    if not per_rank or any(not r for r in per_rank):
+    are from the trainer's (the actor's ``mismatch``: the largest difference, and their sum and
+    count), over the real response tokens of all ranks; nothing when the engine gives none. In
+    fp32 the two differ by summation order (1e-5 for hf); in bf16 by rounding, within
+    (16 L + 2) Z / 32 for L layers and logits of magnitude up to Z (docs/design.md,
+    "Rollout")."""
+    if sums is None or "logprob_diff" not in sums.most:
         return {}
-    count = sum(r["logprob_diff_count"] for r in per_rank)
-    return {"rollout/logprob_diff_max": max(r["logprob_diff_max"] for r in per_rank),
-            "rollout/logprob_diff_mean": (sum(r["logprob_diff_sum"] for r in per_rank) / count
+    count = sums.total["logprob_diff_count"]
+    return {"rollout/logprob_diff_max": sums.most["logprob_diff"],
+            "rollout/logprob_diff_mean": (sums.total["logprob_diff_sum"] / count
                                           if count else 0.0)}
+
+
+@dataclass
+class Sums:
+    """What ranks send the driver to add up, each kind folded over ranks its own way
+    (``fold``): ``total`` summed; ``least`` and ``most`` the least or the most of the ranks
+    that have the key; ``each`` every rank's values in one list (a value per call, such as an
+    environment step's seconds); ``counts`` how many samples have a key that not every sample
+    has (a reward function's extra), summed, the divisor of its mean; ``env`` a multi-turn
+    rollout's own sums (``env_metrics``), folded alike."""
+
+    total: dict[str, float] = field(default_factory=dict)
+    least: dict[str, float] = field(default_factory=dict)
+    most: dict[str, float] = field(default_factory=dict)
+    each: dict[str, list[float]] = field(default_factory=dict)
+    counts: dict[str, float] = field(default_factory=dict)
+    env: Sums | None = None
+
+    @classmethod
+    def fold(cls, parts: list[Sums]) -> Sums:
+        """The ranks' ``parts`` as one: a key some ranks lack counts 0 in a total and is left
+        out of a least or most."""
+        out = cls()
+        for part in parts:
+            for key, value in part.total.items():
+                out.total[key] = out.total.get(key, 0.0) + value
+            for key, value in part.counts.items():
+                out.counts[key] = out.counts.get(key, 0.0) + value
+            for key, value in part.least.items():
+                out.least[key] = min(out.least.get(key, value), value)
+            for key, value in part.most.items():
+                out.most[key] = max(out.most.get(key, value), value)
+            for key, values in part.each.items():
+                out.each.setdefault(key, []).extend(values)
+        envs = [p.env for p in parts if p.env is not None]
+        out.env = cls.fold(envs) if envs else None
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, for a checkpoint's JSON (``from_dict`` is the way back)."""
+        return {"total": self.total, "least": self.least, "most": self.most, "each": self.each,
+                "counts": self.counts, "env": None if self.env is None else self.env.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Sums:
+        env = data.get("env")
+        return cls(total=dict(data["total"]), least=dict(data["least"]),
+                   most=dict(data["most"]), each={k: list(v) for k, v in data["each"].items()},
+                   counts=dict(data["counts"]), env=None if env is None else cls.from_dict(env))
+
+
+def env_metrics(sums: Sums | None) -> dict[str, float]:
+    """``env/*`` of a step's episodes from the generators' ``env`` sums (``episodes``): per
+    episode its turns, observation and action tokens, observations dropped for the budget, tool
+    calls and tool errors; the fraction of episodes cut short by ``env.max_turns`` or
+    ``env.max_total_tokens`` (each, and both as ``env/truncated_fraction``); the mean seconds of
+    one environment step. None without an environment."""
+    episodes = sums.total.get("episodes") if sums is not None else None
+    if not episodes:
+        return {}
+    total = sums.total
+    turns, tokens = total["truncated_max_turns"], total["truncated_max_total_tokens"]
+    return {
+        "env/turns_mean": total["turns"] / episodes,
+        "env/truncated_fraction": (turns + tokens) / episodes,
+        "env/truncated_fraction_max_turns": turns / episodes,
+        "env/truncated_fraction_max_total_tokens": tokens / episodes,
+        "env/step_time_s": total["step_time_s"] / max(total["steps"], 1.0),
+        "env/observation_tokens": total["observation_tokens"] / episodes,
+        # (absent from the sums of a rollout launched ahead by an older version, then resumed)
+        "env/dropped_observations": total.get("dropped_observations", 0.0) / episodes,
+        "env/action_tokens": total["action_tokens"] / episodes,
+        "env/tool_calls": total["tool_calls"] / episodes,
+        "env/tool_errors": total["tool_errors"] / episodes,
+        **rollout_timing(sums),
+    }
+
+
+def rollout_timing(sums: Sums) -> dict[str, float]:
+    """How an episodes' rollout spent its time (the ``env`` sums): the share of it the engine
+    had nothing to decode (``rollout/engine_idle_fraction``, over the ranks' seconds), the
+    seconds to the first and the last episode's end, and percentiles of one environment step's
+    seconds (nearest rank). Empty for the sums of a rollout launched ahead by an older version,
+    then resumed."""
+    if "rollout_s" not in sums.total:
+        return {}
+    latencies = sorted(sums.each.get("step_latencies_s", []))
+    out = {"rollout/engine_idle_fraction": sums.total["engine_idle_s"] / sums.total["rollout_s"],
+           "rollout/first_sample_s": sums.least["first_sample_s"],
+           "rollout/last_sample_s": sums.most["last_sample_s"]}
+    if latencies:
+        for q in (50, 90, 99):
+            out[f"env/step_latency_p{q}_s"] = latencies[max(math.ceil(q / 100 * len(latencies)),
+                                                            1) - 1]
+    return out
+
+
+def reward_extras(sums: Sums) -> dict[str, float]:
+    """``reward/<name>``: the mean of a reward function's extra ``name`` over the samples that
+    have it (its total over its ``counts``)."""
+    return {key: sums.total[key] / count for key, count in sums.counts.items() if count}
+
+
+def step_row(cfg: Any, gen: Sums, exp: Sums, scored: Sums, mismatch: Sums | None,
+             reports: dict[str, list[RankReport]], staleness: int, kl_coef: float,
+             times: dict[str, float], now: float) -> dict[str, float]:
+    """A step's row from its folded sums (``gen``: the generators'; ``exp``: the experience's
+    and the update's; ``scored``: the reward's; ``mismatch``: the engine's distance), every
+    model's reports, the rollout's ``staleness``, the step's ``kl_coef`` and the seconds of its
+    stages (``times``, with the step's ``start``; ``now``: its end)."""
+    row: dict[str, float] = {}
+    for role, per_rank in reports.items():
+        row.update(model_metrics(role, per_rank))
+    total, step_s = exp.total, now - times["start"]
+    if "ref" in reports:
+        row.update({"ppo/kl": total["kl"] / total["count"], "ppo/kl_coef": kl_coef})
+    if has_task_score(cfg.to_dict()):
+        row[TASK_SCORE_KEY] = scored.total["task_score"] / scored.total["count"]
+    row.update(reward_extras(scored))
+    row.update(env_metrics(gen.env))
+    row.update(logprob_diff(mismatch))
+    generated = gen.total
+    row.update({
+        "ppo/reward_mean": total["reward"] / total["count"],
+        "ppo/advantage_mean": total["advantage"] / total["tokens"],
+        "ppo/return_mean": total["return"] / total["tokens"],
+        "ppo/response_length": generated["response_length"] / generated["count"],
+        # Updates between the policy that generated the rollout and the one it trains.
+        "rollout/staleness_mean": float(staleness),
+        "rollout/staleness_max": float(staleness),
+        "timing_s/generate": times["launch"] + times["collect"],
+        "timing_s/wait_rollout": times["collect"],
+        "timing_s/make_experience": times["experience"],
+        "timing_s/train": times["train"],
+        "timing_s/step": step_s,
+        "perf/samples_per_s": generated["count"] / step_s,
+        # The rollout's real tokens (prompts and responses, all ranks) over the step.
+        "perf/tokens_per_s": generated["real_tokens"] / step_s,
+        "perf/padding_fraction": padding_fraction(reports),
+    })
+    return row
+
+
+def run_info(cfg: Any, roles: tuple[str, ...]) -> dict[str, Any]:
+    """What the dashboard's title and the wandb run's config say about the run of the models
+    ``roles``."""
+    return {
+        "name": cfg.logger.wandb.name or cfg.trainer.output_dir.rstrip("/").split("/")[-1],
+        "num_devices": cfg.cluster.num_devices,
+        "group_size": cfg.cluster.group_size,
+        "comm": cfg.comm.algorithm,
+        "algorithm": cfg.algorithm.adv_estimator,
+        "strategies": {role: cfg.model(role).strategy for role in roles},
+        "config": cfg.to_dict(),
+    }
 
 
 def padding_fraction(reports: dict[str, list[RankReport]]) -> float:

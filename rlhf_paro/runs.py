@@ -123,6 +123,7 @@ def evaluate(models: dict[str, Any], prompts: Prompts, step: int, wait: Wait,
     ``eval/score_mean``. The validation set goes in rollout-batch pieces, all ranks busy; the
     run's rollout ``source`` generates them (``sources.py``; holding the newest weights)."""
     reward = models["reward"]
+    reward_runs_model = prompts.cfg.reward.runs_model
     total = {"count": 0.0, "reward": 0.0, "task_score": 0.0}
     batch = prompts.cfg.ppo.rollout_batch_size
     num_ranks = prompts.cfg.cluster.num_devices
@@ -140,11 +141,14 @@ def evaluate(models: dict[str, Any], prompts: Prompts, step: int, wait: Wait,
             order = list(torch.arange(len(whole)).chunk(num_ranks))
             rollouts = [whole.select(i) for i in order]
             rows = deal_rows(rows, order)
-        scores = wait(reward=reward.call("score", rollouts, rows, step=step))["reward"]
-        sums = wait(reward=reward.call("score_sums"))["reward"]
-        total["count"] += sum(len(s) for s in scores)
-        total["reward"] += float(sum(s.sum() for s in scores))
-        total["task_score"] += sum(s["task_score"] for s in sums)
+        # The scores and their sums; a report a reward without a model gives with them stays
+        # out of the step's.
+        gives = ("scores", "reward_sums") + (() if reward_runs_model else ("reward_report",))
+        scored = wait(reward=reward.run("score", step, gives, rollout=rollouts, rows=rows)
+                      )["reward"]
+        total["count"] += sum(len(s[0]) for s in scored)
+        total["reward"] += float(sum(s[0].sum() for s in scored))
+        total["task_score"] += sum(s[1].total["task_score"] for s in scored)
     return {"eval/reward_mean": total["reward"] / total["count"],
             "eval/score_mean": total["task_score"] / total["count"]}
 

@@ -27,8 +27,10 @@ Every ``import`` and ``from`` statement counts, at the top of a module, inside a
                     ``resolve``): nothing of them is imported there (``BELOW``).
                   - ``metrics``: the per-rank report the workers fill and its fold into a row;
                     plain data that ``actors`` imports, so below it.
-    4  actors     the Ray workers of the four models and their placement
-    5  the PPO loop that drives the workers (``trainer``), where its rollouts come from
+    4  actors     the Ray workers of the four models and their placement, and the same workers
+                  in one process (``actors/local.py``)
+    5  the PPO loop that drives the workers (``trainer``), where they live (``cluster``: Ray's
+       groups or this process) and its checkpoints (``resume``), where its rollouts come from
        (``sources``: the actor's ranks or replicas of their own), the entry points (``train``,
        ``plan``, ``report``) with their command line (``cli``), and what a run reads and
        writes besides metrics (``runs``: prompts, evaluation, exports)
@@ -62,6 +64,9 @@ LAYERS = {
     "rlhf_paro.actors": 4,
     "rlhf_paro.trainer": 5,
     "rlhf_paro.sources": 5,  # the trainer's rollout sources (Ray groups of actors)
+    "rlhf_paro.cluster": 5,  # where the trainer's workers live: Ray's groups or this process
+    "rlhf_paro.resume": 5,  # the trainer's checkpoints: saved, verified, loaded
+    "rlhf_paro.ends": 5,  # how a run ends early, in one line
     "rlhf_paro.train": 5,
     "rlhf_paro.cli": 5,
     "rlhf_paro.plan": 5,

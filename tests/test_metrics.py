@@ -9,8 +9,8 @@ import time
 import pytest
 
 from rlhf_paro.metrics import (
-    LOOP_KEYS, TASK_SCORE_KEY, MetricsLogger, RankReport, has_task_score, logprob_diff,
-    missing_steps, model_metrics, padding_fraction, read_jsonl, required_keys,
+    LOOP_KEYS, TASK_SCORE_KEY, MetricsLogger, RankReport, Sums, has_task_score, logprob_diff,
+    missing_steps, model_metrics, padding_fraction, read_jsonl, required_keys, reward_extras,
 )
 
 
@@ -129,12 +129,34 @@ def test_padding_fraction_is_the_padding_share_of_every_position_computed_on():
 def test_logprob_diff_is_the_largest_rank_s_max_and_the_token_weighted_mean():
     # Rank 0: 3 tokens, |diffs| summing to 3e-6, largest 2e-6; rank 1: 1 token of 6e-6.
     # The mean is over tokens, (3e-6 + 6e-6) / 4, not a mean of the ranks' means.
-    ranks = [{"logprob_diff_max": 2e-6, "logprob_diff_sum": 3e-6, "logprob_diff_count": 3.0},
-             {"logprob_diff_max": 6e-6, "logprob_diff_sum": 6e-6, "logprob_diff_count": 1.0}]
-    row = logprob_diff(ranks)
+    ranks = [Sums(total={"logprob_diff_sum": 3e-6, "logprob_diff_count": 3.0},
+                  most={"logprob_diff": 2e-6}),
+             Sums(total={"logprob_diff_sum": 6e-6, "logprob_diff_count": 1.0},
+                  most={"logprob_diff": 6e-6})]
+    row = logprob_diff(Sums.fold(ranks))
     assert row["rollout/logprob_diff_max"] == 6e-6
     assert row["rollout/logprob_diff_mean"] == pytest.approx(9e-6 / 4)
-    assert logprob_diff([{}, {}]) == {}  # an engine that gives no log-probs: no keys
+    assert logprob_diff(None) == {}  # an engine that gives no log-probs: no keys
+    assert logprob_diff(Sums.fold([])) == {}
+
+
+def test_sums_fold_each_kind_its_own_way_and_survive_a_checkpoint():
+    # Rank 0 has a reward extra on 2 of its samples and an environment; rank 1 neither.
+    zero = Sums(total={"count": 4.0, "reward/format": 1.5}, counts={"reward/format": 2.0},
+                least={"first_sample_s": 0.5}, most={"last_sample_s": 3.0},
+                each={"step_latencies_s": [0.1, 0.2]},
+                env=Sums(total={"episodes": 4.0}, least={"first_sample_s": 0.5}))
+    one = Sums(total={"count": 4.0}, least={"first_sample_s": 0.2}, most={"last_sample_s": 2.0},
+               each={"step_latencies_s": [0.3]})
+    folded = Sums.fold([zero, one])
+    assert folded.total == {"count": 8.0, "reward/format": 1.5}
+    assert folded.counts == {"reward/format": 2.0}
+    assert folded.least == {"first_sample_s": 0.2} and folded.most == {"last_sample_s": 3.0}
+    assert folded.each == {"step_latencies_s": [0.1, 0.2, 0.3]}
+    assert folded.env.total == {"episodes": 4.0} and folded.env.least == {"first_sample_s": 0.5}
+    # The mean of an extra is over the samples that have it, not over all of them.
+    assert reward_extras(folded) == {"reward/format": 0.75}
+    assert Sums.from_dict(json.loads(json.dumps(folded.to_dict()))) == folded
 
 
 def test_missing_steps_are_those_without_a_row_before_the_resumed_step(tmp_path):

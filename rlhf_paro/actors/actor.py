@@ -20,7 +20,7 @@ from rlhf_paro.actors.rollout import Generation
 from rlhf_paro.actors.worker import TrainedWorker, Worker
 from rlhf_paro.comm.meter import BASE_SYNC, BASE_TRANSFER, GENERATE, SYNC, TRANSFER
 from rlhf_paro.comm.transfer import TransferGroup
-from rlhf_paro.metrics import INFERENCE
+from rlhf_paro.metrics import INFERENCE, Sums
 from rlhf_paro.ppo import algorithms, core
 from rlhf_paro.ppo.data import rollout_tokenizer
 from rlhf_paro.ppo.rewards import RewardFunctionError
@@ -36,10 +36,6 @@ class ActorWorker(TrainedWorker):
         self.generation: Generation | None = None
         # Where this rank sends its weights to the replicas it serves (rollout.num_devices > 0).
         self.transfer: TransferGroup | None = None
-        # This step's old log-probs: from old_logprobs, or from the update's own forwards
-        # (``algorithms.old_logprobs_from_update``); None until then.
-        self._old_logp: torch.Tensor | None = None
-        self._experience: core.Experience | None = None  # this step's, from make_experience
         # Whether the weights changed since the rollout engine last took them (an engine with a
         # copy of its own: ``Rollout.needs_sync``): at setup, after an update or a resume.
         self._engine_stale = True
@@ -135,7 +131,7 @@ class ActorWorker(TrainedWorker):
 
     @torch.no_grad()
     def generate(self, prompts: PromptBatch, rows: dict[str, Any] | None = None,
-                 greedy: bool = False, step: int = 0) -> tuple[RolloutBatch, dict[str, float]]:
+                 greedy: bool = False, step: int = 0) -> tuple[RolloutBatch, Sums]:
         """Sample one response per prompt (``prompts``: left-padded, ``runs.Prompts``), or, with
         an environment, one episode per prompt (``rows``: the prompts' texts and columns, which
         build the environments): ``Generation``, on this rank's prompt slice. ``greedy``: an
@@ -150,90 +146,73 @@ class ActorWorker(TrainedWorker):
         # the real tokens for one that computes no padding (``Rollout.computes_padding``).
         self.count_tokens(batch.attention_mask,
                           packed=not self.rollout_engine.computes_padding)
-        if not greedy:
-            self.set_rollout(batch)
         return batch, stats
 
-    def set_rollout(self, batch: RolloutBatch) -> None:
-        """Replace this rank's rollout with ``batch``: the rows the driver dealt it
-        ([Note: balanced ranks], ``sources.Colocated.balance``)."""
-        self._rollout, self._old_logp = batch, None
-        self._first_pass = self._first_forward = None
-
+    # -- the calls of a step's plan (ppo/step.py): each reads named values, gives a dict ------
     @torch.no_grad()
-    def old_logprobs(self, rollout: RolloutBatch | None = None) -> dict[str, float]:
-        """Log-probs of this rank's rollout under the policy that sampled it (kept here).
-        ``rollout``: the rows the driver dealt this rank, which replace the ones it generated
-        (``set_rollout``; one call fewer than setting them first). Returns, when the engine
-        gave its own log-probs, how far they are from these over the real response tokens:
-        the largest |difference| and its sum and count (``rollout/logprob_diff_*``)."""
-        if rollout is not None:
-            self.set_rollout(rollout)
+    def old_logprobs(self, step: int, rollout: RolloutBatch) -> dict[str, Any]:
+        """``old_logp``: log-probs of this rank's ``rollout`` under the policy that sampled it;
+        ``mismatch``: how far the engine's own log-probs are from them (``mismatch``)."""
         with self.timed(INFERENCE):
-            self._old_logp = self.in_micro_batches(self._rollout,
-                                                   lambda rows: logprobs(self, rows))
-        return self._logprob_diff()
-
-    def _logprob_diff(self) -> dict[str, float]:
-        """How far the engine's log-probs of this rank's rollout are from the old ones."""
-        batch = self._rollout
-        if batch.logprobs is None:
-            return {}
-        mask = batch.action_mask.bool()
-        diff = (self._old_logp.cpu() - batch.logprobs)[mask].abs()
-        return {"logprob_diff_max": float(diff.max()) if len(diff) else 0.0,
-                "logprob_diff_sum": float(diff.sum()), "logprob_diff_count": float(len(diff))}
+            old_logp = self.in_micro_batches(rollout, lambda rows: logprobs(self, rows))
+        return {"old_logp": old_logp, "mismatch": mismatch(rollout, old_logp)}
 
     @torch.no_grad()
-    def make_experience(self, ref_logp: torch.Tensor | None, values: torch.Tensor | None,
-                        score: torch.Tensor, kl_coef: float, step: int | None = None
-                        ) -> tuple[torch.Tensor, dict[str, float]]:
-        """This rank's experience (``core.make_experience``: token rewards, the KL penalty in
-        them unless ``algorithm.kl_in_loss``, the run's advantage estimator).
+    def make_experience(self, step: int, rollout: RolloutBatch, scores: torch.Tensor,
+                        kl_coef: float, old_logp: torch.Tensor | None = None,
+                        ref_logp: torch.Tensor | None = None, values: torch.Tensor | None = None
+                        ) -> dict[str, Any]:
+        """This rank's ``experience`` (``core.make_experience``: token rewards, the KL penalty
+        in them unless ``algorithm.kl_in_loss``, the run's advantage estimator), the critic's
+        ``targets`` (with a critic's ``values``) and ``exp_sums`` for the driver.
 
-        ``ref_logp``: None in a run without a reference; ``values``: None without a critic.
-        A rank's rollout holds whole groups of ``rollout.n`` samples (``runs.Prompts.next``), so
-        group baselines need nothing from other ranks; batch-wide normalisations sum their
-        moments over ranks. Returns the critic's targets and this rank's sums for the driver.
-        Scores too large for the step's float32 arithmetic are a ``RewardFunctionError`` naming
-        their source and ``step`` (``check_experience``).
+        ``old_logp``: None where the update gives them; ``ref_logp``: None in a run without a
+        reference; ``values``: None without a critic. A rank's rollout holds whole groups of
+        ``rollout.n`` samples (``runs.Prompts.next``), so group baselines need nothing from
+        other ranks; batch-wide normalisations sum their moments over ranks. Scores too large
+        for the step's float32 arithmetic are a ``RewardFunctionError`` naming their source and
+        ``step`` (``check_experience``).
         """
         ppo, alg = self.cfg.ppo, self.cfg.algorithm
-        mask = self._rollout.action_mask
+        mask = rollout.action_mask
         groups = torch.arange(len(mask)).div(self.cfg.rollout.n, rounding_mode="floor")
         spec = core.ExperienceSpec(alg.adv_estimator, alg.kl_estimator, alg.kl_in_loss,
                                    ppo.gamma, ppo.lam, ppo.whiten_advantages)
-        exp = self._experience = core.make_experience(
-            spec, self._old_logp, ref_logp, score, mask, groups, values, kl_coef,
-            self.all_reduce_sum)
-        check_experience(exp, score, mask, reward_source(self.cfg), step)
-        stats = {"count": float(mask.shape[0]), "tokens": float(mask.sum()),
-                 "reward": float(score.sum()), "kl": float(exp.kl.sum()),
-                 "advantage": float((exp.advantages * mask).sum()),
-                 "return": float((exp.returns * mask).sum())}
-        return exp.returns, stats
+        exp = core.make_experience(spec, old_logp, ref_logp, scores, mask, groups, values,
+                                   kl_coef, self.all_reduce_sum)
+        check_experience(exp, scores, mask, reward_source(self.cfg), step)
+        sums = {"count": float(mask.shape[0]), "tokens": float(mask.sum()),
+                "reward": float(scores.sum()), "kl": float(exp.kl.sum()),
+                "advantage": float((exp.advantages * mask).sum()),
+                "return": float((exp.returns * mask).sum())}
+        given = {"experience": exp, "exp_sums": Sums(total=sums)}
+        if values is not None:  # a critic's: its targets
+            given["targets"] = exp.returns
+        return given
 
-    def forward_ahead(self, *ready: Any) -> None:
-        """The update's first forward (``TrainedWorker.forward_first``), ahead of the scores: the
-        driver calls it with what must be computed first (``ready``: the reference's log-probs,
-        the critic's values; Ray runs the call once they are), so it runs alone on the device,
-        while a reward that runs no model (a function, a server, an environment's score) is
-        still waited for."""
-        self.forward_first(lambda idx: logprobs(self, self._rollout.select(idx), train=True),
-                           algorithms.loss_agg_mode(self.cfg))
+    def forward_ahead(self, step: int, rollout: RolloutBatch) -> dict[str, Any]:
+        """``first_forward``: the update's first forward (``TrainedWorker.forward_first``),
+        ahead of the scores. The plan issues it once what must be computed first is there (the
+        reference's log-probs, the critic's values), so it runs alone on the device while a
+        reward that runs no model (a function, a server, an environment's score) is still
+        waited for."""
+        return {"first_forward": self.forward_first(
+            rollout, lambda idx: logprobs(self, rollout.select(idx), train=True),
+            algorithms.loss_agg_mode(self.cfg))}
 
-    def train(self, step: int, kl_coef: float) -> dict[str, float]:
+    def train(self, step: int, rollout: RolloutBatch, experience: core.Experience,
+              kl_coef: float, first_forward: Any = None) -> dict[str, Any]:
         """The policy update of step ``step`` on this rank's rollout: the clipped surrogate,
         aggregated as the algorithm says, plus ``kl_coef`` times the KL loss term when
-        ``algorithm.kl_in_loss``.
+        ``algorithm.kl_in_loss``; ``first_forward``: its first forward, run ahead.
 
-        Without old log-probs (no ``old_logprobs`` call this step: the trainer skips it where
-        ``algorithms.old_logprobs_from_update``), each micro-batch's forward gives its rows'
-        before the only optimizer step; then returns what ``old_logprobs`` and
-        ``make_experience`` would have for the driver: the KL sum (``kl``, zero without a
-        reference) and the engine's distance (``logprob_diff_*``). Else nothing."""
-        batch, ppo, alg = self._rollout, self.cfg.ppo, self.cfg.algorithm
-        anchored = self._old_logp is None
+        Without old log-probs in ``experience`` (``algorithms.old_logprobs_from_update``), each
+        micro-batch's forward gives its rows' before the only optimizer step; then it gives
+        what ``old_logprobs`` would have: the engine's distance (``mismatch``) and, in
+        ``update_sums``, the KL sum (zero without a reference). Else ``update_sums`` is
+        empty."""
+        batch, ppo, alg = rollout, self.cfg.ppo, self.cfg.algorithm
+        anchored = experience.old_logp is None
         if anchored and len(batch) > ppo.mini_batch_size // self.num_ranks:
             raise RuntimeError("old log-probs from the update need one mini-batch a step")
         anchor = torch.zeros(batch.action_mask.shape)
@@ -244,12 +223,11 @@ class ActorWorker(TrainedWorker):
         norm = (ppo.max_new_tokens if algorithms.spec(self.cfg).token_sum_norm
                 and agg == "seq_mean_token_sum" else None)
 
-        def micro_loss(idx: torch.Tensor, divisor: float) -> tuple[torch.Tensor, dict]:
-            rows, exp = batch.select(idx), self._experience.select(idx)
+        def micro_loss(idx: torch.Tensor, divisor: float, ahead: Any
+                       ) -> tuple[torch.Tensor, dict]:
+            rows, exp = batch.select(idx), experience.select(idx)
             mask = rows.action_mask.to(self.device)
-            logp = self.take_first(idx)
-            if logp is None:
-                logp = logprobs(self, rows, train=True)
+            logp = ahead if ahead is not None else logprobs(self, rows, train=True)
             if anchored:  # before any optimizer step: the policy that the rollout trains
                 old_logp = logp.detach()
                 anchor[idx], covered[idx] = old_logp.float().cpu(), True
@@ -276,16 +254,28 @@ class ActorWorker(TrainedWorker):
                 metrics["actor/kl_loss"] = kl_stats["kl"]
             return loss, metrics
 
-        self.ppo_update(batch.action_mask, micro_loss, step, agg)
+        self.ppo_update(batch, micro_loss, step, agg, first_forward)
         self._engine_stale = True
         if not anchored:
-            return {}
+            return {"update_sums": Sums()}
         assert bool(covered.all()), "a row of the rollout had no training forward"
-        self._old_logp = anchor
-        ref_logp, mask = self._experience.ref_logp, batch.action_mask
+        ref_logp, mask = experience.ref_logp, batch.action_mask
         kl = (0.0 if ref_logp is None else
               float((core.kl_estimate(anchor, ref_logp, alg.kl_estimator) * mask).sum()))
-        return {"kl": kl, **self._logprob_diff()}
+        return {"update_sums": Sums(total={"kl": kl}), "mismatch": mismatch(batch, anchor)}
+
+
+def mismatch(rollout: RolloutBatch, old_logp: torch.Tensor) -> Sums | None:
+    """How far the engine's log-probs of ``rollout`` are from the trainer's ``old_logp`` over the
+    real response tokens: the largest |difference| (``most``), their sum and count (``total``),
+    folded into ``rollout/logprob_diff_*`` (``metrics.logprob_diff``); None when the engine gave
+    none."""
+    if rollout.logprobs is None:
+        return None
+    diff = (old_logp.cpu() - rollout.logprobs)[rollout.action_mask.bool()].abs()
+    return Sums(total={"logprob_diff_sum": float(diff.sum()),
+                       "logprob_diff_count": float(len(diff))},
+                most={"logprob_diff": float(diff.max()) if len(diff) else 0.0})
 
 
 def reward_source(cfg: Any) -> str:

@@ -667,6 +667,29 @@ class ModelGroup:
                            for r, ref in enumerate(refs))
         return refs
 
+    def run(self, method: str, step: int, returns: tuple[str, ...] = (),
+            keeps: tuple[str, ...] = (), takes: tuple[str, ...] = (),
+            *after: Sequence[Any], sent: dict[str, Sequence[Any]] | None = None,
+            common: dict[str, Any] | None = None) -> list[Any]:
+        """One call of step ``step``'s plan on every rank (``Worker.run``): ``sent`` the values
+        that travel to it, one per rank (refs or values), ``common`` values for every rank;
+        ``after``: values it waits for without reading them, one per rank. Returns one ref per
+        rank, or a tuple of ``len(returns)`` refs per rank."""
+        sent = sent or {}
+        count = max(len(returns), 1)
+        refs = [w.run.options(num_returns=count).remote(
+                    method, step, returns, keeps, takes, *(values[r] for values in after),
+                    **{name: values[r] for name, values in sent.items()}, **(common or {}))
+                for r, w in enumerate(self.workers)]
+        self.issued.extend(Call(ref[0] if count > 1 else ref, self.role, r, method)
+                           for r, ref in enumerate(refs))
+        return refs
+
+    @staticmethod
+    def put(value: Any) -> Any:
+        """``value`` in the object store, for the ranks to read (a dealt rollout)."""
+        return ray.put(value)
+
     def shutdown(self) -> None:
         for w in self.workers:
             ray.kill(w)  # at once, even in a collective that waits for a dead peer

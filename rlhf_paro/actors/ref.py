@@ -14,8 +14,8 @@ class RefWorker(Worker):
     """Built like the actor, from the same seed: it starts as the actor's exact copy."""
 
     @torch.no_grad()
-    def logprobs(self, rollout: RolloutBatch) -> torch.Tensor:
-        """(B, T) log-probs of this rank's rollout under the reference policy."""
+    def logprobs(self, step: int, rollout: RolloutBatch) -> dict[str, torch.Tensor]:
+        """``ref_logp``: (B, T) log-probs of this rank's rollout under the reference policy."""
         # offload=params: parked again once its one phase of the step is over.
         with self.timed(INFERENCE), self.on_device():
-            return self.in_micro_batches(rollout, lambda rows: logprobs(self, rows))
+            return {"ref_logp": self.in_micro_batches(rollout, lambda rows: logprobs(self, rows))}

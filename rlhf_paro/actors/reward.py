@@ -21,7 +21,7 @@ import torch
 from rlhf_paro import usercode
 from rlhf_paro.actors.worker import Worker, peak_bytes
 from rlhf_paro.config import ConfigError
-from rlhf_paro.metrics import INFERENCE, RankReport
+from rlhf_paro.metrics import INFERENCE, RankReport, Sums
 from rlhf_paro.ppo import data, rewards
 from rlhf_paro.ppo.task import task_from_config
 from rlhf_paro.rollout import RolloutBatch
@@ -52,7 +52,6 @@ class RewardWorker(Worker):
         # Without prompt files the task's prompts are scored by its own rule, here: the one
         # source of ppo/task_score, as reward.score_function's score is with files.
         self.task = None if files else task_from_config(self.cfg)
-        self._score_sums = {"count": 0.0, "task_score": 0.0}
 
     def serve_rendezvous(self) -> tuple[str, int]:
         """A reward model's rendezvous (``Worker.serve_rendezvous``); a function or server has
@@ -69,14 +68,14 @@ class RewardWorker(Worker):
         return os.getpid()
 
     @torch.no_grad()
-    def score(self, rollout: RolloutBatch, rows: dict[str, Any] | None = None, step: int = 0,
-              with_sums: bool = False, with_report: bool = False) -> Any:
-        """(B,) reward of each sequence of this rank's rollout. ``rows``: the prompts' texts and
-        columns (``{"texts", "columns"}``), needed by a function or another tokenizer; None for
-        the task's own prompts. ``with_sums``: with this rollout's ``score_sums`` too, for a
-        caller whose next score may run before it asks for them (a rollout scored ahead).
-        ``with_report``: and this worker's ``report`` as of this scoring, for a caller that must
-        not wait for a ``report`` call queued behind a score of a rollout still generating."""
+    def score(self, step: int, rollout: RolloutBatch, rows: dict[str, Any] | None = None
+              ) -> dict[str, Any]:
+        """``scores``: (B,) reward of each sequence of this rank's rollout, and their
+        ``reward_sums`` (``score_sums``). ``rows``: the prompts' texts and columns
+        (``{"texts", "columns"}``), needed by a function or another tokenizer; None for the
+        task's own prompts. A reward that runs no model gives its ``reward_report`` too, as of
+        this scoring: a ``report`` call would queue behind a score of a rollout still
+        generating (``ppo/step.py``)."""
         prompts = responses = None
         if rows is not None:
             prompts, responses = rows["texts"], self._responses(rollout)
@@ -94,19 +93,21 @@ class RewardWorker(Worker):
                 else:
                     reward = self._modelless(step, prompts, responses, rows["columns"])
                     out, extras = torch.tensor(reward.scores), reward.extras
+        sums = Sums()
         if rows is not None:
             score = out
             if self.score_function is not None:
                 scored = rewards.call_function(self.score_function, self.model_cfg.score_function,
                                                step, prompts, responses, rows["columns"])
                 score, extras = torch.tensor(scored.scores), {**extras, **scored.extras}
-            self._score_sums = _score_sums(score, extras)
+            sums = score_sums(score, extras)
         elif self.task is not None:
-            self._score_sums = _score_sums(self.task.score(rollout.prompts, rollout.responses,
-                                                           rollout.action_mask), {})
-        if with_report:
-            return out, self._score_sums, self.report()
-        return (out, self._score_sums) if with_sums else out
+            sums = score_sums(self.task.score(rollout.prompts, rollout.responses,
+                                              rollout.action_mask), {})
+        given = {"scores": out, "reward_sums": sums}
+        if not self.has_model:
+            given["reward_report"] = self.report()
+        return given
 
     def _modelless(self, step: int, prompts: list[str], responses: list[str],
                    columns: dict[str, list[Any]]) -> rewards.RewardOutput:
@@ -116,21 +117,6 @@ class RewardWorker(Worker):
                                          responses, columns)
         return rewards.call_server(self.url, step, prompts, responses, columns,
                                    self.model_cfg.timeout_s, self.token)
-
-    def score_sums(self) -> dict[str, float]:
-        """Sums over the last rollout scored, for the driver to add up over the ranks and divide:
-
-        - ``count``: its sequences; ``task_score``: the sum of their scores
-          (``reward.score_function``'s, else the reward; without prompt files, the task's);
-        - for each extra ``<name>`` that the reward function or server (or the score function)
-          gave for at least one of them (a name both give: the score function's):
-          ``reward/<name>``, its sum over the sequences that have it, and
-          ``reward/<name>:count``, how many have it. Its mean, logged as
-          ``reward/<name>``, is the sum of the first over the ranks over the sum of the second.
-          Ranks score different sequences, so a rank may lack a name that another has: it
-          counts 0 there.
-        """
-        return self._score_sums
 
     def _responses(self, rollout: RolloutBatch) -> list[str]:
         # The whole response: a multi-turn episode's observations too (a trajectory's score).
@@ -171,10 +157,21 @@ def _token(name: str | None) -> str | None:
     return rewards.clean_token(token, name, "reward.token_env")
 
 
-def _score_sums(score: torch.Tensor, extras: dict[str, list[float | None]]) -> dict[str, float]:
-    sums = {"count": float(len(score)), "task_score": float(score.sum())}
+def score_sums(score: torch.Tensor, extras: dict[str, list[float | None]]) -> Sums:
+    """The sums of one rank's scores, for the driver to add up over the ranks and divide:
+
+    - ``count``: its sequences; ``task_score``: the sum of their scores
+      (``reward.score_function``'s, else the reward; without prompt files, the task's);
+    - for each extra ``<name>`` that the reward function or server (or the score function) gave
+      for at least one of them (a name both give: the score function's): ``reward/<name>``, its
+      sum over the sequences that have it, and in ``counts`` how many have it. Its mean, logged
+      as ``reward/<name>``, is the first over the second, each summed over the ranks. Ranks
+      score different sequences, so a rank may lack a name that another has: it counts 0
+      there.
+    """
+    sums = Sums(total={"count": float(len(score)), "task_score": float(score.sum())})
     for name, values in extras.items():
         present = [v for v in values if v is not None]
-        sums[f"reward/{name}"] = math.fsum(present)
-        sums[f"reward/{name}:count"] = float(len(present))
+        sums.total[f"reward/{name}"] = math.fsum(present)
+        sums.counts[f"reward/{name}"] = float(len(present))
     return sums

@@ -21,7 +21,7 @@ import torch
 from rlhf_paro import envs, models, rollout
 from rlhf_paro.actors.worker import Worker, bind_gloo, set_num_threads
 from rlhf_paro.comm.transfer import TransferGroup
-from rlhf_paro.metrics import GENERATE
+from rlhf_paro.metrics import GENERATE, Sums
 from rlhf_paro.ppo.data import rollout_tokenizer, vocab_sizes
 from rlhf_paro.rollout import PromptBatch, RolloutBatch, episodes
 from rlhf_paro.rollout.hf import HFReplica, LocalWeights, static_decode
@@ -55,16 +55,16 @@ class Generation:
 
     @torch.no_grad()
     def __call__(self, prompts: PromptBatch, rows: dict[str, Any] | None, greedy: bool,
-                 step: int, shard: int) -> tuple[RolloutBatch, dict[str, float]]:
+                 step: int, shard: int) -> tuple[RolloutBatch, Sums]:
         """The rollout of prompt slice ``shard`` at step ``step`` (``prompts``: left-padded,
         ``runs.Prompts``; ``rows``: their texts and columns, which build the environments), and
-        sums for the driver (an environment's as ``env_<name>``, ``episodes.run``). With an
+        sums for the driver (an environment's as their ``env``, ``episodes.run``). With an
         engine that takes requests and ``rollout.streaming``, each episode is a loop of its own
         (``episodes.stream``), and each sample draws from a stream of its own.
         ``greedy``: an evaluation. Sampled from the slice's own random stream."""
         cfg = self.cfg
         sampling = rollout.Sampling.from_config(cfg.ppo, greedy)
-        env_stats: dict[str, float] = {}
+        env_stats: Sums | None = None
         with rollout.seeded(rollout.generation_seed(cfg.trainer.seed, step, shard), self.device):
             if self.env_runner is None and self._streams and not greedy:
                 # Each response from a stream of its own: an episode's first action's.
@@ -75,13 +75,13 @@ class Generation:
                 batch = self.engine.generate(prompts, sampling)
             else:
                 batch, env_stats = self._episodes(prompts, rows, sampling, step, shard)
-        stats = {"count": float(len(batch)), "response_length": float(batch.action_mask.sum()),
-                 "real_tokens": float(batch.attention_mask.sum()),
-                 **{f"env_{k}": v for k, v in env_stats.items()}}
+        stats = Sums(total={"count": float(len(batch)),
+                            "response_length": float(batch.action_mask.sum()),
+                            "real_tokens": float(batch.attention_mask.sum())}, env=env_stats)
         return batch, stats
 
     def _episodes(self, prompts: PromptBatch, rows: dict[str, Any], sampling: rollout.Sampling,
-                  step: int, shard: int) -> tuple[RolloutBatch, dict[str, float]]:
+                  step: int, shard: int) -> tuple[RolloutBatch, Sums]:
         """The slice's episodes (``episodes.run``): sample i of the step is number
         shard x len(prompts) + i, which names it in error lines and seeds its environment (an
         evaluation's seeds are apart from the training steps')."""
@@ -185,14 +185,15 @@ class RolloutWorker(Worker):
         self.sync_s = time.perf_counter() - start
 
     def generate(self, prompts: PromptBatch, rows: dict[str, Any] | None = None,
-                 greedy: bool = False, step: int = 0) -> tuple[RolloutBatch, dict[str, float]]:
+                 greedy: bool = False, step: int = 0) -> tuple[RolloutBatch, Sums]:
         """This replica's prompt slice of step ``step`` (``Generation``), and sums for the
         driver, with this replica's seconds generating it and taking the weights it was
         generated with, and their bytes (``replica_*``: the replicas report nothing else, so
         that no call waits behind a generation that runs ahead)."""
         start = time.perf_counter()
         batch, stats = self.generation(prompts, rows, greedy, step, self.rank)
-        stats.update(replica_generate_s=time.perf_counter() - start, replica_sync_s=self.sync_s,
-                     replica_received_bytes=float(self.received_bytes))
+        stats.total.update(replica_generate_s=time.perf_counter() - start,
+                           replica_sync_s=self.sync_s,
+                           replica_received_bytes=float(self.received_bytes))
         self.sync_s, self.received_bytes = 0.0, 0
         return batch, stats

@@ -27,7 +27,7 @@ import os
 import resource
 import time
 from collections import defaultdict
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import psutil
 import ray
@@ -61,6 +61,10 @@ NAN_LOSS_ENV = "RLHF_PARO_NAN_LOSS"
 RENDEZVOUS_TIMEOUT = dist.constants.default_pg_timeout
 
 
+class StepError(RuntimeError):
+    """A value of a step's plan given twice, read twice or never given (``Worker.run``)."""
+
+
 class Worker:
     """Rank ``rank`` of model ``role`` (one of actor, critic, reward, ref)."""
 
@@ -84,6 +88,55 @@ class Worker:
         self._time_s: dict[str, float] = defaultdict(float)  # role phase -> seconds, this step
         self._tokens = 0  # token positions the model computed on, this step
         self._real_tokens = 0  # of which real tokens (the rest is padding)
+        # Values of a step's plan kept here for a later call of the same model, by
+        # (step, name) (``run``, ``ppo/step.py``).
+        self._kept: dict[tuple[int, str], Any] = {}
+
+    # -- a step's plan (ppo/step.py) ------------------------------------------------------------
+    def run(self, method: str, step: int, returns: tuple[str, ...] = (),
+            keeps: tuple[str, ...] = (), takes: tuple[str, ...] = (), *after: Any,
+            **sent: Any) -> Any:
+        """One call of step ``step``'s plan: ``method(step=step, **values)`` with the values it
+        reads, those ``sent`` to it and those ``takes`` names, which an earlier call of this
+        model kept here; ``after``: values it waited for (Ray runs the call once they are
+        there) and does not read. The method gives a dict of named values: ``keeps`` stay here for a
+        later call, ``returns`` go back, in order (one value, or a tuple of them). A value
+        the method gives that the plan does not name, or one it names that the method does not
+        give, is a ``StepError`` naming it."""
+        values = dict(sent)
+        for name in takes:
+            values[name] = self._take(step, name)
+        given = getattr(self, method)(step=step, **values) or {}
+        wanted = set(returns) | set(keeps)
+        if set(given) != wanted:
+            raise StepError(f"{self.role}.{method} at step {step} gave "
+                            f"{', '.join(sorted(given)) or 'nothing'}; its plan names "
+                            f"{', '.join(sorted(wanted)) or 'nothing'}")
+        for name in keeps:
+            self._keep(step, name, given[name])
+        out = tuple(given[name] for name in returns)
+        return out if len(out) > 1 else (out[0] if out else None)
+
+    def _keep(self, step: int, name: str, value: Any) -> None:
+        if (step, name) in self._kept:
+            raise StepError(f"{self.role} rank {self.rank}: step {step}'s {name!r} is given "
+                            "twice")
+        self._kept[(step, name)] = value
+
+    def _take(self, step: int, name: str) -> Any:
+        try:
+            return self._kept.pop((step, name))
+        except KeyError:
+            raise StepError(f"{self.role} rank {self.rank}: step {step}'s {name!r} was never "
+                            "kept here, or was read already") from None
+
+    def kept(self) -> list[tuple[int, str]]:
+        """The (step, name) of every value kept here and not read yet."""
+        return sorted(self._kept)
+
+    def reported(self, step: int) -> dict[str, RankReport]:
+        """The step's report (``report``), as a value of its plan."""
+        return {f"{self.role}_report": self.report()}
 
     # -- rendezvous --------------------------------------------------------------------------
     def node(self) -> str:
@@ -265,6 +318,14 @@ class Worker:
                            packed=self.packed, **kwargs)
 
 
+class FirstForward(NamedTuple):
+    """The update's first pass of mini-batches, drawn ahead of it, and the output of the
+    forward of its first micro-batch (``TrainedWorker.forward_first``)."""
+
+    minis: list[tuple[list[batching.MicroBatch], float]]
+    output: Any
+
+
 class TrainedWorker(Worker):
     """A model that PPO trains (actor, critic): sharded with an optimizer, updated by
     ``ppo_update``, and its report carries the step's training statistics."""
@@ -278,11 +339,6 @@ class TrainedWorker(Worker):
         self._skip_run = 0  # of which the latest in a row
         self._longest_skip_run = 0  # the longest run in a row seen during this step
         self._applied = 0  # optimizer steps applied (not skipped) during this step
-        self._rollout: RolloutBatch | None = None  # this step's rollout of this rank
-        # The update's first pass of mini-batches, drawn ahead of it, and the forward of its
-        # first micro-batch, (rows, output), run ahead too (``forward_first``).
-        self._first_pass: list | None = None
-        self._first_forward: tuple[torch.Tensor, Any] | None = None
 
     def record_train(self, stats: dict[str, float]) -> None:
         for key, value in stats.items():
@@ -307,26 +363,32 @@ class TrainedWorker(Worker):
         self._skipped, self._skip_run = saved["skipped"], saved["skip_run"]
         self._longest_skip_run = self._skip_run
 
-    def ppo_update(self, mask: torch.Tensor,
-                   micro_loss: Callable[[torch.Tensor, float], tuple[torch.Tensor, dict]],
-                   step: int, agg: str = "token_mean") -> None:
-        """``ppo.ppo_epochs`` passes over this rank's rollout; one optimizer step per mini-batch.
+    def ppo_update(self, rollout: RolloutBatch,
+                   micro_loss: Callable[[torch.Tensor, float, Any], tuple[torch.Tensor, dict]],
+                   step: int, agg: str = "token_mean", first: FirstForward | None = None
+                   ) -> None:
+        """``ppo.ppo_epochs`` passes over this rank's ``rollout``; one optimizer step per
+        mini-batch.
 
-        ``micro_loss(indices, divisor)`` returns the loss of one micro-batch (rows ``indices``
-        of the rollout) and its metrics; ``divisor`` makes it a share of the global
+        ``micro_loss(indices, divisor, output)`` returns the loss of one micro-batch (rows
+        ``indices`` of the rollout) and its metrics; ``divisor`` makes it a share of the global
         mini-batch's aggregate ``agg`` (``core.aggregate``: the global count of tokens or
-        sequences over ranks x micro-batches). ``step`` is the PPO step. A filler micro-batch
-        ([Note: micro-batches by tokens]) runs with its loss times 0 and records no metrics.
+        sequences over ranks x micro-batches); ``output`` is the forward ``first`` ran ahead for
+        the first micro-batch (``forward_first``), else None. ``step`` is the PPO step. A filler
+        micro-batch ([Note: micro-batches by tokens]) runs with its loss times 0 and records no
+        metrics.
         """
         poisoned = os.environ.get(NAN_LOSS_ENV) == f"{self.role}:{self.rank}:{step}"
-        for _ in range(self.cfg.ppo.ppo_epochs):
-            planned, self._first_pass = self._first_pass, None
-            for micros, divisor in planned or self._mini_batches(mask, agg):
+        for epoch in range(self.cfg.ppo.ppo_epochs):
+            ahead = first is not None and epoch == 0
+            planned = first.minis if ahead else self._mini_batches(rollout, agg)
+            for m, (micros, divisor) in enumerate(planned):
                 self.engine.set_micro_batches(len(micros))
-                for micro in micros:
-                    self.count_tokens(self._rollout.attention_mask[micro.rows])
+                for k, micro in enumerate(micros):
+                    self.count_tokens(rollout.attention_mask[micro.rows])
+                    output = first.output if ahead and m == 0 and k == 0 else None
                     with self.timed(TRAIN):
-                        loss, stats = micro_loss(micro.rows, divisor)
+                        loss, stats = micro_loss(micro.rows, divisor, output)
                         if micro.weight != 1.0:
                             loss = loss * micro.weight
                         if poisoned:
@@ -340,23 +402,18 @@ class TrainedWorker(Worker):
                 self._count_skip(self.engine.skipped_steps > skipped_before)
                 self.record_train({"grad_norm": grad_norm, "lr": self.engine.lr})
 
-    def forward_first(self, forward: Callable[[torch.Tensor], Any], agg: str) -> None:
+    def forward_first(self, rollout: RolloutBatch, forward: Callable[[torch.Tensor], Any],
+                      agg: str) -> FirstForward:
         """Draw the update's first pass of mini-batches (``_mini_batches``) and run ``forward``
         (rows -> output, its graph kept) on its first micro-batch, before the update: the
-        update then takes both (``take_first``) where it would have drawn and run them, the
-        same operations in the same order, so the step is the same to the bit. Run while the
-        driver waits for what the loss needs and the forward does not (a slow reward's scores),
-        it takes that forward off the step. Its memory is the update's own: one micro-batch's
-        activations, held from here to that micro-batch's backward."""
-        self._first_pass = self._mini_batches(self._rollout.action_mask, agg)
-        rows = self._first_pass[0][0][0].rows
+        update then takes both (``ppo_update``'s ``first``) where it would have drawn and run
+        them, the same operations in the same order, so the step is the same to the bit. Run
+        while the driver waits for what the loss needs and the forward does not (a slow
+        reward's scores), it takes that forward off the step. Its memory is the update's own:
+        one micro-batch's activations, held from here to that micro-batch's backward."""
+        minis = self._mini_batches(rollout, agg)
         with self.timed(TRAIN):
-            self._first_forward = (rows, forward(rows))
-
-    def take_first(self, rows: torch.Tensor) -> Any | None:
-        """The output of ``forward_first`` if it ran on ``rows`` (once), else None."""
-        ahead, self._first_forward = self._first_forward, None
-        return ahead[1] if ahead is not None and ahead[0] is rows else None
+            return FirstForward(minis, forward(minis[0][0][0].rows))
 
     def _count_skip(self, skipped: bool) -> None:
         self._skipped += skipped
@@ -376,7 +433,7 @@ class TrainedWorker(Worker):
                              directory, tokenizer, self.model_cfg.lora.merge_on_export)
         dist.barrier()
 
-    def _mini_batches(self, mask: torch.Tensor, agg: str
+    def _mini_batches(self, rollout: RolloutBatch, agg: str
                       ) -> list[tuple[list[batching.MicroBatch], float]]:
         """This rank's shuffled mini-batches (when the driver deals, ``Config.deals_rollouts``,
         consecutive slices of the rows in the order it dealt them, [Note: balanced ranks]; else
@@ -386,6 +443,7 @@ class TrainedWorker(Worker):
         count is the largest over ranks, fillers making up the rest
         ([Note: micro-batches by tokens])."""
         size = self.cfg.ppo.mini_batch_size // self.num_ranks
+        mask = rollout.action_mask
         if self.cfg.deals_rollouts:  # the driver's order: consecutive slices, shuffled
             slices = batching.split_by_rows(torch.arange(mask.shape[0]), size)
             minis = [slices[i] for i in torch.randperm(len(slices)).tolist()]
@@ -394,7 +452,7 @@ class TrainedWorker(Worker):
         local = torch.tensor([core.agg_count(mask[m], agg) for m in minis], dtype=torch.float64)
         total = self.all_reduce_sum(local)
         budget = self.model_cfg.max_tokens_per_micro_batch
-        num_tokens = self._rollout.num_tokens()
+        num_tokens = rollout.num_tokens()
         if budget is None:
             splits = [batching.split_by_rows(m, self.model_cfg.micro_batch_size) for m in minis]
             counts = [len(s) for s in splits]  # the same on every rank: as many rows each

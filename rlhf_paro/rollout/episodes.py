@@ -38,6 +38,7 @@ from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 
+from rlhf_paro.metrics import Sums
 from rlhf_paro.envs import EnvError, EnvRunner, Observations, StepResult
 from rlhf_paro.rollout.base import Requests, Rollout, Sampling
 from rlhf_paro.rollout.batch import PromptBatch, RolloutBatch
@@ -78,15 +79,15 @@ class Episode:
 def run(engine: Rollout, prompts: PromptBatch, rows: Sequence[dict[str, Any]],
         seeds: Sequence[int], runner: EnvRunner, observations: Observations,
         decode: Callable[[list[int]], str], sampling: Sampling, budget: Budget,
-        pad_token_id: int, where: Callable[[int], str]) -> tuple[RolloutBatch, dict[str, Any]]:
+        pad_token_id: int, where: Callable[[int], str]) -> tuple[RolloutBatch, Sums]:
     """The episodes of ``prompts`` (one per row, its environment built from ``rows[i]`` and
     reset with ``seeds[i]``) as a rollout, and sums over them for the driver: ``episodes``,
     ``turns``, ``truncated_max_turns``, ``truncated_max_total_tokens``, ``steps``,
     ``step_time_s``, ``observation_tokens``, ``dropped_observations``, ``action_tokens``,
     ``tool_calls``, ``tool_errors``, ``engine_idle_s`` and ``rollout_s`` (the seconds the engine
-    had nothing to decode, of the rollout's), ``first_sample_s:min`` and ``last_sample_s:max``
-    (when the first and the last episode ended), ``step_latencies_s`` (each environment step's
-    seconds). ``where(i)`` names sample i in error lines.
+    had nothing to decode, of the rollout's) as totals, ``first_sample_s`` (least) and
+    ``last_sample_s`` (most: when the first and the last episode ended), ``step_latencies_s``
+    (each environment step's seconds, as each). ``where(i)`` names sample i in error lines.
 
     Turn by turn, on any engine: the episode loop (``_loop``) holding each turn's actions until
     every environment step of the turn before has returned, then decoding them in one batched
@@ -99,7 +100,7 @@ def stream(engine: Requests, prompts: PromptBatch, rows: Sequence[dict[str, Any]
            seeds: Sequence[int], runner: EnvRunner, observations: Observations,
            decode: Callable[[list[int]], str], sampling: Sampling, budget: Budget,
            pad_token_id: int, where: Callable[[int], str], sample_seeds: Sequence[int]
-           ) -> tuple[RolloutBatch, dict[str, Any]]:
+           ) -> tuple[RolloutBatch, Sums]:
     """``run``'s episodes and sums, each episode its own loop: its next action is a request of
     its own, submitted the moment its environment answers, while the engine goes on decoding
     the others' and the environments step in their threads. A sampled action draws from its
@@ -113,7 +114,7 @@ def _loop(engine: Requests, prompts: PromptBatch, rows: Sequence[dict[str, Any]]
           seeds: Sequence[int], runner: EnvRunner, observations: Observations,
           decode: Callable[[list[int]], str], sampling: Sampling, budget: Budget,
           pad_token_id: int, where: Callable[[int], str], sample_seeds: Sequence[int] | None,
-          by_turns: bool) -> tuple[RolloutBatch, dict[str, Any]]:
+          by_turns: bool) -> tuple[RolloutBatch, Sums]:
     """The one episode loop: every episode's first action submitted, then the engine stepped
     while requests are in flight, each ended action's environment step started at once, and
     each answer observed and the episode's next action submitted. ``by_turns``: the answers
@@ -297,7 +298,7 @@ class _Play:
         return False
 
     def finish(self, envs: list[Any], pad_token_id: int
-               ) -> tuple[RolloutBatch, dict[str, Any]]:
+               ) -> tuple[RolloutBatch, Sums]:
         """The environments closed; the rollout and its sums (``run``)."""
         self.runner.end(envs, self.where)
         episodes, calls = self.episodes, self.runner.calls
@@ -316,11 +317,11 @@ class _Play:
             "tool_errors": float(sum(getattr(env, "tool_errors", 0) for env in envs)),
             "rollout_s": rollout_s,
             "engine_idle_s": max(rollout_s - self.busy_s, 0.0),
-            "first_sample_s:min": min(self.ends, default=0.0),
-            "last_sample_s:max": max(self.ends, default=0.0),
-            "step_latencies_s": list(calls.latencies_s),
         }
-        return assemble(episodes, pad_token_id, self.sampling.greedy), stats
+        sums = Sums(total=stats, least={"first_sample_s": min(self.ends, default=0.0)},
+                    most={"last_sample_s": max(self.ends, default=0.0)},
+                    each={"step_latencies_s": list(calls.latencies_s)})
+        return assemble(episodes, pad_token_id, self.sampling.greedy), sums
 
 
 def _encoded(observations: Observations, observation: Any, limit: int, what: str, where: str

@@ -1,0 +1,110 @@
+"""The run's models in this process, without Ray: what a test of the trainer's logic, or of one
+step's order, runs on (``LocalGroup``, ``local_groups``).
+
+A ``LocalGroup`` answers the calls a ``ModelGroup`` does (``call``, ``run``, ``rendezvous``,
+``put``) with values instead of references: each call runs at once, in the order issued, which
+is an order the plan allows (``ppo/step.py``: a call is issued after what it reads). Every role
+has one rank, world size 1, on the process group of this process (gloo), so a run of one device
+(``cluster.num_devices=1``) computes as it does on Ray.
+
+[Note: one random stream per worker]
+On Ray each worker is a process of its own, with torch's random stream its own: a dropout mask
+the critic draws does not move the actor's. Here the workers share a process, so each keeps its
+own stream: the process's generator state is set to the worker's before each of its calls and
+read back after it, as if each had run alone. A worker starts from the state a fresh process
+starts from.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from rlhf_paro.actors.group import Call
+from rlhf_paro.config import Config, ConfigError
+
+# The state torch's default generator starts a process with (its documented default seed).
+_FRESH_SEED = 67280421310721
+
+
+def init_process_group() -> None:
+    """This process as rank 0 of 1 on gloo, unless it has joined a group already (a test's)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+class LocalGroup:
+    """Rank 0 of model ``role`` in this process (``worker_cls(cfg, role, 0, 1)``)."""
+
+    def __init__(self, worker_cls: type, role: str, cfg: Config,
+                 issued: list[Call] | None = None) -> None:
+        self.role = role
+        self.num_ranks = 1
+        self.issued = [] if issued is None else issued
+        self._states: list[torch.Tensor] = []
+        fresh = torch.Generator().manual_seed(_FRESH_SEED).get_state()
+        self.workers = []
+        for rank in range(self.num_ranks):
+            self._states.append(fresh)
+            self.workers.append(self._in_stream(rank, lambda: worker_cls(cfg, role, rank,
+                                                                          self.num_ranks)))
+
+    def _in_stream(self, rank: int, fn: Any) -> Any:
+        """``fn()`` on worker ``rank``'s own random stream ([Note: one random stream per
+        worker])."""
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self._states[rank])
+        try:
+            return fn()
+        finally:
+            self._states[rank] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+    def rendezvous(self) -> list[int]:
+        """Build every rank's model on this process's group; this process's id per rank."""
+        init_process_group()
+        for rank, worker in enumerate(self.workers):
+            if getattr(worker, "has_model", True):  # a reward function or server builds none
+                self._in_stream(rank, worker.shard_model)
+        return [os.getpid()] * self.num_ranks
+
+    def call(self, method: str, *per_rank: Sequence[Any], num_returns: int = 1,
+             **common: Any) -> list[Any]:
+        """``ModelGroup.call``, run now: each rank's result (a tuple for ``num_returns`` > 1)."""
+        out = []
+        for rank, worker in enumerate(self.workers):
+            self.issued.append(Call(None, self.role, rank, method))
+            out.append(self._in_stream(rank, lambda: getattr(worker, method)(
+                *(arg[rank] for arg in per_rank), **common)))
+        return out
+
+    def run(self, method: str, step: int, returns: tuple[str, ...] = (),
+            keeps: tuple[str, ...] = (), takes: tuple[str, ...] = (),
+            *after: Sequence[Any], sent: dict[str, Sequence[Any]] | None = None,
+            common: dict[str, Any] | None = None) -> list[Any]:
+        """``ModelGroup.run``, run now (what it waits for, ``after``, is there)."""
+        sent = sent or {}
+        return [self._in_stream(rank, lambda: worker.run(
+                    method, step, returns, keeps, takes,
+                    **{name: values[rank] for name, values in sent.items()}, **(common or {})))
+                for rank, worker in enumerate(self.workers)]
+
+    @staticmethod
+    def put(value: Any) -> Any:
+        return value
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the workers are this process's objects."""
+
+
+def check(cfg: Config) -> None:
+    """The runs ``LocalGroup`` can hold: one device, the rollout in the actor's rank."""
+    if cfg.cluster.num_devices != 1:
+        raise ConfigError("cluster.num_devices", f"{cfg.cluster.num_devices} for an in-process "
+                                                 "run; allowed: 1")
+    if cfg.rollout.num_devices:
+        raise ConfigError("rollout.num_devices", f"{cfg.rollout.num_devices} for an in-process "
+                                                 "run; allowed: 0")
