@@ -930,35 +930,34 @@ def test_fuzz_tool_calls_and_observations_each_step_answers_within_its_bound():
 
 
 def test_dropped_observations_are_a_metric_per_episode_and_zero_for_an_older_rollouts_sums():
-    from rlhf_paro.trainer import env_metrics
+    from rlhf_paro.metrics import Sums, env_metrics
 
-    sums = {f"env_{k}": 0.0 for k in ("truncated_max_turns", "truncated_max_total_tokens",
-                                      "turns", "step_time_s", "steps", "observation_tokens",
-                                      "action_tokens", "tool_calls", "tool_errors")}
-    sums["env_episodes"] = 4.0
+    episodes = {k: 0.0 for k in ("truncated_max_turns", "truncated_max_total_tokens", "turns",
+                                 "step_time_s", "steps", "observation_tokens", "action_tokens",
+                                 "tool_calls", "tool_errors")}
+    episodes["episodes"] = 4.0
     # A rollout launched ahead and saved by a version that did not count them: a KeyError.
-    assert env_metrics(sums)["env/dropped_observations"] == 0.0
-    assert env_metrics({**sums, "env_dropped_observations": 2.0})[
+    assert env_metrics(Sums(total=episodes))["env/dropped_observations"] == 0.0
+    assert env_metrics(Sums(total={**episodes, "dropped_observations": 2.0}))[
         "env/dropped_observations"] == 0.5
 
 
 def test_the_ranks_rollout_timing_adds_up_to_the_steps_metrics():
-    from rlhf_paro.trainer import _sum, env_metrics
+    from rlhf_paro.metrics import Sums, env_metrics
 
-    base = {f"env_{k}": 1.0 for k in ("truncated_max_turns", "truncated_max_total_tokens",
-                                      "turns", "step_time_s", "steps", "observation_tokens",
-                                      "action_tokens", "tool_calls", "tool_errors", "episodes",
-                                      "dropped_observations")}
+    base = {k: 1.0 for k in ("truncated_max_turns", "truncated_max_total_tokens", "turns",
+                             "step_time_s", "steps", "observation_tokens", "action_tokens",
+                             "tool_calls", "tool_errors", "episodes", "dropped_observations")}
     # Two ranks: 4 s and 6 s of rollout, the engine idle 1 s and 4 s of them; their first
     # episodes ended at 0.5 s and 0.2 s, their last at 3 s and 5.5 s; 10 steps' latencies.
-    ranks = [{**base, "env_rollout_s": 4.0, "env_engine_idle_s": 1.0,
-              "env_first_sample_s:min": 0.5, "env_last_sample_s:max": 3.0,
-              "env_step_latencies_s": [0.1 * k for k in range(1, 6)]},
-             {**base, "env_rollout_s": 6.0, "env_engine_idle_s": 4.0,
-              "env_first_sample_s:min": 0.2, "env_last_sample_s:max": 5.5,
-              "env_step_latencies_s": [0.1 * k for k in range(6, 11)]}]
-    sums = _sum(ranks)
-    assert sums["env_turns"] == 2.0 and len(sums["env_step_latencies_s"]) == 10
+    ranks = [Sums(env=Sums(total={**base, "rollout_s": 4.0, "engine_idle_s": 1.0},
+                           least={"first_sample_s": 0.5}, most={"last_sample_s": 3.0},
+                           each={"step_latencies_s": [0.1 * k for k in range(1, 6)]})),
+             Sums(env=Sums(total={**base, "rollout_s": 6.0, "engine_idle_s": 4.0},
+                           least={"first_sample_s": 0.2}, most={"last_sample_s": 5.5},
+                           each={"step_latencies_s": [0.1 * k for k in range(6, 11)]}))]
+    sums = Sums.fold(ranks).env
+    assert sums.total["turns"] == 2.0 and len(sums.each["step_latencies_s"]) == 10
     metrics = env_metrics(sums)
     assert metrics["rollout/engine_idle_fraction"] == pytest.approx(5 / 10)
     assert metrics["rollout/first_sample_s"] == 0.2 and metrics["rollout/last_sample_s"] == 5.5
@@ -967,4 +966,5 @@ def test_the_ranks_rollout_timing_adds_up_to_the_steps_metrics():
     assert metrics["env/step_latency_p90_s"] == pytest.approx(0.9)
     assert metrics["env/step_latency_p99_s"] == pytest.approx(1.0)
     # A rollout saved ahead by a version without them: none of these, no KeyError.
-    assert "rollout/engine_idle_fraction" not in env_metrics(_sum([base]))
+    assert "rollout/engine_idle_fraction" not in env_metrics(
+        Sums.fold([Sums(env=Sums(total=base))]).env)
