@@ -38,11 +38,11 @@ def test_the_actors_group_baseline_uses_exactly_its_group():
     # 3 groups of 4 samples on this rank, responses of different lengths.
     mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]] * 3, dtype=torch.float32)
     score = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 2.0, 4.0, 0.0, 0.0, 0.0, 0.0, 1.0])
-    actor._rollout = RolloutBatch(torch.zeros(12, 5, dtype=torch.long),
-                                  torch.cat([torch.ones(12, 2), mask], 1).long(), mask)
-    actor._old_logp = torch.zeros_like(mask)
-    _, stats = actor.make_experience(None, None, score, kl_coef=0.0)
-    advantages = actor._experience.advantages
+    rollout = RolloutBatch(torch.zeros(12, 5, dtype=torch.long),
+                           torch.cat([torch.ones(12, 2), mask], 1).long(), mask)
+    old_logp = torch.zeros_like(mask)
+    given = actor.make_experience(0, rollout, score, kl_coef=0.0, old_logp=old_logp)
+    advantages = given["experience"].advantages
     for g in range(3):
         rows = slice(4 * g, 4 * g + 4)
         s = score[rows]
@@ -52,8 +52,8 @@ def test_the_actors_group_baseline_uses_exactly_its_group():
         torch.testing.assert_close(got, expected)
     # Moving one sample's score changes its own group's advantages only.
     score[0] = 3.0
-    actor._old_logp = torch.zeros_like(mask)
-    actor.make_experience(None, None, score, kl_coef=0.0)
-    assert not torch.allclose(actor._experience.advantages[:4], advantages[:4])
-    assert torch.equal(actor._experience.advantages[4:], advantages[4:])
-    assert stats["count"] == 12.0
+    moved = actor.make_experience(0, rollout, score, kl_coef=0.0,
+                                  old_logp=old_logp)["experience"].advantages
+    assert not torch.allclose(moved[:4], advantages[:4])
+    assert torch.equal(moved[4:], advantages[4:])
+    assert given["exp_sums"].total["count"] == 12.0
