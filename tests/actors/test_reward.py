@@ -1,5 +1,5 @@
 """A reward worker scoring through a reward server (``reward.url``), in this process: no model,
-no process group, and the extras of the items in ``score_sums``."""
+no process group, and the extras of the items in its ``reward_sums`` (``score_sums``)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch.distributed as dist
 from rlhf_paro.actors.reward import RewardWorker
 from rlhf_paro.actors.worker import Worker
 from rlhf_paro.config import Config, ConfigError, DataConfig, ModelConfig
+from rlhf_paro.metrics import Sums
 from rlhf_paro import usercode
 from rlhf_paro.ppo import data
 from rlhf_paro.ppo.task import task_from_config
@@ -92,11 +93,13 @@ def test_a_server_reward_joins_no_group_and_sums_its_extras_for_the_metrics(asse
     assert reward.setup(host, port) == os.getpid()
     assert reward.engine is None and not dist.is_initialized()
     batch, rows = rollout(assets)
-    torch.testing.assert_close(reward.score(batch, rows, step=2), torch.tensor([2., 1., 3., 1.]))
+    given = reward.score(2, batch, rows)
+    torch.testing.assert_close(given["scores"], torch.tensor([2., 1., 3., 1.]))
     # Starts 2 and 4 are even: those two items carry the extra, the sum of which is 6.
-    assert reward.score_sums() == {"count": 4.0, "task_score": 7.0, "reward/start": 6.0,
-                                   "reward/start:count": 2.0}
-    report = reward.report()
+    assert given["reward_sums"] == Sums(total={"count": 4.0, "task_score": 7.0,
+                                               "reward/start": 6.0},
+                                        counts={"reward/start": 2.0})
+    report = given["reward_report"]
     assert report.time_s["inference"] > 0
     # A server reads the real tokens, no padding: 2 prompt tokens per response and its words.
     real = 2 * len(RESPONSES) + sum(map(len, RESPONSES))
@@ -111,9 +114,10 @@ def test_a_score_with_its_report_hands_over_that_scoring_s_metering_once(assets,
     monkeypatch.setenv(TOKEN_ENV, "tok")
     reward = RewardWorker(config(assets, server), "reward", 0, 1)
     batch, rows = rollout(assets)
-    scores, sums, report = reward.score(batch, rows, step=1, with_report=True)
-    torch.testing.assert_close(scores, torch.tensor([2., 1., 3., 1.]))
-    assert sums["task_score"] == 7.0
+    given = reward.score(1, batch, rows)
+    report = given["reward_report"]
+    torch.testing.assert_close(given["scores"], torch.tensor([2., 1., 3., 1.]))
+    assert given["reward_sums"].total["task_score"] == 7.0
     real = 2 * len(RESPONSES) + sum(map(len, RESPONSES))
     assert report.real_tokens == real and report.time_s["inference"] > 0
     after = reward.report()
@@ -126,10 +130,12 @@ def test_the_score_function_gives_task_score_and_its_extras_win_a_shared_name(as
     cfg = config(assets, server, score_function=f"{assets['fns']}:first_word")
     reward = RewardWorker(cfg, "reward", 0, 1)
     batch, rows = rollout(assets)
-    torch.testing.assert_close(reward.score(batch, rows, step=1), torch.tensor([2., 1., 3., 1.]))
+    given = reward.score(1, batch, rows)
+    torch.testing.assert_close(given["scores"], torch.tensor([2., 1., 3., 1.]))
     # Two responses start with "c"; every item of the score function says start -1.
-    assert reward.score_sums() == {"count": 4.0, "task_score": 2.0, "reward/start": -4.0,
-                                   "reward/start:count": 4.0}
+    assert given["reward_sums"] == Sums(total={"count": 4.0, "task_score": 2.0,
+                                               "reward/start": -4.0},
+                                        counts={"reward/start": 4.0})
 
 
 def test_a_token_variable_missing_where_the_worker_runs_is_one_config_error(assets, server,
@@ -148,7 +154,8 @@ def test_a_token_read_with_a_trailing_newline_is_sent_without_it(assets, server,
     monkeypatch.setenv(TOKEN_ENV, "tok\n")
     reward = RewardWorker(config(assets, server), "reward", 0, 1)
     batch, rows = rollout(assets)
-    torch.testing.assert_close(reward.score(batch, rows, step=0), torch.tensor([2., 1., 3., 1.]))
+    torch.testing.assert_close(reward.score(0, batch, rows)["scores"],
+                               torch.tensor([2., 1., 3., 1.]))
     monkeypatch.setenv(TOKEN_ENV, "to\x1bk")
     with pytest.raises(ConfigError) as err:
         RewardWorker(config(assets, server), "reward", 0, 1)
@@ -168,7 +175,7 @@ def test_without_prompt_files_the_reward_reports_the_task_s_score_the_one_source
     responses = task.sample_responses(prompts, gen)
     batch = join(PromptBatch(prompts, torch.ones_like(prompts)), responses,
                  task.tokenizer.eos_token_id)
-    reward.score(batch)
+    sums = reward.score(0, batch)["reward_sums"]
     expected = task.score(prompts, responses)
     assert 0 < expected.sum() < len(expected)  # neither all wrong nor all right
-    assert reward.score_sums() == {"count": 6.0, "task_score": float(expected.sum())}
+    assert sums == Sums(total={"count": 6.0, "task_score": float(expected.sum())})
