@@ -34,14 +34,17 @@ NOT_COMPARED = ("timing_s/", "perf/", "time_s", "tokens_per_s", "peak_bytes")
 
 
 def _local(rank: int, world_size: int, argv: list[str]) -> dict:
+    from rlhf_paro import plan, runs
     from rlhf_paro.cli import register_demo_resolver
     from rlhf_paro.cluster import LocalCluster
-    from rlhf_paro.metrics import read_jsonl
+    from rlhf_paro.metrics import has_task_score, read_jsonl
     from rlhf_paro.trainer import PPOTrainer
     from tests.confs import load
 
     register_demo_resolver()
     cfg = load(argv)
+    # As the entry point prepares it: the planner sizes the micro-batches the conf leaves open.
+    cfg = plan.resolve_auto(cfg, runs.check_inputs(cfg))
     trainer = PPOTrainer(cfg, cluster=LocalCluster(cfg))
     initial = trainer.kl_ctl.value
     trainer.fit()
@@ -49,7 +52,7 @@ def _local(rank: int, world_size: int, argv: list[str]) -> dict:
             "kl_coef": (initial, trainer.kl_ctl.value), "rewrites": trainer.plan.rewrites,
             # Every value a model kept for a later call of a step was read by it.
             "kept": {role: group.workers[0].kept() for role, group in trainer.models.items()},
-            "updates": trainer.updates, "issued": [c.method for c in trainer.cluster.issued]}
+            "updates": trainer.updates, "task_score": has_task_score(cfg.to_dict()), "issued": [c.method for c in trainer.cluster.issued]}
 
 
 @pytest.fixture(scope="module", params=list(RUNS))
@@ -81,7 +84,7 @@ def test_whole_steps_run_without_ray_with_every_row_key_and_nothing_left_kept(ru
     name, _, local = runs
     roles = ("actor", "critic", "reward", "ref") if name == "ppo" else ("actor", "reward", "ref")
     for row in local["rows"]:
-        assert set(required_keys(roles, task_score=True)) <= set(row)
+        assert set(required_keys(roles, task_score=local["task_score"])) <= set(row)
     assert local["kept"] == {role: [] for role in roles}
     assert local["updates"] == 2
     if name == "ppo":  # the adaptive controller moved the coefficient after the steps' KL
@@ -97,7 +100,7 @@ def test_a_kept_value_read_twice_or_a_value_the_plan_does_not_name_is_an_error()
     from rlhf_paro.actors.worker import Worker
     from tests.confs import INLINE, load
 
-    worker = Worker(load([*INLINE, "cluster.num_devices=1"]), "ref", 0, 1)
+    worker = Worker(load([*INLINE, "cluster.num_devices=1", "cluster.group_size=1"]), "ref", 0, 1)
     worker.give = lambda step, **values: {"x": step, **values}  # what a call gives
     assert worker.run("give", 3, (), ("x",)) is None and worker.kept() == [(3, "x")]
     # Taken by a later call of step 3 (and given back as it was): kept no more.

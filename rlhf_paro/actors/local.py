@@ -87,6 +87,7 @@ class LocalGroup:
             common: dict[str, Any] | None = None) -> list[Any]:
         """``ModelGroup.run``, run now (what it waits for, ``after``, is there)."""
         sent = sent or {}
+        self.issued.extend(Call(None, self.role, rank, method) for rank in range(self.num_ranks))
         return [self._in_stream(rank, lambda: worker.run(
                     method, step, returns, keeps, takes,
                     **{name: values[rank] for name, values in sent.items()}, **(common or {})))
