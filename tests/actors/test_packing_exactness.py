@@ -1,10 +1,11 @@
 """Packing and micro-batches by tokens change how a PPO step computes, not what
-(docs/design.md, "Batching"): the reward, critic and actor workers themselves, built on 4 gloo
-ranks in 2 groups of 2 (``Worker.shard_model``, no Ray), score a fixed rollout of mixed prompt
-and response lengths, compute its values and old log-probs, make the experience and train actor
-and critic for 2 optimizer steps, once padded with ``micro_batch_size=2`` and once packed with
-``max_tokens_per_micro_batch=16``. The packed run's scores, values and log-probs equal the padded
-run's per sequence, and its parameters after the update equal the padded run's.
+(docs/design.md, "Batching"): on 4 gloo ranks in 2 groups of 2, each rank runs the trainer's own
+plan of a step (``ppo/step.py``) on its rank of the reward, critic and actor workers (no Ray):
+they score a fixed rollout of mixed prompt and response lengths, compute its values and old
+log-probs, make the experience and train actor and critic for 2 optimizer steps, once padded
+with ``micro_batch_size=2`` and once packed with ``max_tokens_per_micro_batch=16``. The packed
+run's scores, values and log-probs equal the padded run's per sequence, and its parameters after
+the update equal the padded run's.
 
 Under the budget, rank 0 (sequences of 12 to 14 tokens) holds one sequence per micro-batch, 4 per
 mini-batch, and rank 1 (3 or 4 tokens) holds its whole mini-batch in one: every rank runs the
@@ -40,7 +41,7 @@ LENGTHS = [
 ]
 
 
-def _argv(case: str, packed: bool) -> list[str]:
+def _argv(case: str, packed: bool, output_dir: str) -> list[str]:
     actor, critic, reward = CASES[case]
     split = ([f"{m}.max_tokens_per_micro_batch={BUDGET}" for m in ("actor", "critic")] if packed
              else [f"{m}.packing=false" for m in ("actor", "critic", "reward")])
@@ -50,7 +51,8 @@ def _argv(case: str, packed: bool) -> list[str]:
             "ppo.rollout_batch_size=32", "ppo.mini_batch_size=16", "ppo.ppo_epochs=1",
             "data.max_prompt_length=6", "ppo.max_new_tokens=8", "actor.micro_batch_size=2",
             "critic.micro_batch_size=2", "actor.optim.lr=1e-4", "critic.optim.lr=1e-4",
-            "actor.optim.eps=1e-6", "critic.optim.eps=1e-6", *split]
+            "actor.optim.eps=1e-6", "critic.optim.eps=1e-6", "algorithm.kl_coef=0",
+            "trainer.resume=none", f"trainer.output_dir={output_dir}", *split]
 
 
 def _rollout(rank: int, vocab: int, pad: int):
@@ -77,51 +79,91 @@ def _record_counts(engine, seen: list[int]) -> None:
     engine.set_micro_batches = recorded
 
 
-def _one_path(rank: int, case: str, packed: bool) -> dict:
-    from rlhf_paro.actors.actor import ActorWorker
-    from rlhf_paro.actors.critic import CriticWorker
-    from rlhf_paro.actors.reward import RewardWorker
+def _rank_trainer(cfg, rank: int, rollout):
+    """The trainer of ``cfg`` on rank ``rank`` of this gloo group: every model's worker of that
+    rank in this process, the source giving ``rollout`` (``tests/steps.py``, which holds one
+    rank). Every rank's trainer runs the same plan, so the models' collectives meet."""
+    from rlhf_paro.actors.local import LocalGroup
+    from rlhf_paro.cluster import WORKERS, LocalCluster
+    from rlhf_paro.ppo import algorithms
+    from rlhf_paro.trainer import PPOTrainer
+    from tests.steps import FixedSource
+
+    cluster = LocalCluster.__new__(LocalCluster)
+    cluster.cfg, cluster.stoppable, cluster.issued = cfg, True, []
+    # LocalGroup builds rank 0 of 1: here, rank ``rank`` of the world.
+    cluster.models = {role: LocalGroup(lambda c, r, _rank, _num, cls=WORKERS[role]:
+                                       cls(c, r, rank, WORLD), role, cfg, cluster.issued)
+                      for role in algorithms.roles(cfg)}
+    cluster.source = FixedSource(rollout)
+    cluster.pids = {role: group.rendezvous() for role, group in cluster.models.items()}
+    return PPOTrainer(cfg, cluster=cluster)
+
+
+def _spy(worker, method: str, seen: dict) -> None:
+    """Keep what each call of ``worker.method`` gives in ``seen[method]``."""
+    call = getattr(worker, method)
+
+    def recorded(*args, **kwargs):
+        seen[method] = out = call(*args, **kwargs)
+        return out
+
+    setattr(worker, method, recorded)
+
+
+def _train_stats(worker, seen: dict) -> None:
+    """Keep the step's training statistics in ``seen`` as the report that resets them reads
+    them."""
+    report = worker.report
+
+    def reported():
+        seen.update({k: list(v) for k, v in worker._train_stats.items()})
+        return report()
+
+    worker.report = reported
+
+
+def _one_path(rank: int, case: str, packed: bool, output_dir: str) -> dict:
     from rlhf_paro.ppo import data
 
-    cfg = load(_argv(case, packed))
-    reward, critic, actor = (cls(cfg, role, rank, WORLD) for cls, role in (
-        (RewardWorker, "reward"), (CriticWorker, "critic"), (ActorWorker, "actor")))
+    cfg = load(_argv(case, packed, output_dir))
+    rollout = _rollout(rank, data.vocab_sizes(cfg)["actor"],
+                       data.rollout_tokenizer(cfg).pad_token_id)  # the actor's pad id
+    trainer = _rank_trainer(cfg, rank, rollout)
+    reward, critic, actor = (trainer.models[role].workers[0]
+                             for role in ("reward", "critic", "actor"))
     for worker in (reward, critic, actor):
-        worker.shard_model()
         assert worker.packed is packed
     start = {"actor": actor.engine.full_state_dict(), "critic": critic.engine.full_state_dict()}
-    rollout = _rollout(rank, data.vocab_sizes(cfg)["actor"], actor.tokenizer.pad_token_id)
-    score = reward.score(rollout)
-    values = critic.values(rollout)
-    actor.set_rollout(rollout)  # what generate keeps
-    actor.old_logprobs()
-    targets, _ = actor.make_experience(None, values, score, kl_coef=0.0)
+    seen, stats = {}, {"actor": {}, "critic": {}}
+    for worker, method in ((reward, "score"), (critic, "values"), (actor, "old_logprobs")):
+        _spy(worker, method, seen)
     agreed = {"actor": [], "critic": []}  # micro-batch counts set on the engines
     for role, worker in (("actor", actor), ("critic", critic)):
         _record_counts(worker.engine, agreed[role])
-    critic.train(targets, step=0)
-    actor.train(step=0, kl_coef=0.0)
-    out = {"score": score, "values": values, "logp": actor._old_logp,
-           "mask": rollout.action_mask, "agreed": agreed,
+        _train_stats(worker, stats[role])
+    trainer.step(0)
+    out = {"score": seen["score"]["scores"], "values": seen["values"]["values"],
+           "logp": seen["old_logprobs"]["old_logp"], "mask": rollout.action_mask,
+           "agreed": agreed,
            # record_train logs a real micro-batch's loss, never a filler's
-           "real": {"actor": len(actor._train_stats["loss"]),
-                    "critic": len(critic._train_stats["loss"])},
-           "norms": {"actor": actor._train_stats["grad_norm"],
-                     "critic": critic._train_stats["grad_norm"]}}
+           "real": {role: len(stats[role]["loss"]) for role in stats},
+           "norms": {role: stats[role]["grad_norm"] for role in stats}}
     end = {"actor": actor.engine.full_state_dict(), "critic": critic.engine.full_state_dict()}
     if rank == 0:
         out["start"], out["end"] = start, end
     return out
 
 
-def _rank(rank: int, world_size: int) -> dict:
-    return {(case, packed): _one_path(rank, case, packed) for case in CASES
+def _rank(rank: int, world_size: int, output_dir: str) -> dict:
+    return {(case, packed): _one_path(rank, case, packed, output_dir) for case in CASES
             for packed in (False, True)}
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict]:
-    return run_distributed(_rank, WORLD, timeout=300)
+def runs(tmp_path_factory) -> list[dict]:
+    # Nothing is written there: the steps save no checkpoint (trainer.resume=none).
+    return run_distributed(_rank, WORLD, str(tmp_path_factory.mktemp("packing")), timeout=300)
 
 
 @pytest.mark.parametrize("case", CASES)
