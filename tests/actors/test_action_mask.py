@@ -1,6 +1,7 @@
 """The action mask keeps a multi-turn episode's observations out of training (docs/design.md,
-"Multi-turn episodes"): the real actor and critic workers, built on 2 gloo ranks
-(``Worker.shard_model``, no Ray), make the experience of a fixed rollout of episodes
+"Multi-turn episodes"): on 2 gloo ranks, each rank runs the trainer's own plan of a step
+(``ppo/step.py``) on its rank of the real workers (no Ray; the reward and the reference give the
+test's scores and log-probs), which make the experience of a fixed rollout of episodes
 (``episodes.assemble``: mixed prompt lengths, several observations between the actions of a
 row) and train on it, for every advantage estimator and loss aggregation, the KL in the reward
 and in the loss, padded (``packing=false``, 2 rows a micro-batch) and packed (micro-batches of
@@ -73,7 +74,7 @@ CASES = [Case(*c) for c in itertools.product(ESTIMATORS, core.LOSS_AGG_MODES, (F
                                              (False, True))]
 
 
-def _argv(case: Case) -> list[str]:
+def _argv(case: Case, output_dir: str) -> list[str]:
     split = ([f"{m}.max_tokens_per_micro_batch={BUDGET}" for m in ("actor", "critic")]
              if case.packed else [f"{m}.packing=false" for m in ("actor", "critic")])
     return [f"actor.config={MODEL}", "reward.path=null", "data.train_files=null",
@@ -83,7 +84,8 @@ def _argv(case: Case) -> list[str]:
             f"algorithm.kl_coef={KL_COEF}", "ppo.rollout_batch_size=8", "ppo.mini_batch_size=8",
             "ppo.ppo_epochs=1", "data.max_prompt_length=6", "ppo.max_new_tokens=6",
             "actor.micro_batch_size=2", "critic.micro_batch_size=2", "actor.optim.lr=1e-4",
-            "critic.optim.lr=1e-4", *split]
+            "critic.optim.lr=1e-4", "trainer.resume=none", f"trainer.output_dir={output_dir}",
+            *split]
 
 
 def _config(base, case: Case):
@@ -149,15 +151,15 @@ def _record_update(worker, minis: list) -> None:
     filler weights and divisors, and the ``core.aggregate`` calls of each one's loss."""
     mini_batches, ppo_update = worker._mini_batches, worker.ppo_update
 
-    def recorded_minis(mask, agg):
-        out = mini_batches(mask, agg)
+    def recorded_minis(rollout, agg):
+        out = mini_batches(rollout, agg)
         minis.extend([{"rows": m.rows, "weight": m.weight} for m in micros] for micros, _ in out)
         return out
 
-    def recorded_update(mask, micro_loss, step, agg="token_mean"):
+    def recorded_update(rollout, micro_loss, step, agg="token_mean", first=None):
         seen: list[dict] = []  # a dict per micro-batch, in the order they run
 
-        def loss(idx, divisor):
+        def loss(idx, divisor, ahead):
             aggregate, calls = core.aggregate, []
 
             def spy(per_token, mask, agg, divisor=None, token_sum_norm=None):
@@ -168,14 +170,14 @@ def _record_update(worker, minis: list) -> None:
 
             core.aggregate = spy  # what policy_loss, value_loss and kl_loss call
             try:
-                result = micro_loss(idx, divisor)
+                result = micro_loss(idx, divisor, ahead)
             finally:
                 core.aggregate = aggregate
             seen.append({"divisor": divisor, "aggregates": calls})
             return result
 
         start = len(minis)
-        ppo_update(mask, loss, step, agg)
+        ppo_update(rollout, loss, step, agg, first)
         micros = [m for mini in minis[start:] for m in mini]
         assert len(micros) == len(seen)
         for micro, extra in zip(micros, seen):
@@ -225,61 +227,116 @@ def _cells(grads: list, micros: list, rollout, what: str, packed: bool
     return cells, other
 
 
+def _rank_trainer(cfg, rank: int, rollout):
+    """The trainer of ``cfg`` on rank ``rank`` of this gloo group: every model's worker of that
+    rank in this process, the source giving ``rollout`` (``tests/steps.py``, which holds one
+    rank). Every rank's trainer runs the same plan, so the models' collectives meet."""
+    from rlhf_paro.actors.local import LocalGroup
+    from rlhf_paro.cluster import WORKERS, LocalCluster
+    from rlhf_paro.trainer import PPOTrainer
+    from tests.steps import FixedSource
+
+    cluster = LocalCluster.__new__(LocalCluster)
+    cluster.cfg, cluster.stoppable, cluster.issued = cfg, True, []
+    # LocalGroup builds rank 0 of 1: here, rank ``rank`` of the world.
+    cluster.models = {role: LocalGroup(lambda c, r, _rank, _num, cls=WORKERS[role]:
+                                       cls(c, r, rank, WORLD), role, cfg, cluster.issued)
+                      for role in algorithms.roles(cfg)}
+    cluster.source = FixedSource(rollout)
+    cluster.pids = {role: group.rendezvous() for role, group in cluster.models.items()}
+    return PPOTrainer(cfg, cluster=cluster)
+
+
+def _spy(worker, method: str, seen: dict) -> None:
+    """Keep what each call of ``worker.method`` gives in ``seen[method]``."""
+    call = getattr(worker, method)
+
+    def recorded(*args, **kwargs):
+        seen[method] = out = call(*args, **kwargs)
+        return out
+
+    setattr(worker, method, recorded)
+
+
+def _losses(worker, seen: list) -> None:
+    """Keep the losses the step's update recorded in ``seen``, as the report that resets them
+    reads them."""
+    report = worker.report
+
+    def reported():
+        seen.extend(worker._train_stats["loss"])
+        return report()
+
+    worker.report = reported
+
+
 def _one_path(rank: int, cfg, case: Case, leak: bool) -> dict:
-    from rlhf_paro.actors.actor import ActorWorker
-    from rlhf_paro.actors.critic import CriticWorker
+    from rlhf_paro.metrics import Sums
     from rlhf_paro.ppo import data
 
-    workers = {"actor": ActorWorker(cfg, "actor", rank, WORLD)}
-    if case.estimator == "gae":
-        workers["critic"] = CriticWorker(cfg, "critic", rank, WORLD)
+    rollout = _rollout(rank, data.vocab_sizes(cfg)["actor"],
+                       data.rollout_tokenizer(cfg).pad_token_id)  # the actor's pad id
+    if leak:
+        rollout = dataclasses.replace(rollout, action_mask=rollout.response_attention.float())
+    trainer = _rank_trainer(cfg, rank, rollout)
+    workers = {role: trainer.models[role].workers[0] for role in ("actor", "critic")
+               if role in trainer.models}
+    assert ("critic" in workers) == (case.estimator == "gae")
     grads, minis = {role: [] for role in workers}, {role: [] for role in workers}
+    losses = {role: [] for role in workers}
     for role, worker in workers.items():
-        worker.shard_model()
         assert worker.packed is case.packed
         head = (worker.engine.module.lm.get_output_embeddings() if role == "actor"
                 else worker.engine.module.value_head)
         _watch_output(head, grads[role])
         _record_update(worker, minis[role])
+        _losses(worker, losses[role])
     actor = workers["actor"]
-    rollout = _rollout(rank, data.vocab_sizes(cfg)["actor"], actor.tokenizer.pad_token_id)
-    if leak:
-        rollout = dataclasses.replace(rollout, action_mask=rollout.response_attention.float())
     gen = torch.Generator().manual_seed(100 + rank)
     scores = torch.randn(len(rollout), generator=gen)  # distinct in each group
 
-    values = workers["critic"].values(rollout) if "critic" in workers else None
-    actor.old_logprobs(rollout)
-    old = actor._old_logp
+    # The policy's log-probs of the rollout, to make the engine's from: the step's own must
+    # equal them.
+    old = actor.old_logprobs(0, rollout)["old_logp"]
     # What an engine gives: log-probs near the trainer's on the actions, 0 elsewhere (they
     # weigh each token under rollout.tis_cap); a reference that differs from the policy at
     # every position, observations included.
     engine_logp = (old + 0.05 * torch.randn(old.shape, generator=gen)) * rollout.action_mask
     rollout = dataclasses.replace(rollout, logprobs=engine_logp)
-    logprob_diff = actor.old_logprobs(rollout)  # rollout/logprob_diff_*, over the actions
-    assert torch.equal(actor._old_logp, old)
+    trainer.source.rollout = rollout
     ref_logp = old + 0.1 * torch.randn(old.shape, generator=gen)
-    returns, _ = actor.make_experience(ref_logp, values, scores, kl_coef=KL_COEF)
-    if "critic" in workers:
-        workers["critic"].train(returns, step=0)
-    actor.train(step=0, kl_coef=KL_COEF)
+    # The reward and the reference give the test's scores and log-probs, as tests/steps.py's
+    # reward does.
+    trainer.models["ref"].workers[0].logprobs = lambda step, rollout: {
+        "ref_logp": ref_logp.clone()}
+    trainer.models["reward"].workers[0].score = lambda step, rollout, rows=None: {
+        "scores": scores.clone(),
+        "reward_sums": Sums(total={"count": float(len(scores)),
+                                   "task_score": float(scores.sum())})}
+    seen: dict = {}
+    for method in ("old_logprobs", "make_experience"):
+        _spy(actor, method, seen)
+    trainer.step(0)
+    assert torch.equal(seen["old_logprobs"]["old_logp"], old)
 
-    exp = actor._experience
+    exp = seen["make_experience"]["experience"]
     out = {"kl": exp.kl, "advantages": exp.advantages, "returns": exp.returns,
            "num_tokens": rollout.num_tokens(), "action_mask": rollout.action_mask,
            "response_attention": rollout.response_attention,
-           "logprob_diff": logprob_diff, "logprob_gap": (old - engine_logp).abs(), "roles": {}}
-    for role, worker in workers.items():
+           # rollout/logprob_diff_*, over the actions
+           "logprob_diff": seen["old_logprobs"]["mismatch"],
+           "logprob_gap": (old - engine_logp).abs(), "roles": {}}
+    for role in workers:
         micros = [m for mini in minis[role] for m in mini]
         cells, other = _cells(grads[role], micros, rollout,
                               "logits" if role == "actor" else "values", case.packed)
         out["roles"][role] = {"cells": cells, "other": other, "minis": minis[role],
-                              "losses": list(worker._train_stats["loss"])}
+                              "losses": losses[role]}
     return out
 
 
-def _rank(rank: int, world_size: int) -> dict:
-    base = {packed: load(_argv(Case("gae", "token_mean", False, packed)))
+def _rank(rank: int, world_size: int, output_dir: str) -> dict:
+    base = {packed: load(_argv(Case("gae", "token_mean", False, packed), output_dir))
             for packed in (False, True)}
     return {(str(case), leak): _one_path(rank, _config(base[case.packed], case), case, leak)
             for case in CASES for leak in (False, True)}
@@ -316,9 +373,9 @@ def _problems(runs: list[dict], case: Case, leak: bool) -> list[str]:
         # The trainer's log-probs against the engine's, on the actions alone: the gap is
         # computed from the same two float32 tensors, so only the order of the sum differs.
         diff, gap = res["logprob_diff"], res["logprob_gap"][actions.bool()].double()
-        if diff["logprob_diff_count"] != float(actions.sum()) or \
-                diff["logprob_diff_max"] != float(gap.max()) or \
-                abs(diff["logprob_diff_sum"] - float(gap.sum())) > 1e-5 * float(gap.sum()):
+        if diff.total["logprob_diff_count"] != float(actions.sum()) or \
+                diff.most["logprob_diff"] != float(gap.max()) or \
+                abs(diff.total["logprob_diff_sum"] - float(gap.sum())) > 1e-5 * float(gap.sum()):
             problems.append(f"rank {rank}: rollout/logprob_diff_* off the actions")
     for role in got[0]["roles"]:
         agg = case.agg if role == "actor" else "token_mean"  # the critic's loss is token_mean
@@ -381,8 +438,10 @@ def _micro_problems(micro: dict, recorded: float, divisor: float, actions: torch
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict]:
-    return run_distributed(_rank, WORLD, timeout=600)
+def runs(tmp_path_factory) -> list[dict]:
+    # Nothing is written there: the steps save no checkpoint (trainer.resume=none).
+    return run_distributed(_rank, WORLD, str(tmp_path_factory.mktemp("action_mask")),
+                           timeout=600)
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -402,11 +461,12 @@ def test_a_leaking_mask_fails_the_checks(runs, case):
                        for p in problems), problems
 
 
-def test_a_case_s_config_is_the_one_its_keys_load():
+def test_a_case_s_config_is_the_one_its_keys_load(tmp_path):
     for case in (Case("grpo", "seq_mean_token_sum", True, True),
                  Case("reinforce_pp", "seq_mean_token_mean", False, False)):
-        loaded = load(_argv(case))
-        made = _config(load(_argv(Case("gae", "token_mean", False, case.packed))), case)
+        loaded = load(_argv(case, str(tmp_path)))
+        made = _config(load(_argv(Case("gae", "token_mean", False, case.packed),
+                                  str(tmp_path))), case)
         # A critic-free run drops the model its critic would inherit; none is built here.
         assert made.critic != loaded.critic
         assert dataclasses.replace(made, critic=loaded.critic) == loaded
