@@ -2,15 +2,21 @@
 policy, the rollout policy and the reference are one model, so the actor's ratio is exactly 1
 and its KL to the reference exactly 0.
 
-The actor and reference workers themselves (``Worker.shard_model``, no Ray, one gloo rank) take
-a fixed rollout of a GPT-2 whose config keeps GPT-2's dropout of 0.1 (resid, embd, attn), make
-GRPO's experience with the KL in the loss, and run the step's update. The old log-probs and the
-reference's come from forwards in eval mode; the update's forward runs in train mode, where a
-dropout left on samples another network: ``approx_kl``, ``clipfrac`` and ``kl_loss`` then move
-off 0, which the second case shows (so the first can fail).
+The trainer's own plan runs step 0 on every model in one process (``tests/steps.py``, one gloo
+rank): a fixed rollout of a GPT-2 whose config keeps GPT-2's dropout of 0.1 (resid, embd, attn),
+fixed scores, GRPO's experience with the KL in the loss, and the step's update. Both cases run
+the plan with the old log-probs' separate forward (``actor.old_logprobs``): with dropout off the
+config's plan gives them from the update instead (``old_logprobs_from_update``), where the ratio
+is 1 whatever the dropout, so that rewrite is left out. The old log-probs and the reference's
+come from forwards in eval mode; the update's forward runs in train mode, where a dropout left
+on samples another network: ``approx_kl``, ``clipfrac`` and ``kl_loss`` then move off 0, which
+the second case shows (so the first can fail).
 """
 
 from __future__ import annotations
+
+from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -29,27 +35,38 @@ ARGV = [f"actor.config={GPT2}", "reward.path=null", "data.train_files=null",
         "rollout.n=2", "algorithm.kl_in_loss=true", "algorithm.kl_coef=0.1",
         "ppo.rollout_batch_size=4", "ppo.mini_batch_size=8", "ppo.ppo_epochs=1",
         "actor.micro_batch_size=4", "ref.micro_batch_size=4"]
+# Scores that differ inside each group: every sample has a non-zero advantage.
+SCORES = torch.tensor([1.0, 0.0, 0.2, 0.9, 0.5, 0.1, 0.0, 0.7])
+
+
+def _plan_without(cfg: Any, rewrite: str) -> Any:
+    """The config's plan (``step.build``) with ``rewrite`` left out."""
+    from rlhf_paro.ppo import step as plans
+
+    assert rewrite in plans.build(cfg).rewrites  # leaving it out changes the step
+    with mock.patch.object(plans, "REWRITES", tuple(r for r in plans.REWRITES
+                                                    if r[0] != rewrite)):
+        return plans.build(cfg)
 
 
 def _step_zero(rank: int, world_size: int, disable: bool) -> dict[str, list[float]]:
-    from rlhf_paro.actors.actor import ActorWorker
-    from rlhf_paro.actors.ref import RefWorker
-    from rlhf_paro.ppo import data
+    from rlhf_paro.ppo import algorithms, data
+    from tests.steps import local_trainer
 
-    cfg = load([*ARGV, f"actor.disable_dropout={disable}", f"ref.disable_dropout={disable}"])
-    actor, ref = ActorWorker(cfg, "actor", rank, world_size), RefWorker(cfg, "ref", rank,
-                                                                         world_size)
-    for worker in (actor, ref):
-        worker.shard_model()
-    rollout = fixed_rollout(data.vocab_sizes(cfg)["actor"], actor.tokenizer.pad_token_id)
-    actor.set_rollout(rollout)
-    actor.old_logprobs()
-    ref_logp = ref.logprobs(rollout)
-    # Scores that differ inside each group: every sample has a non-zero advantage.
-    score = torch.tensor([1.0, 0.0, 0.2, 0.9, 0.5, 0.1, 0.0, 0.7])
-    _, sums = actor.make_experience(ref_logp, None, score, kl_coef=0.1)
-    actor.train(step=0, kl_coef=0.1)
-    return {**actor._train_stats, "ppo/kl": [sums["kl"]]}
+    argv = [*ARGV, f"actor.disable_dropout={disable}", f"ref.disable_dropout={disable}"]
+    cfg = load(argv)
+    rollout = fixed_rollout(data.vocab_sizes(cfg)["actor"],
+                            data.rollout_tokenizer(cfg).pad_token_id)
+    plan = (_plan_without(cfg, "old_logprobs_from_update")
+            if algorithms.old_logprobs_from_update(cfg) else None)
+    trainer = local_trainer(argv, rollout, SCORES, plan)
+    assert trainer.plan.producer("old_logp").method == "old_logprobs"
+    actor = trainer.models["actor"].workers[0]
+    # The update's statistics per micro-batch, read before the step's report clears them.
+    stats, report = [], actor.report
+    actor.report = lambda: (stats.append(dict(actor._train_stats)), report())[1]
+    row = trainer.run_step(0)
+    return {**stats[0], "ppo/kl": [row["ppo/kl"]]}
 
 
 @pytest.fixture(scope="module")
