@@ -7,7 +7,7 @@ out the step's calls by hand, so that it tests the order the trainer runs.
 
 ``rollout`` is every step's rollout (one rank's, as the source deals it) and ``scores`` its
 scores, which the reward worker gives in place of its own; ``plan`` replaces the config's plan
-(a rewrite left out, say). The workers are ``trainer.models[role].workers[0]``.
+(``plan_without``: a rewrite left out). The workers are ``trainer.models[role].workers[0]``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from rlhf_paro.metrics import Sums
+from rlhf_paro.ppo import step as plans
 from rlhf_paro.ppo.step import Plan
 
 
@@ -72,7 +73,7 @@ def local_trainer(argv: list[str], rollout: Any, scores: torch.Tensor,
                  "reward_sums": Sums(total={"count": float(len(scores)),
                                             "task_score": float(scores.sum())})}
         if modelless:
-            given["reward_report"] = RankReport(0, 0, {}, {}, {}, 0)
+            given["reward_report"] = RankReport(0, {}, {}, {}, 0)
         return given
 
     reward.score = score
@@ -84,3 +85,10 @@ def local_trainer(argv: list[str], rollout: Any, scores: torch.Tensor,
 
     trainer.run_step = run_step
     return trainer
+
+
+def plan_without(cfg: Any, rewrite: str) -> Plan:
+    """The config's plan with ``rewrite`` left out; the config must call for it, so that leaving
+    it out changes the step."""
+    assert rewrite in plans.build(cfg).rewrites, rewrite
+    return plans.build(cfg, without=(rewrite,))

@@ -170,8 +170,9 @@ class Plan:
                      "goes to its readers")
         for name in pipeline.STAGES:
             calls = self.stage(name)
+            waits = " (then waits for what the driver reads)" if WAITS[name] else ""
             if calls:
-                lines.append(f"{name}{' (then waits for what the driver reads)' if WAITS[name] else ''}:")
+                lines.append(f"{name}{waits}:")
             for call in calls:
                 kept = self.keeps(call) if call.role not in (DRIVER, SOURCE) else ()
                 gives = ", ".join(f"{v} [kept]" if v in kept and v not in self.returned(call)
@@ -280,13 +281,14 @@ REWRITES: tuple[tuple[str, Callable[[Any], bool], Callable[[Plan], Plan]], ...] 
 )
 
 
-def build(cfg: Any) -> Plan:
-    """The plan of a step of the run ``cfg`` configures (resolved): the synchronous plan of its
-    models and source, with every rewrite the config allows, checked."""
+def build(cfg: Any, without: tuple[str, ...] = ()) -> Plan:
+    """The plan of a step of the run ``cfg`` configures: the synchronous plan of its models and
+    source, with every rewrite the config allows but those named in ``without`` (a test's
+    comparison of a step with and without one), checked."""
     plan = synchronous(algorithms.roles(cfg), cfg.rollout.num_devices > 0,
                        not cfg.reward.runs_model)
-    for _, applies, rewrite in REWRITES:
-        if applies(cfg):
+    for name, applies, rewrite in REWRITES:
+        if applies(cfg) and name not in without:
             plan = rewrite(plan)
     return replace(plan, max_staleness=cfg.rollout.max_staleness).check()
 

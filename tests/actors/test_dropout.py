@@ -15,8 +15,6 @@ the second case shows (so the first can fail).
 
 from __future__ import annotations
 
-from typing import Any
-from unittest import mock
 
 import pytest
 import torch
@@ -39,25 +37,15 @@ ARGV = [f"actor.config={GPT2}", "reward.path=null", "data.train_files=null",
 SCORES = torch.tensor([1.0, 0.0, 0.2, 0.9, 0.5, 0.1, 0.0, 0.7])
 
 
-def _plan_without(cfg: Any, rewrite: str) -> Any:
-    """The config's plan (``step.build``) with ``rewrite`` left out."""
-    from rlhf_paro.ppo import step as plans
-
-    assert rewrite in plans.build(cfg).rewrites  # leaving it out changes the step
-    with mock.patch.object(plans, "REWRITES", tuple(r for r in plans.REWRITES
-                                                    if r[0] != rewrite)):
-        return plans.build(cfg)
-
-
 def _step_zero(rank: int, world_size: int, disable: bool) -> dict[str, list[float]]:
     from rlhf_paro.ppo import algorithms, data
-    from tests.steps import local_trainer
+    from tests.steps import local_trainer, plan_without
 
     argv = [*ARGV, f"actor.disable_dropout={disable}", f"ref.disable_dropout={disable}"]
     cfg = load(argv)
     rollout = fixed_rollout(data.vocab_sizes(cfg)["actor"],
                             data.rollout_tokenizer(cfg).pad_token_id)
-    plan = (_plan_without(cfg, "old_logprobs_from_update")
+    plan = (plan_without(cfg, "old_logprobs_from_update")
             if algorithms.old_logprobs_from_update(cfg) else None)
     trainer = local_trainer(argv, rollout, SCORES, plan)
     assert trainer.plan.producer("old_logp").method == "old_logprobs"

@@ -19,8 +19,6 @@ forward on other rows, with other weights, or a random draw moved).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-from unittest import mock
 
 import pytest
 import torch
@@ -53,20 +51,9 @@ CASES = {
 SCORES = torch.tensor([1.0, 0.0, 0.2, 0.9, 0.5, 0.1, 0.0, 0.7])
 
 
-def _plan_without(cfg: Any, rewrite: str) -> Any:
-    """The config's plan (``step.build``) with ``rewrite`` left out."""
-    from rlhf_paro.ppo import step as plans
-
-    assert rewrite in plans.build(cfg).rewrites  # leaving it out changes the step
-    with mock.patch.object(plans, "REWRITES", tuple(r for r in plans.REWRITES
-                                                    if r[0] != rewrite)):
-        return plans.build(cfg)
-
-
 def _steps(rank: int, world_size: int, argv: list[str], ahead: bool) -> dict:
-    from rlhf_paro.metrics import RankReport
     from rlhf_paro.ppo import data
-    from tests.steps import local_trainer
+    from tests.steps import local_trainer, plan_without
 
     cfg = load(argv)
     rollout = fixed_rollout(data.vocab_sizes(cfg)["actor"],
@@ -76,16 +63,7 @@ def _steps(rank: int, world_size: int, argv: list[str], ahead: bool) -> dict:
     engine = -torch.rand(rollout.action_mask.shape, generator=torch.Generator().manual_seed(1))
     rollout = dataclasses.replace(rollout, logprobs=engine * rollout.action_mask)
     trainer = local_trainer(argv, rollout, SCORES,
-                            None if ahead else _plan_without(cfg, "forward_ahead"))
-    reward = trainer.models["reward"].workers[0]
-    score = reward.score
-
-    def scored(*args, **kwargs):
-        # tests/steps.py gives the reward's report with its fields out of order (its time_s
-        # an int); a report of nothing, as a reward without a model makes.
-        return {**score(*args, **kwargs), "reward_report": RankReport(0, {}, {}, {}, 0)}
-
-    reward.score = scored
+                            None if ahead else plan_without(cfg, "forward_ahead"))
     actor = trainer.models["actor"].workers[0]
     # Each forward's mode (train or not), the training forwards of each update, what each
     # update gives, and its statistics per micro-batch (read before the report clears them).

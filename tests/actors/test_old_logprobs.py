@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
@@ -40,16 +39,6 @@ BOUND = 1e-6
 SCORES = torch.tensor([1.0, 0.0, 0.2, 0.9, 0.5, 0.1, 0.0, 0.7])
 
 
-def _plan_without(cfg: Any, rewrite: str) -> Any:
-    """The config's plan (``step.build``) with ``rewrite`` left out."""
-    from rlhf_paro.ppo import step as plans
-
-    assert rewrite in plans.build(cfg).rewrites  # leaving it out changes the step
-    with mock.patch.object(plans, "REWRITES", tuple(r for r in plans.REWRITES
-                                                    if r[0] != rewrite)):
-        return plans.build(cfg)
-
-
 def _record(worker: Any, method: str, into: list) -> None:
     """``worker.method`` as it was, each call's dict of named values appended to ``into``."""
     original = getattr(worker, method)
@@ -65,14 +54,14 @@ def _record(worker: Any, method: str, into: list) -> None:
 def _steps(rank: int, world_size: int, separate: bool) -> dict:
     from rlhf_paro.actors.actor import logprobs
     from rlhf_paro.ppo import algorithms, data
-    from tests.steps import local_trainer
+    from tests.steps import local_trainer, plan_without
 
     cfg = load(ARGV)
     assert algorithms.old_logprobs_from_update(cfg)
     rollout = fixed_rollout(data.vocab_sizes(cfg)["actor"],
                             data.rollout_tokenizer(cfg).pad_token_id)
     trainer = local_trainer(ARGV, rollout, SCORES,
-                            _plan_without(cfg, "old_logprobs_from_update") if separate else None)
+                            plan_without(cfg, "old_logprobs_from_update") if separate else None)
     actor = trainer.models["actor"].workers[0]
     # The engine's log-probs: the policy's own, 1e-3 off at random (the bound is the engine's).
     # The policy is the trainer's actor, so the source's rollout is set once it is built.
