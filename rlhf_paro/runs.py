@@ -144,8 +144,9 @@ def evaluate(models: dict[str, Any], prompts: Prompts, step: int, wait: Wait,
         # The scores and their sums; a report a reward without a model gives with them stays
         # out of the step's.
         gives = ("scores", "reward_sums") + (() if reward_runs_model else ("reward_report",))
-        scored = wait(reward=reward.run("score", step, gives, rollout=rollouts, rows=rows)
-                      )["reward"]
+        extra = {"sent": {"rollout": rollouts, "rows": rows}} if rows is not None else {
+            "sent": {"rollout": rollouts}, "common": {"rows": None}}
+        scored = wait(reward=reward.run("score", step, gives, **extra))["reward"]
         total["count"] += sum(len(s[0]) for s in scored)
         total["reward"] += float(sum(s[0].sum() for s in scored))
         total["task_score"] += sum(s[1].total["task_score"] for s in scored)
