@@ -146,10 +146,11 @@ def evaluate(models: dict[str, Any], prompts: Prompts, step: int, wait: Wait,
         gives = ("scores", "reward_sums") + (() if reward_runs_model else ("reward_report",))
         extra = {"sent": {"rollout": rollouts, "rows": rows}} if rows is not None else {
             "sent": {"rollout": rollouts}, "common": {"rows": None}}
-        scored = wait(reward=reward.run("score", step, gives, **extra))["reward"]
-        total["count"] += sum(len(s[0]) for s in scored)
-        total["reward"] += float(sum(s[0].sum() for s in scored))
-        total["task_score"] += sum(s[1].total["task_score"] for s in scored)
+        refs = reward.run("score", step, gives, **extra)
+        scored = [wait(reward=[r[i] for r in refs])["reward"] for i in range(len(gives))]
+        total["count"] += sum(len(s) for s in scored[0])
+        total["reward"] += float(sum(s.sum() for s in scored[0]))
+        total["task_score"] += sum(s.total["task_score"] for s in scored[1])
     return {"eval/reward_mean": total["reward"] / total["count"],
             "eval/score_mean": total["task_score"] / total["count"]}
 
