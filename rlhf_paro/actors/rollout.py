@@ -191,7 +191,8 @@ class RolloutWorker(Worker):
         generated with, and their bytes (``replica_*``: the replicas report nothing else, so
         that no call waits behind a generation that runs ahead)."""
         start = time.perf_counter()
-        batch, stats = self.generation(prompts, rows, greedy, step, self.rank)
+        with self.threads(GENERATE):  # the count vLLM's binding set is not the phase's
+            batch, stats = self.generation(prompts, rows, greedy, step, self.rank)
         stats.total.update(replica_generate_s=time.perf_counter() - start,
                            replica_sync_s=self.sync_s,
                            replica_received_bytes=float(self.received_bytes))

@@ -212,17 +212,32 @@ class Worker:
     # -- per-step accounting -----------------------------------------------------------------
     @contextlib.contextmanager
     def timed(self, phase: str) -> Iterator[None]:
-        """Time a role phase (``generate``, ``inference``, ``train``)."""
+        """Time a role phase (``generate``, ``inference``, ``train``), on its threads."""
         start = time.perf_counter()
+        try:
+            with self.threads(phase):
+                yield
+        finally:
+            self._time_s[phase] += time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def threads(self, phase: str) -> Iterator[None]:
+        """Torch's threads for ``phase`` (``phase_threads``; one outside the phases). Set
+        whatever the count is, one included: a vLLM engine in this process sets its own count
+        when it binds its threads, and a phase left on it would cut its sums into other parts
+        than the same phase in a process without the engine (a rollout replica's run against
+        the colocated one, docs/design.md, "CPU threads")."""
+        if not self._threads:  # a GPU's worker: torch's CPU threads are left as they are
+            yield
+            return
         threads = self._threads.get(phase, 1)
-        if threads > 1:
+        if torch.get_num_threads() != threads:
             set_num_threads(threads)
         try:
             yield
         finally:
-            if threads > 1:
+            if torch.get_num_threads() != 1:
                 set_num_threads(1)
-            self._time_s[phase] += time.perf_counter() - start
 
     def count_tokens(self, attention_mask: torch.Tensor, packed: bool | None = None) -> None:
         """Count a forward over rows with this ``attention_mask``: the token positions it
