@@ -1,23 +1,16 @@
 """The RL loop, driven from one process: it runs each step's plan (``ppo/step.py``) on the run's
-models, Ray actor groups on the devices or, for a test, in this process (``cluster.py``).
+models, Ray actor groups on the devices or, for a test, all in this process (``cluster.py``).
 
-A step is a list of calls over named values, in the stages of ``ppo/pipeline.py`` (launch,
-collect, experience, train), run in the order the pipeline gives (synchronous, or K steps off).
-``_stage`` is the one loop: it issues each call of a stage with the values it reads, references
-handed on as they are, and waits only where the driver reads a value (``step.WAITS``, and every
-driver call). What a model keeps between its calls it keeps by (step, name) (``Worker.run``).
+``_stage`` is the one loop: it issues each call of a stage with the values it reads (references
+handed on as they are) and waits only where the driver reads a value; the stages run in the
+pipeline's order (synchronous, or K steps off). The loop that owns training (``fit``) raises
+the policy's version, updates the KL controller and counts skipped optimizer steps from each
+step's result; the row is a fold of the step's sums and reports (``metrics.py``), nothing else.
 ``python -m rlhf_paro.train --cfg step ...`` prints a run's plan.
 
-The loop that owns training (``fit``) updates the KL controller and counts skipped optimizer
-steps from each step's result; the row is a fold of the step's sums and reports
-(``metrics.py``), nothing else.
-
-Every ``trainer.save_every`` steps the run is checkpointed (``resume.py``), and a run starts from
-the checkpoint ``trainer.resume`` names. Whatever stops a run (a worker that dies, raises or
-does not answer within ``trainer.step_timeout_s``, Ctrl-C, SIGTERM, too many skipped optimizer
-steps, a last step after which a model has skipped every one of this run's) comes out of
-``fit`` as one ``RunError`` that names the model, the rank, the step and the checkpoint to
-resume from.
+Every ``trainer.save_every`` steps the run is checkpointed (``resume.py``). Whatever stops a run
+before its last step comes out of ``fit`` as one ``RunError`` naming the model, the rank, the
+step and the checkpoint to resume from (``ends.py``).
 """
 
 from __future__ import annotations
@@ -98,9 +91,9 @@ class PPOTrainer:
         checkpoints; returns the dashboard's path. Raises ``RunError`` when the run stops early.
         """
         cfg = self.cfg
-        trainer = cfg.trainer
-        wandb_cfg = cfg.logger.wandb
-        logger = MetricsLogger(trainer.output_dir, trainer.steps, metrics.run_info(cfg, tuple(self.models)),
+        trainer, wandb_cfg = cfg.trainer, cfg.logger.wandb
+        info = metrics.run_info(cfg, tuple(self.models))
+        logger = MetricsLogger(trainer.output_dir, trainer.steps, info,
                                wandb_mode=wandb_cfg.mode, show_progress=cfg.logger.progress,
                                wandb_init={"project": wandb_cfg.project, "name": wandb_cfg.name,
                                            "entity": wandb_cfg.entity, "tags": wandb_cfg.tags},
@@ -298,8 +291,7 @@ class PPOTrainer:
                                folded.get("mismatch"), reports, sums["staleness"],
                                self.values[(step, "kl_coef")], self.times,
                                time.perf_counter())
-        row.update(self.source.metrics(folded["gen_sums"],
-                                       row["timing_s/step"]))
+        row.update(self.source.metrics(folded["gen_sums"], row["timing_s/step"]))
         return {"row": StepResult(row, exp.total["kl"], int(exp.total["count"]),
                                   {r: reports[r] for r in algorithms.trained_roles(self.cfg)})}
 
