@@ -114,19 +114,21 @@ class RayCluster:
 
 
 class LocalCluster:
-    """Every model of a one-device run in this process (``actors/local.py``), the rollout in the
-    actor's rank: the same steps as a ``RayCluster`` of the same config, without Ray."""
+    """Every model of a run in this process (``actors/local.py``), the rollout in the actor's
+    rank: for a run of one device, the same steps as a ``RayCluster`` of the same config without
+    Ray; for a test's ``world`` gloo processes, rank ``rank`` of each model here."""
 
-    def __init__(self, cfg: Config) -> None:
-        check(cfg)
+    def __init__(self, cfg: Config, rank: int = 0, world: int = 1, source: Any = None) -> None:
+        check(cfg, world, dealt=source is None)
         self.cfg = cfg
         self.stoppable = True
         self.issued: list[Call] = []
-        self.models = {role: LocalGroup(WORKERS[role], role, cfg, self.issued)
+        self.models = {role: LocalGroup(WORKERS[role], role, cfg, self.issued, rank, world)
                        for role in algorithms.roles(cfg)}
-        self.source = sources.make(cfg, self.models["actor"], self.wait,
-                                   rollout_tokenizer(cfg).pad_token_id, None, self.issued,
-                                   False)
+        # The actor's ranks, or a test's own source (tests/steps.py: its rollout each step).
+        self.source = source or sources.make(cfg, self.models["actor"], self.wait,
+                                             rollout_tokenizer(cfg).pad_token_id, None,
+                                             self.issued, False)
         self.pids = {role: group.rendezvous() for role, group in self.models.items()}
         self.issued.clear()
 

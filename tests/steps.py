@@ -60,9 +60,7 @@ def local_trainer(argv: list[str], rollout: Any, scores: torch.Tensor,
     from tests.confs import load
 
     cfg = load(argv)
-    cluster = LocalCluster(cfg)
-    cluster.source = FixedSource(rollout)
-    trainer = PPOTrainer(cfg, cluster=cluster)
+    trainer = PPOTrainer(cfg, cluster=LocalCluster(cfg, source=FixedSource(rollout)))
     if plan is not None:
         trainer.plan = plan.check()
     reward = trainer.models["reward"].workers[0]

@@ -3,9 +3,10 @@ step's order, runs on (``LocalGroup``, ``local_groups``).
 
 A ``LocalGroup`` answers the calls a ``ModelGroup`` does (``call``, ``run``, ``rendezvous``,
 ``put``) with values instead of references: each call runs at once, in the order issued, which
-is an order the plan allows (``ppo/step.py``: a call is issued after what it reads). Every role
-has one rank, world size 1, on the process group of this process (gloo), so a run of one device
-(``cluster.num_devices=1``) computes as it does on Ray.
+is an order the plan allows (``ppo/step.py``: a call is issued after what it reads). It holds one
+rank of its model, on the process group of this process (gloo): a run of one device
+(``cluster.num_devices=1``) computes as it does on Ray; a test's N gloo processes each hold rank
+r of N of every model and run the same plan, so the models' collectives meet.
 
 [Note: one random stream per worker]
 On Ray each worker is a process of its own, with torch's random stream its own: a dropout mask
@@ -37,20 +38,18 @@ def init_process_group() -> None:
 
 
 class LocalGroup:
-    """Rank 0 of model ``role`` in this process (``worker_cls(cfg, role, 0, 1)``)."""
+    """Rank ``rank`` of ``world`` of model ``role`` in this process (``worker_cls(cfg, role,
+    rank, world)``; the other ranks, if any, in other processes of this process group)."""
+
+    num_ranks = 1  # the ranks held here: one slice of every per-rank value
 
     def __init__(self, worker_cls: type, role: str, cfg: Config,
-                 issued: list[Call] | None = None) -> None:
+                 issued: list[Call] | None = None, rank: int = 0, world: int = 1) -> None:
         self.role = role
-        self.num_ranks = 1
         self.issued = [] if issued is None else issued
-        self._states: list[torch.Tensor] = []
-        fresh = torch.Generator().manual_seed(_FRESH_SEED).get_state()
-        self.workers = []
-        for rank in range(self.num_ranks):
-            self._states.append(fresh)
-            self.workers.append(self._in_stream(rank, lambda: worker_cls(cfg, role, rank,
-                                                                          self.num_ranks)))
+        self._states = [torch.Generator().manual_seed(_FRESH_SEED).get_state()]
+        self.workers: list[Any] = []
+        self.workers.append(self._in_stream(0, lambda: worker_cls(cfg, role, rank, world)))
 
     def _in_stream(self, rank: int, fn: Any) -> Any:
         """``fn()`` on worker ``rank``'s own random stream ([Note: one random stream per
@@ -64,7 +63,7 @@ class LocalGroup:
             torch.set_rng_state(saved)
 
     def rendezvous(self) -> list[int]:
-        """Build every rank's model on this process's group; this process's id per rank."""
+        """Build the rank's model on this process's group; this process's id."""
         init_process_group()
         for rank, worker in enumerate(self.workers):
             if getattr(worker, "has_model", True):  # a reward function or server builds none
@@ -101,11 +100,17 @@ class LocalGroup:
         """Nothing to stop: the workers are this process's objects."""
 
 
-def check(cfg: Config) -> None:
-    """The runs ``LocalGroup`` can hold: one device, the rollout in the actor's rank."""
-    if cfg.cluster.num_devices != 1:
+def check(cfg: Config, world: int = 1, dealt: bool = True) -> None:
+    """The runs in-process groups can hold: ``world`` devices (one rank each in as many
+    processes), the rollout in the actor's ranks, and, over several with the actor's ranks'
+    rollouts (``dealt``), each rank's its own (the driver of one process cannot deal the others'
+    rows)."""
+    if cfg.cluster.num_devices != world:
         raise ConfigError("cluster.num_devices", f"{cfg.cluster.num_devices} for an in-process "
-                                                 "run; allowed: 1")
+                                                 f"run of {world} process(es); allowed: {world}")
+    if world > 1 and dealt and cfg.deals_rollouts:
+        raise ConfigError("ppo.balance_batch", "true for an in-process run of several processes; "
+                                               "allowed: false")
     if cfg.rollout.num_devices:
         raise ConfigError("rollout.num_devices", f"{cfg.rollout.num_devices} for an in-process "
                                                  "run; allowed: 0")

@@ -81,23 +81,13 @@ def _record_counts(engine, seen: list[int]) -> None:
 
 def _rank_trainer(cfg, rank: int, rollout):
     """The trainer of ``cfg`` on rank ``rank`` of this gloo group: every model's worker of that
-    rank in this process, the source giving ``rollout`` (``tests/steps.py``, which holds one
-    rank). Every rank's trainer runs the same plan, so the models' collectives meet."""
-    from rlhf_paro.actors.local import LocalGroup
-    from rlhf_paro.cluster import WORKERS, LocalCluster
-    from rlhf_paro.ppo import algorithms
+    rank in this process (``LocalCluster``), the source giving ``rollout`` (``tests/steps.py``).
+    Every rank's trainer runs the same plan, so the models' collectives meet."""
+    from rlhf_paro.cluster import LocalCluster
     from rlhf_paro.trainer import PPOTrainer
     from tests.steps import FixedSource
 
-    cluster = LocalCluster.__new__(LocalCluster)
-    cluster.cfg, cluster.stoppable, cluster.issued = cfg, True, []
-    # LocalGroup builds rank 0 of 1: here, rank ``rank`` of the world.
-    cluster.models = {role: LocalGroup(lambda c, r, _rank, _num, cls=WORKERS[role]:
-                                       cls(c, r, rank, WORLD), role, cfg, cluster.issued)
-                      for role in algorithms.roles(cfg)}
-    cluster.source = FixedSource(rollout)
-    cluster.pids = {role: group.rendezvous() for role, group in cluster.models.items()}
-    return PPOTrainer(cfg, cluster=cluster)
+    return PPOTrainer(cfg, cluster=LocalCluster(cfg, rank, WORLD, FixedSource(rollout)))
 
 
 def _spy(worker, method: str, seen: dict) -> None:
