@@ -1,6 +1,8 @@
 """The vllm rollout engine colocated with the actor on one CUDA device (docs/design.md,
 "Rollout"): its key/value cache goes back to training while it sleeps, and after each update
-its greedy continuations, synced from the shards, are the actor's own."""
+its greedy continuations, synced from the shards, are the actor's own. Each step is the
+trainer's own plan (``ppo/step.py``) on this process's models (``cluster.LocalCluster``): the
+actor generates with the engine and trains on what it generated."""
 
 from __future__ import annotations
 
@@ -27,22 +29,31 @@ ARGV = [f"actor.config={MODEL}", "reward.path=null", "data.train_files=null",
         "actor.optim.lr=3e-2"]
 
 
-def _one_device(rank: int, world_size: int) -> dict:
-    from rlhf_paro.actors.actor import ActorWorker
+def _one_device(rank: int, world_size: int, output_dir: str) -> dict:
+    from rlhf_paro.cluster import LocalCluster
+    from rlhf_paro.metrics import Sums
     from rlhf_paro.ppo import data
     from rlhf_paro.rollout import PromptBatch, Sampling
     from rlhf_paro.rollout.hf import HFRollout
+    from rlhf_paro.trainer import PPOTrainer
 
-    cfg = load(ARGV)
-    actor = ActorWorker(cfg, "actor", rank, world_size)
-    actor.shard_model()  # with its vLLM engine
+    cfg = load([*ARGV, "trainer.resume=none", f"trainer.output_dir={output_dir}"])
+    trainer = PPOTrainer(cfg, cluster=LocalCluster(cfg))  # the actor with its vLLM engine
+    actor = trainer.models["actor"].workers[0]
+
+    def score(step, rollout, rows=None):
+        # A reward the policy can learn in a step or two: the first response token's residue.
+        scores = (rollout.responses[:, 0] % 3).float()
+        return {"scores": scores, "reward_sums": Sums(total={
+            "count": float(len(scores)), "task_score": float(scores.sum())})}
+
+    trainer.models["reward"].workers[0].score = score
     reference = HFRollout(actor.engine, actor.tokenizer.pad_token_id,
                           actor.tokenizer.eos_token_id, actor.device)
     vocab = data.vocab_sizes(cfg)["actor"]
     gen = torch.Generator().manual_seed(0)
-    prompts = PromptBatch(torch.randint(3, vocab, (64, 6), generator=gen),
-                          torch.ones(64, 6, dtype=torch.long))
-    evaluation = prompts.select(slice(0, 16))
+    evaluation = PromptBatch(torch.randint(3, vocab, (16, 6), generator=gen),
+                             torch.ones(16, 6, dtype=torch.long))
     out = {"free": [], "equal": [], "diff": []}
     engine = actor.rollout_engine
     for step in range(2):
@@ -50,11 +61,10 @@ def _one_device(rank: int, world_size: int) -> dict:
         awake = torch.cuda.mem_get_info()[0]
         engine.sleep()
         out["free"].append((awake, torch.cuda.mem_get_info()[0]))
-        actor.generate(prompts)  # wakes, syncs, samples, sleeps
-        out["diff"].append(actor.old_logprobs())
-        score = (actor._rollout.responses[:, 0] % 3).float()
-        actor.make_experience(None, None, score, kl_coef=0.0)
-        actor.train(step=step, kl_coef=0.0)
+        # The step generates (wakes, syncs, samples, sleeps), then trains on the rollout.
+        result = trainer.step(step)
+        trainer._trained(result)
+        out["diff"].append(result.row["rollout/logprob_diff_max"])
         ours, _ = actor.generate(evaluation, greedy=True)
         theirs = reference.generate(evaluation, Sampling(16, greedy=True))
         out["equal"].append(torch.equal(ours.sequences, theirs.sequences))
@@ -62,8 +72,9 @@ def _one_device(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run() -> dict:
-    return run_distributed(_one_device, 1, timeout=600)[0]
+def run(tmp_path_factory) -> dict:
+    # Nothing is written there: the steps save no checkpoint (trainer.resume=none).
+    return run_distributed(_one_device, 1, str(tmp_path_factory.mktemp("vllm")), timeout=600)[0]
 
 
 def test_sleep_gives_the_key_value_cache_back_to_training(run):
@@ -77,4 +88,4 @@ def test_sleep_gives_the_key_value_cache_back_to_training(run):
 def test_greedy_after_each_sync_equals_the_actors_and_log_probs_agree(run):
     assert run["equal"] == [True, True]
     # fp32 on both sides; the bound of tests/rollout/test_vllm.py.
-    assert all(d["logprob_diff_max"] <= 1e-4 for d in run["diff"])
+    assert all(d <= 1e-4 for d in run["diff"])
