@@ -12,6 +12,7 @@ scores, which the reward worker gives in place of its own; ``plan`` replaces the
 
 from __future__ import annotations
 
+import tempfile
 from typing import Any
 
 import torch
@@ -59,7 +60,9 @@ def local_trainer(argv: list[str], rollout: Any, scores: torch.Tensor,
     from rlhf_paro.trainer import PPOTrainer
     from tests.confs import load
 
-    cfg = load(argv)
+    # Nothing of a run in the working tree is read or removed: no resume, a folder of its own.
+    cfg = load([*argv, "trainer.resume=none",
+                f"trainer.output_dir={tempfile.mkdtemp(prefix='rlhf-paro-step-')}"])
     trainer = PPOTrainer(cfg, cluster=LocalCluster(cfg, source=FixedSource(rollout)))
     if plan is not None:
         trainer.plan = plan.check()
@@ -90,3 +93,15 @@ def plan_without(cfg: Any, rewrite: str) -> Plan:
     it out changes the step."""
     assert rewrite in plans.build(cfg).rewrites, rewrite
     return plans.build(cfg, without=(rewrite,))
+
+
+def spy(worker: Any, method: str, seen: dict) -> None:
+    """Keep what each call of ``worker.method`` gives (its dict of named values) in
+    ``seen[method]``."""
+    call = getattr(worker, method)
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        seen[method] = out = call(*args, **kwargs)
+        return out
+
+    setattr(worker, method, recorded)

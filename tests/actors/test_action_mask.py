@@ -36,6 +36,7 @@ import torch
 from rlhf_paro.ppo import algorithms, core
 from tests.confs import load
 from tests.dist_utils import run_distributed
+from tests.steps import spy
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -229,33 +230,13 @@ def _cells(grads: list, micros: list, rollout, what: str, packed: bool
 
 def _rank_trainer(cfg, rank: int, rollout):
     """The trainer of ``cfg`` on rank ``rank`` of this gloo group: every model's worker of that
-    rank in this process, the source giving ``rollout`` (``tests/steps.py``, which holds one
-    rank). Every rank's trainer runs the same plan, so the models' collectives meet."""
-    from rlhf_paro.actors.local import LocalGroup
-    from rlhf_paro.cluster import WORKERS, LocalCluster
+    rank in this process (``LocalCluster``), the source giving ``rollout`` (``tests/steps.py``).
+    Every rank's trainer runs the same plan, so the models' collectives meet."""
+    from rlhf_paro.cluster import LocalCluster
     from rlhf_paro.trainer import PPOTrainer
     from tests.steps import FixedSource
 
-    cluster = LocalCluster.__new__(LocalCluster)
-    cluster.cfg, cluster.stoppable, cluster.issued = cfg, True, []
-    # LocalGroup builds rank 0 of 1: here, rank ``rank`` of the world.
-    cluster.models = {role: LocalGroup(lambda c, r, _rank, _num, cls=WORKERS[role]:
-                                       cls(c, r, rank, WORLD), role, cfg, cluster.issued)
-                      for role in algorithms.roles(cfg)}
-    cluster.source = FixedSource(rollout)
-    cluster.pids = {role: group.rendezvous() for role, group in cluster.models.items()}
-    return PPOTrainer(cfg, cluster=cluster)
-
-
-def _spy(worker, method: str, seen: dict) -> None:
-    """Keep what each call of ``worker.method`` gives in ``seen[method]``."""
-    call = getattr(worker, method)
-
-    def recorded(*args, **kwargs):
-        seen[method] = out = call(*args, **kwargs)
-        return out
-
-    setattr(worker, method, recorded)
+    return PPOTrainer(cfg, cluster=LocalCluster(cfg, rank, WORLD, FixedSource(rollout)))
 
 
 def _losses(worker, seen: list) -> None:
@@ -315,7 +296,7 @@ def _one_path(rank: int, cfg, case: Case, leak: bool) -> dict:
                                    "task_score": float(scores.sum())})}
     seen: dict = {}
     for method in ("old_logprobs", "make_experience"):
-        _spy(actor, method, seen)
+        spy(actor, method, seen)
     trainer.step(0)
     assert torch.equal(seen["old_logprobs"]["old_logp"], old)
 

@@ -21,6 +21,7 @@ import torch
 from rlhf_paro.rollout import RolloutBatch
 from tests.confs import load
 from tests.dist_utils import run_distributed
+from tests.steps import spy
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -90,17 +91,6 @@ def _rank_trainer(cfg, rank: int, rollout):
     return PPOTrainer(cfg, cluster=LocalCluster(cfg, rank, WORLD, FixedSource(rollout)))
 
 
-def _spy(worker, method: str, seen: dict) -> None:
-    """Keep what each call of ``worker.method`` gives in ``seen[method]``."""
-    call = getattr(worker, method)
-
-    def recorded(*args, **kwargs):
-        seen[method] = out = call(*args, **kwargs)
-        return out
-
-    setattr(worker, method, recorded)
-
-
 def _train_stats(worker, seen: dict) -> None:
     """Keep the step's training statistics in ``seen`` as the report that resets them reads
     them."""
@@ -127,7 +117,7 @@ def _one_path(rank: int, case: str, packed: bool, output_dir: str) -> dict:
     start = {"actor": actor.engine.full_state_dict(), "critic": critic.engine.full_state_dict()}
     seen, stats = {}, {"actor": {}, "critic": {}}
     for worker, method in ((reward, "score"), (critic, "values"), (actor, "old_logprobs")):
-        _spy(worker, method, seen)
+        spy(worker, method, seen)
     agreed = {"actor": [], "critic": []}  # micro-batch counts set on the engines
     for role, worker in (("actor", actor), ("critic", critic)):
         _record_counts(worker.engine, agreed[role])
