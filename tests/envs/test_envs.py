@@ -595,7 +595,8 @@ def test_the_runner_counts_steps_and_their_time(files):
     # early); a step is an action that was not cut by the budget.
     # Nor more than the runner's 4 threads can spend in the wall time of the whole rollout.
     start = time.monotonic()
-    batch, stats = _episodes(files, "Slow", max_turns=2)
+    batch, sums = _episodes(files, "Slow", max_turns=2)
+    stats = sums.total
     wall = time.monotonic() - start
     assert stats["steps"] == stats["turns"] - stats["truncated_max_total_tokens"] > 0
     assert 0.02 * stats["steps"] <= stats["step_time_s"] <= 4 * wall
@@ -689,7 +690,8 @@ def _episodes(files, name, max_turns=4, max_total_tokens=40, tok=None, greedy=Fa
 
 
 def test_an_observation_past_the_budget_ends_the_episode_truncated(files):
-    batch, stats = _episodes(files, "Long")
+    batch, sums = _episodes(files, "Long")
+    stats = sums.total
     # The first observation (40 tokens) never fits 40 - prompt - action: each episode ends after
     # one action, truncated by its budget, the observation dropped; every row ends with an action.
     assert stats["turns"] == 6 and stats["truncated_max_total_tokens"] == 6
@@ -704,7 +706,8 @@ def test_a_reset_s_observation_ends_the_prompt_and_must_leave_room_for_one_actio
     # the prompt is those 6 tokens, and its first action follows them.
     tok = word_tokenizer(chat=False)
     greeting = tok("a b", add_special_tokens=False)["input_ids"]
-    batch, stats = _episodes(files, "Greets", max_turns=1, max_total_tokens=7)
+    batch, sums = _episodes(files, "Greets", max_turns=1, max_total_tokens=7)
+    stats = sums.total
     width = batch.sequences.shape[1] - batch.action_mask.shape[1]
     assert width == 6 and stats["observation_tokens"] == 6 * len(greeting) == 12
     assert all(row[4:6] == greeting for row in batch.sequences[:, :width].tolist())
@@ -718,7 +721,8 @@ def test_a_reset_s_observation_ends_the_prompt_and_must_leave_room_for_one_actio
 def test_an_action_that_fills_the_budget_exactly_is_stepped_and_scored(files):
     # 4 prompt tokens of 10 leave 6, max_new_tokens: an action of 6 tokens fits, so its
     # environment steps on it and its reward counts; only a longer one would be cut.
-    batch, stats = _episodes(files, "Echo", max_turns=1, max_total_tokens=10)
+    batch, sums = _episodes(files, "Echo", max_turns=1, max_total_tokens=10)
+    stats = sums.total
     lengths = batch.action_mask.sum(-1)
     assert int((lengths == 6).sum()) >= 2, lengths.tolist()  # the case under test occurs
     assert stats["steps"] == 6 and stats["truncated_max_total_tokens"] == 0
@@ -729,7 +733,8 @@ def test_an_action_cut_by_its_episode_s_room_ends_it_unstepped(files):
     # 4 prompt tokens of 8 leave 4, fewer than max_new_tokens (6): an action that runs to the
     # room without its <eos> was cut by the budget, and its environment never sees it; one that
     # ends in its <eos> within the room is stepped. Decided for each episode by its own room.
-    batch, stats = _episodes(files, "Echo", max_turns=1, max_total_tokens=8)
+    batch, sums = _episodes(files, "Echo", max_turns=1, max_total_tokens=8)
+    stats = sums.total
     actions = [r[m.bool()].tolist() for r, m in zip(batch.responses, batch.action_mask)]
     ended = [action[-1] == 2 for action in actions]  # the word tokenizer's </s>
     assert 0 < sum(ended) < 6, actions  # both cases occur
@@ -745,14 +750,15 @@ def test_an_action_cut_by_its_episode_s_room_ends_it_unstepped(files):
                for a, e in zip(actions, ended) if e)
     assert stats["truncated_max_turns"] == sum(ended) - done
     # And when: the episodes ended within the rollout, which took its own wall time.
-    assert 0 <= stats["first_sample_s:min"] <= stats["last_sample_s:max"] <= stats["rollout_s"]
+    assert 0 <= sums.least["first_sample_s"] <= sums.most["last_sample_s"] <= stats["rollout_s"]
     assert stats["rollout_s"] < 60 and 0 <= stats["engine_idle_s"] <= stats["rollout_s"]
 
 
 def test_observations_carry_log_prob_zero(files):
     # The engine's log-probs are of the policy's own tokens; an observation's are 0, never
     # another number that a loss masked wrongly would read.
-    batch, stats = _episodes(files, "Echo", max_turns=2)
+    batch, sums = _episodes(files, "Echo", max_turns=2)
+    stats = sums.total
     observed = batch.response_attention.bool() & ~batch.action_mask.bool()
     assert int(observed.sum()) == stats["observation_tokens"] > 0
     assert batch.logprobs[observed].abs().sum() == 0
@@ -766,7 +772,8 @@ def test_a_greedy_rollout_of_episodes_has_no_log_probs(files):
 
 
 def test_max_turns_and_max_total_tokens_bound_every_episode(files):
-    batch, stats = _episodes(files, "Echo", max_turns=3, max_total_tokens=30)
+    batch, sums = _episodes(files, "Echo", max_turns=3, max_total_tokens=30)
+    stats = sums.total
     lengths = batch.attention_mask.sum(-1)
     assert int(lengths.max()) <= 30  # the longest row: every row
     # Each episode's turns: its runs of action tokens (observations of two words lie between).
@@ -808,7 +815,8 @@ def test_a_huge_observation_is_dropped_for_the_budget_without_being_tokenised_wh
     # 10 MB a step: each was tokenised in full (seconds each, outside env.timeout_s) before it
     # was dropped, and the run sat at step 0.
     tok = _Recording(word_tokenizer(chat=False))
-    batch, stats = _episodes(files, "Huge", tok=tok)
+    batch, sums = _episodes(files, "Huge", tok=tok)
+    stats = sums.total
     bound = 40 * Observations(tok, chat=False).token_chars  # no budget reaches past 40 tokens
     assert 0 < tok.longest <= bound, tok.longest
     assert stats["dropped_observations"] == 6 and stats["truncated_max_total_tokens"] == 6

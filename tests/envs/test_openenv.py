@@ -116,8 +116,8 @@ def test_episodes_of_a_served_openenv_environment_carry_its_observations_and_rew
         assert session[i].reset_args == {"seed": seeds[i], **rows[i]}
         assert session[i].closed
     # The environment ends each episode at its third message (done), before env.max_turns=4.
-    assert stats["turns"] == stats["steps"] == 3 * ROWS
-    assert stats["truncated_max_turns"] == stats["truncated_max_total_tokens"] == 0
+    assert stats.total["turns"] == stats.total["steps"] == 3 * ROWS
+    assert stats.total["truncated_max_turns"] == stats.total["truncated_max_total_tokens"] == 0
 
     real = batch.response_attention.bool()
     actions = batch.action_mask.bool()
@@ -144,7 +144,7 @@ def test_episodes_of_a_served_openenv_environment_carry_its_observations_and_rew
         assert holes == [e for e in echoes if e]
         observed += sum(map(len, echoes))
         scores.append(sum(0.1 * len(m.split()) for m in sent))
-    assert stats["observation_tokens"] == observed
+    assert stats.total["observation_tokens"] == observed
     assert reversals > 0  # some echoes are not the message itself: the holes came from the server
     # The scores are the sums of the server's rewards (0.1 a word): at most 1.5, so float32
     # holds them within 1e-7; 1e-6 is far below the 0.1 a word more or less would move them.

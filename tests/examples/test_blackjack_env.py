@@ -46,7 +46,7 @@ def test_blackjack_games_run_as_episodes_of_described_turns():
     assert all(t.startswith("Play blackjack.You hold ") and t.endswith("Hit or stick?")
                for t in prompt_text), prompt_text
     assert set(batch.scores.tolist()) <= {-1.0, 0.0, 1.0}
-    assert stats["episodes"] == 8 and 8 <= stats["turns"] <= 48
+    assert stats.total["episodes"] == 8 and 8 <= stats.total["turns"] <= 48
     # Observations between turns are the game's words, never actions.
     observed = batch.response_attention.bool() & ~batch.action_mask.bool()
     for row in range(8):

@@ -149,7 +149,7 @@ def test_the_sfts_episodes_are_token_for_token_those_a_run_assembles(max_turns):
         assert got == actions, secret
         assert batch.scores[row].item() == score
     # 1 + 2 + 4 = 7 secrets are found within 3 guesses, all 16 within 5.
-    assert stats["truncated_max_turns"] == (0 if max_turns == 5 else 9)
+    assert stats.total["truncated_max_turns"] == (0 if max_turns == 5 else 9)
 
 
 class _Scripted(torch.nn.Module):
@@ -256,7 +256,7 @@ def test_the_blackjack_sfts_episodes_are_token_for_token_those_a_run_assembles(w
         prompt_len = int(real.sum()) - int(responded.sum())
         assert [0.0] * prompt_len + batch.action_mask[row][responded].tolist() == actions, row
         assert batch.scores[row].item() == score
-    assert stats["turns"] > games if word == "hit" else stats["turns"] == games
+    assert stats.total["turns"] > games if word == "hit" else stats.total["turns"] == games
 
 
 def test_the_blackjack_conf_makes_its_own_assets_and_points_the_users_keys_at_them(tmp_path):

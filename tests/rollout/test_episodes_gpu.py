@@ -63,7 +63,7 @@ def test_hf_episodes_on_cuda_give_the_trainers_log_probs():
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     actions = batch.action_mask.bool()
-    print(f"\nhf on {torch.cuda.get_device_name()}: 64 episodes x {stats['turns'] / 64:.2f} "
+    print(f"\nhf on {torch.cuda.get_device_name()}: 64 episodes x {stats.total['turns'] / 64:.2f} "
           f"turns, {int(actions.sum())} action tokens in {elapsed:.2f} s "
           f"({actions.sum().item() / elapsed:.0f} tokens/s)")
     with torch.no_grad():
@@ -76,5 +76,5 @@ def test_hf_episodes_on_cuda_give_the_trainers_log_probs():
     # 1e-4 catches an action scored in the wrong context (an observation missing or moved).
     assert diff.max() <= 1e-4, float(diff.max())
     observed = batch.response_attention.bool() & ~actions
-    assert int(observed.sum()) == stats["observation_tokens"] > 0
-    assert stats["turns"] == 4 * 64
+    assert int(observed.sum()) == stats.total["observation_tokens"] > 0
+    assert stats.total["turns"] == 4 * 64

@@ -92,7 +92,7 @@ def test_kept_keys_and_values_give_today_s_episodes_and_the_trainer_s_logprobs(s
     greedy = Sampling(ACTION, greedy=True)
     kept, stats, fed_kept = run(hf, setup, greedy)
     today, _, fed_today = run(Recomputing(hf), setup, greedy)
-    assert stats["turns"] > len(kept.sequences) + 2  # several turns, not all alike
+    assert stats.total["turns"] > len(kept.sequences) + 2  # several turns, not all alike
     for name in ("sequences", "attention_mask", "action_mask", "scores"):
         assert torch.equal(getattr(kept, name), getattr(today, name)), name
     # Each turn after the first feeds its new observation and the last action token only.

@@ -86,7 +86,7 @@ def test_trl_rollout_builds_rlhf_paros_episodes_token_for_token(tokenizer):
             Sampling(NEW_TOKENS), episodes.Budget(turns, 10_000), PAD, lambda i: f"sample {i}")
     finally:
         runner.close()
-    assert stats["turns"] == turns * len(PROMPTS)
+    assert stats.total["turns"] == turns * len(PROMPTS)
     for i in range(len(PROMPTS)):
         prompt = ours.prompts[i][ours.attention_mask[i, :ours.prompts.shape[1]].bool()]
         real = ours.response_attention[i].bool()
