@@ -129,7 +129,8 @@ def _rank(rank: int, world_size: int, tmp, engine: str) -> dict:
     per_rank, rows = prompts.split(prompts.stream.next(ROWS))
     greedy, stats = actor.generate(per_rank[0], rows[0], greedy=True, step=0)
     sampled, _ = actor.generate(per_rank[0], rows[0], step=1)
-    out = {"greedy": greedy, "stats": stats, "sampled": sampled, "diff": actor.old_logprobs()}
+    diff = actor.old_logprobs(1, sampled)["mismatch"]
+    out = {"greedy": greedy, "stats": stats, "sampled": sampled, "diff": diff}
     out["streaming"] = _streaming(actor, per_rank[0])
     if engine == "vllm":  # on the engine built here (building one costs seconds)
         from rlhf_paro.metrics import TRAIN
@@ -216,7 +217,8 @@ def vllm(assets) -> dict:
 def test_greedy_episodes_take_three_actions_with_observations_between(hf):
     # Every episode ran three actions, two observations of two tokens between them: holes.
     stats, greedy = hf["stats"], hf["greedy"]
-    assert stats["env_turns"] == 3 * ROWS and stats["env_observation_tokens"] == 4 * ROWS
+    env = stats.env.total
+    assert env["turns"] == 3 * ROWS and env["observation_tokens"] == 4 * ROWS
     observed = (greedy.response_attention == 1) & (greedy.action_mask == 0)
     assert observed.sum(-1).tolist() == [4] * ROWS
 
@@ -260,8 +262,8 @@ def test_engine_log_probs_of_sampled_actions_are_the_trainers(request, name):
     # the wrong context (an observation's tokens missing or moved: differences of order 0.1).
     episodes = request.getfixturevalue(name)
     diff = episodes["diff"]
-    assert diff["logprob_diff_count"] == float(episodes["sampled"].action_mask.sum())
-    assert diff["logprob_diff_max"] <= 1e-4
+    assert diff.total["logprob_diff_count"] == float(episodes["sampled"].action_mask.sum())
+    assert diff.most["logprob_diff"] <= 1e-4
 
 
 # -- each episode its own loop (both engines) -----------------------------------------------
@@ -309,14 +311,15 @@ def test_no_episode_waits_for_another_s_environment(request, name):
     # action waits for episode 0's first step: none ends before 1 s. Streamed, the other seven
     # play both turns at once and end well before it.
     run, stream = streamed["paced_run"], streamed["paced_stream"]
-    assert run["first_sample_s:min"] >= SLOW_S
-    assert stream["first_sample_s:min"] < SLOW_S / 2
+    assert run.least["first_sample_s"] >= SLOW_S
+    assert stream.least["first_sample_s"] < SLOW_S / 2
     for stats in (run, stream):
-        assert stats["last_sample_s:max"] >= 2 * SLOW_S
-        assert stats["turns"] == 2 * STREAMED and stats["steps"] == 2 * STREAMED
+        total = stats.total
+        assert stats.most["last_sample_s"] >= 2 * SLOW_S
+        assert total["turns"] == 2 * STREAMED and total["steps"] == 2 * STREAMED
         # The engine had nothing to decode at least while episode 0's second step ran, alone.
-        assert SLOW_S <= stats["engine_idle_s"] <= stats["rollout_s"]
-        latencies = sorted(stats["step_latencies_s"])
+        assert SLOW_S <= total["engine_idle_s"] <= total["rollout_s"]
+        latencies = sorted(stats.each["step_latencies_s"])
         assert len(latencies) == 2 * STREAMED
         assert latencies[-2] >= SLOW_S > latencies[-3]
 
