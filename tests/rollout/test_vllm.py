@@ -1,8 +1,9 @@
 """The vllm rollout engine against the actor it serves (docs/design.md, "Rollout"), on 4 gloo
 ranks in 2 groups of 2, each rank with its own vLLM engine in its own process as a run has it.
 
-For actor strategies with P = N, I and G, each rank runs 3 GRPO steps through ``ActorWorker``
-itself (generate with vLLM, old log-probs, experience, update); after each update, vLLM's greedy
+For actor strategies with P = N, I and G, each rank runs 3 GRPO steps of the trainer's own plan
+(``ppo/step.py``) on its rank of the actor and reward workers (no Ray), the actor generating with
+vLLM on the rank's own prompts and the scores fixed by the test; after each update, vLLM's greedy
 continuation of 16 prompts (synced from the shards first) equals the sharded actor's own greedy
 continuation (Hugging Face generate on the gathered weights), the engine's log-probs of its
 sampled tokens are within 1e-4 of the trainer's, and the sync sent exactly the bytes of one
@@ -17,6 +18,7 @@ import torch
 from rlhf_paro.rollout import vllm as vllm_engine
 from tests.confs import load
 from tests.dist_utils import run_distributed
+from tests.steps import spy
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow,
               pytest.mark.skipif(not vllm_engine.installed(),
@@ -74,23 +76,40 @@ def _sync_bytes(engine) -> tuple[int, int]:
     return intra, inter
 
 
-def _rank(rank: int, world_size: int) -> dict:
-    from rlhf_paro.actors.actor import ActorWorker
+def _rank(rank: int, world_size: int, output_dir: str) -> dict:
     from rlhf_paro.actors.rollout import Generation
+    from rlhf_paro.cluster import LocalCluster
     from rlhf_paro.comm.meter import SYNC
+    from rlhf_paro.metrics import Sums
     from rlhf_paro.ppo import data
     from rlhf_paro.rollout import Sampling
     from rlhf_paro.rollout.hf import HFRollout
+    from rlhf_paro.trainer import PPOTrainer
+
+    def score(step, rollout, rows=None):
+        # Any score that differs within a group: GRPO's advantages are then not all zero.
+        scores = (rollout.responses[:, 0] % 3).float()
+        return {"scores": scores, "reward_sums": Sums(total={
+            "count": float(len(scores)), "task_score": float(scores.sum())})}
 
     out: dict = {}
     engine = None  # one vLLM engine per rank, serving every strategy's actor in turn
     for strategy in STRATEGIES:
         cfg = load(_argv(strategy))
         vocab = data.vocab_sizes(cfg)["actor"]
-        # Built with the hf engine (no vLLM engine of its own), then given the shared one.
-        actor = ActorWorker(load([*_argv(strategy), "rollout.engine=hf"]), "actor", rank,
-                            world_size)
-        actor.shard_model()
+        # Rank ``rank`` of every model in this process, training on the rollout it generated
+        # (no rank deals another's); built with the hf engine (no vLLM engine of its own), then
+        # given the shared one. No checkpoint is read or written.
+        local = load([*_argv(strategy), "rollout.engine=hf", "ppo.balance_batch=false",
+                      "trainer.resume=none", f"trainer.output_dir={output_dir}"])
+        trainer = PPOTrainer(local, cluster=LocalCluster(local, rank, world_size))
+        actor = trainer.models["actor"].workers[0]
+        trainer.models["reward"].workers[0].score = score
+        # The rank's own prompts in place of the driver's draw: one slice, its generator's.
+        trainer.draw = lambda step: {"prompts": (
+            [_prompts(100 * rank + step, 16, vocab, repeat=4)], None)}
+        seen: dict = {}
+        spy(actor, "old_logprobs", seen)  # the engine's distance, this rank's alone
         if engine is None:
             engine = vllm_engine.VLLMRollout(cfg, actor.engine.module.lm.config,
                                              actor.tokenizer.eos_token_id,
@@ -102,27 +121,23 @@ def _rank(rank: int, world_size: int) -> dict:
         evaluation = _prompts(1000, 16, vocab)  # the same on every rank
         steps = []
         for step in range(STEPS):
-            actor.generate(_prompts(100 * rank + step, 16, vocab, repeat=4))
-            diff = actor.old_logprobs()
-            responses = actor._rollout.responses
-            # Any score that differs within a group: GRPO's advantages are then not all zero.
-            score = (responses[:, 0] % 3).float()
-            actor.make_experience(None, None, score, kl_coef=0.0)
-            actor.train(step=step, kl_coef=0.0)
+            trainer._trained(trainer.step(step))  # generates with vLLM, then trains on it
             actor.engine.meter.reset()
             ours, _ = actor.generate(evaluation, greedy=True)  # syncs the update first
             sent = actor.engine.meter.totals(SYNC)
             theirs = reference.generate(evaluation, Sampling(NEW_TOKENS, greedy=True))
             steps.append({"ours": ours.sequences, "theirs": theirs.sequences,
-                          "diff": diff, "sent": (sent["intra_bytes"], sent["inter_bytes"]),
+                          "diff": seen["old_logprobs"]["mismatch"],
+                          "sent": (sent["intra_bytes"], sent["inter_bytes"]),
                           "expected": _sync_bytes(actor.engine)})
         out[strategy] = steps
     return out
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict]:
-    return run_distributed(_rank, WORLD, timeout=600)
+def runs(tmp_path_factory) -> list[dict]:
+    # Nothing is written there: the steps save no checkpoint (trainer.resume=none).
+    return run_distributed(_rank, WORLD, str(tmp_path_factory.mktemp("vllm")), timeout=600)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -145,8 +160,8 @@ def test_vllm_log_probs_of_sampled_tokens_are_the_trainers(runs, strategy):
     # weights.
     for rank, got in enumerate(runs):
         for step, s in enumerate(got[strategy]):
-            assert s["diff"]["logprob_diff_count"] > 0
-            assert s["diff"]["logprob_diff_max"] <= 1e-4, f"rank {rank} step {step}"
+            assert s["diff"].total["logprob_diff_count"] > 0
+            assert s["diff"].most["logprob_diff"] <= 1e-4, f"rank {rank} step {step}"
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -174,9 +189,8 @@ def _top_k_rank(rank: int, world_size: int) -> dict:
                 "ppo.temperature=1.0", "ppo.top_k=3"])
     actor = ActorWorker(cfg, "actor", rank, world_size)
     actor.shard_model()  # with its vLLM engine
-    actor.generate(_prompts(7, 64, data.vocab_sizes(cfg)["actor"]))
-    rollout = actor._rollout
-    diff = actor.old_logprobs()
+    rollout, _ = actor.generate(_prompts(7, 64, data.vocab_sizes(cfg)["actor"]))
+    diff = actor.old_logprobs(0, rollout)["mismatch"]
     with torch.no_grad():  # the trainer's logits at the positions that predict the responses
         logits = actor.engine.module(rollout.sequences, rollout.attention_mask)
     logits = logits[:, -rollout.response_len - 1:-1]
@@ -191,4 +205,4 @@ def test_vllm_samples_from_the_top_k_with_the_trainers_log_probs():
     # logits do not make); at temperature 1 the engine's raw log-probs are the trainer's
     # definition (before top-k), within the bound of the test above.
     assert len(got["above"]) > 64 and int(got["above"].max()) <= 2
-    assert got["diff"]["logprob_diff_max"] <= 1e-4
+    assert got["diff"].most["logprob_diff"] <= 1e-4
