@@ -50,9 +50,15 @@ class ActorWorker(TrainedWorker):
         rank's engine, unless the rollout has devices of its own."""
         super().shard_model()
         if self.cfg.rollout.num_devices == 0:
-            engine = rollout.build(self.cfg.rollout.engine, rollout.EngineContext(
-                self.cfg, self.engine, self.tokenizer.pad_token_id, self.tokenizer.eos_token_id,
-                self.device))
+            # Built on torch's streams of its own: vLLM's worker seeds the process's generators
+            # as it starts (set_random_seed), which would replace the rank's stream that
+            # Worker.shard_model has just seeded, and with it the update's mini-batch shuffles.
+            # The rank shuffles alike whether its rollout lives here or on replicas of its own.
+            cuda = [self.device] if self.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=cuda):
+                engine = rollout.build(self.cfg.rollout.engine, rollout.EngineContext(
+                    self.cfg, self.engine, self.tokenizer.pad_token_id,
+                    self.tokenizer.eos_token_id, self.device))
             engine.sleep()  # its memory is training's until the first generation
             self.generation = Generation(self.cfg, engine, self.tokenizer, self.device)
 

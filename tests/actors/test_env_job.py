@@ -82,8 +82,10 @@ def test_a_one_turn_episode_repeats_the_single_turn_run_row_for_row(root, engine
     # One thread in every phase of every run: the replica's run has two devices, so by default
     # each phase gets half the cores the single run's gets, and torch's CPU reductions split
     # their sums by thread (a sum over more than 32768 values is cut into a part per thread), so
-    # the same operations round differently. Seen on a machine with more cores: ppo/kl 1.6e-6
-    # apart at step 1 (4 threads against 2 on this model: 7e-7); at equal threads, equal bits.
+    # the same operations round differently (4 threads against 2 on this model: ppo/kl 7e-7
+    # apart at step 1); at equal threads, equal bits. The replica's run shuffles its mini-batches
+    # as the colocated one does only because building the colocated vLLM engine leaves the
+    # actor's random stream alone (ActorWorker.shard_model): it once reseeded it, 1.6e-6 apart.
     cache, args = demo_cache(), [*SMALL, f"rollout.engine={engine}", "trainer.steps=2",
                                  "cluster.cpu_threads=1"]
     env = [f"env.function={root}/envs.py:OneStep", "env.reward=env"]
