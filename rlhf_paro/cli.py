@@ -1,14 +1,16 @@
 """The command line of the entry points (``rlhf_paro.train``, ``rlhf_paro.plan``).
 
-    python -m rlhf_paro.<entry> [-h|--help] [--cfg job|step] [-m|--multirun] [conf=NAME] [override ...]
+    python -m rlhf_paro.<entry> [-h|--help] [--cfg job|step] [-m|--multirun] [conf=NAME]
+                                [override ...]
 
 ``--help`` lists every key with the value this command line gives it and its comment from
 ``config.py``; ``--cfg job`` prints the config as YAML and runs nothing; ``--cfg step`` prints
 the plan of one training step (``ppo/step.py``: its calls, what each reads and gives, the
-speed-ups the config allows) and runs nothing. They show the config as composed, before ``prepare`` resolves it: a demo asset not made yet is ``${demo:NAME}``, and
-nothing is made or written. ``-m`` runs one job per
-combination of the values of every swept override ``key=a,b,c`` (the cartesian product, the
-first swept key varying slowest), one after another; job k writes to
+speed-ups the config allows) and runs nothing. They show the config as composed, before
+``prepare`` resolves it: a demo asset not made yet is ``${demo:NAME}``, and nothing is made or
+written. ``-m`` runs one job per combination of the values of every swept override
+``key=a,b,c`` (the cartesian product, the first swept key varying slowest), one after another;
+job k writes to
 ``<trainer.output_dir>/<k>_<key=value,...>``, the swept overrides as typed, with every character
 a file name should not hold made ``_`` (``0_actor.strategy=IGG,critic.strategy=NIG``).
 Every job is built and checked before the first one runs.

@@ -52,7 +52,8 @@ def _local(rank: int, world_size: int, argv: list[str]) -> dict:
             "kl_coef": (initial, trainer.kl_ctl.value), "rewrites": trainer.plan.rewrites,
             # Every value a model kept for a later call of a step was read by it.
             "kept": {role: group.workers[0].kept() for role, group in trainer.models.items()},
-            "updates": trainer.updates, "task_score": has_task_score(cfg.to_dict()), "issued": [c.method for c in trainer.cluster.issued]}
+            "updates": trainer.updates, "task_score": has_task_score(cfg.to_dict()),
+            "issued": [c.method for c in trainer.cluster.issued]}
 
 
 @pytest.fixture(scope="module", params=list(RUNS))
