@@ -39,7 +39,6 @@ from rlhf_paro.compose import (
     available_confs, load_config, parse_overrides, quoted, register_resolver, sweep_values,
 )
 from rlhf_paro.config import Config, ConfigError, NothingToRun, cli_errors
-from rlhf_paro.ppo import step
 
 OVERRIDES = """\
 overrides, applied in order:
@@ -91,6 +90,8 @@ def main(argv: list[str], *, prog: str, about: str, prepare: Callable[[Config, s
         if show_cfg:
             for k, (job, cfg) in enumerate(zip(jobs, configs)):
                 header = f"# job {k}: {job.name or 'nothing swept'}\n" if multirun else ""
+                if show_cfg == "step":  # torch's import: a second no other command line waits
+                    from rlhf_paro.ppo import step
                 shown = (OmegaConf.to_yaml(cfg.to_dict()) if show_cfg == "job" else
                          step.describe(cfg) + "\n")
                 print(header + shown, end="")

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import ray
 
-from rlhf_paro import trainer
+from rlhf_paro import cluster, trainer
 from rlhf_paro.actors import group
 from rlhf_paro.metrics import read_jsonl
 from tests.confs import INLINE, load
@@ -57,7 +57,8 @@ def runs(tmp_path_factory):
     capture = []
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(group, "NOTE_S", 0.0)  # every phase says so, however quick
-        patch.setattr(trainer, "print", lambda *a, **k: capture.append(" ".join(map(str, a))),
+        # The start's lines come from where the workers are started (cluster.py).
+        patch.setattr(cluster, "print", lambda *a, **k: capture.append(" ".join(map(str, a))),
                       raising=False)
         out["preloaded"] = _run(root / "preloaded")
     out["lines"] = capture
