@@ -482,6 +482,52 @@ def tis_weights(old_logp: Tensor, rollout_logp: Tensor, cap: float) -> Tensor:
     return (old_logp - rollout_logp).clamp(max=math.log(cap)).exp()
 
 
+# What a mask for the engine's mismatch bounds, per sample (``mask_log_ratio``): the ratio of
+# the sample's probabilities, trainer / engine (``sequence``), or its geometric mean per action
+# token (``geometric``). The names are the field's: veRL's ``rollout_rs`` levels, TRL's
+# ``sequence_mask``, SkyRL's geometric mask.
+MASK_LEVELS = ("sequence", "geometric")
+
+
+@torch.no_grad()
+def mask_log_ratio(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, level: str) -> Tensor:
+    """(B,) float64: the log of each sample's engine-mismatch ratio, over its action tokens
+    (``mask``): ``sequence``, sum_t (old_logp - rollout_logp), the log of
+    prod_t pi_trainer / pi_engine, the ratio of the whole sample's probabilities; ``geometric``,
+    that sum / the sample's action tokens, the log of the product's geometric mean (a sample
+    without action tokens: 0, a ratio of 1).
+
+    In log space, since the product over a long response leaves float range (a thousand tokens
+    0.1 apart is e^100); in float64, so that summing a long response adds no rounding of its own
+    to a decision at the band's edge. A non-finite log-prob on an action gives a NaN or an
+    infinity, which no band holds (``in_band``).
+
+    [Note: masks for the engine's mismatch] (docs/design.md, "Rollout")
+    The token product's variance grows with the length of the response: each token's ratio is
+    near 1, but a sequence-level importance weight multiplies T of them, so token TIS
+    (``tis_weights``) corrects each token while no token says whether the sample as a whole is
+    one the trainer would have drawn. A mask checks the sample instead and leaves out the
+    policy loss of those whose ratio leaves a band: the product for ``sequence`` (TRL's
+    ``sequence_mask``: one bad token leaves the product far from 1); its geometric mean for
+    ``geometric`` (SkyRL's ``geo_mask``), a per-token average that does not drift with length,
+    so one band fits responses of any length.
+    """
+    if level not in MASK_LEVELS:
+        raise ValueError(f"unknown mask level {level!r}; allowed: {', '.join(MASK_LEVELS)}")
+    actions = mask.bool()
+    diff = torch.where(actions, old_logp.double() - rollout_logp.double(), 0.0).sum(-1)
+    if level == "geometric":
+        diff = diff / actions.sum(-1).clamp(min=1)
+    return diff
+
+
+def in_band(log_ratio: Tensor, low: float, high: float) -> Tensor:
+    """(B,) bool: the samples whose ratio exp(``log_ratio``) lies in [``low``, ``high``], both
+    edges kept (as TRL, veRL and SkyRL mask only a ratio beyond a bound); compared in log space,
+    so a ratio too large for float64 still counts as above the band."""
+    return (log_ratio >= math.log(low)) & (log_ratio <= math.log(high))
+
+
 def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_eps: float,
                 num_tokens: float | None = None, agg: str = "token_mean",
                 token_sum_norm: float | None = None, weights: Tensor | None = None

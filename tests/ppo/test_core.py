@@ -187,6 +187,75 @@ def test_tis_weights_are_the_capped_trainer_over_rollout_ratio_without_grad():
     assert torch.equal(core.tis_weights(rollout, rollout, cap=2.0), torch.ones(1, 4))
 
 
+def test_mask_log_ratio_sums_or_averages_the_action_tokens_only():
+    # old - rollout per token, mask holes (padding, an observation) ignored, even a -inf there:
+    #   row 0: 0.5 - 0.25 = 0.25 over 2 actions: sequence 0.25, geometric 0.125
+    #   row 1: -1 + -1 = -2 over 2 actions (the observation's 3 between them ignored): -2, -1
+    #   row 2: no action: 0 both ways (a ratio of 1)
+    rollout = torch.tensor([[-1.0, -2.0, float("-inf")], [-1.0, -1.0, -2.0], [-3.0, -1.0, -1.0]])
+    diff = torch.tensor([[0.5, -0.25, 0.0], [-1.0, 3.0, -1.0], [5.0, 5.0, 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+    old = rollout + diff  # exact: every value here has few bits
+    seq = core.mask_log_ratio(old, rollout, mask, "sequence")
+    geo = core.mask_log_ratio(old, rollout, mask, "geometric")
+    assert seq.dtype == geo.dtype == torch.float64
+    assert seq.tolist() == [0.25, -2.0, 0.0] and geo.tolist() == [0.125, -1.0, 0.0]
+    with pytest.raises(ValueError, match="allowed: sequence, geometric"):
+        core.mask_log_ratio(old, rollout, mask, "product")
+
+
+def test_in_band_keeps_the_edges_and_masks_beyond_them():
+    # Band [e^-1, e^0.5]: math.log gives back -1 and 0.5 exactly. Per-sample log ratios at
+    # each edge are kept; a hair past either, a NaN (a non-finite log-prob) or a ratio beyond
+    # float64 is masked.
+    low, high = math.exp(-1.0), math.exp(0.5)
+    log_ratio = t([0.5, -1.0, 0.0, 0.5 + 1e-12, -1.0 - 1e-12, math.nan, math.inf, -math.inf])
+    assert core.in_band(log_ratio, low, high).tolist() == [True, True, True] + [False] * 5
+    # Through mask_log_ratio: two tokens 0.25 apart each are 0.5 as a product (the upper edge:
+    # kept) and 0.25 as a geometric mean (inside); 0.5 and 0.25 are 0.75 (above: masked).
+    rollout = torch.tensor([[-1.0, -2.0], [-1.0, -2.0], [-1.0, -2.0]])
+    old = rollout + torch.tensor([[0.25, 0.25], [-0.5, -0.5], [0.5, 0.25]])
+    mask = torch.ones(3, 2)
+    assert core.in_band(core.mask_log_ratio(old, rollout, mask, "sequence"), low, high).tolist() \
+        == [True, True, False]
+    assert core.in_band(core.mask_log_ratio(old, rollout, mask, "geometric"), low,
+                        high).tolist() == [True, True, True]
+
+
+@pytest.mark.parametrize("agg", core.LOSS_AGG_MODES)
+@pytest.mark.parametrize("tis", [False, True])
+def test_a_masked_sample_has_no_gradient_and_a_kept_one_the_same_as_without_the_mask(agg, tis):
+    # The actor's way: the sample's weight times 0 (masked) or 1 (kept), over the same divisor
+    # (the step's count, masked samples' tokens included). Kept rows: the same per-token terms
+    # times 1.0, so the same gradient to the bit; masked: 0 on every token.
+    mask, rand = _rollout(seed=3)
+    old, rollout, adv = rand().tanh(), rand().tanh(), rand()
+    logp = (old + 0.3 * rand().tanh()).requires_grad_(True)
+    weights = core.tis_weights(old, rollout, 2.0) if tis else None
+    keep = torch.ones(len(mask), dtype=torch.bool)
+    keep[[1, 4]] = False
+    kept = keep.double()[:, None].expand_as(mask)
+    divisor = core.agg_count(mask, agg)
+
+    def grad(w):
+        loss, _ = core.policy_loss(logp, old, adv, mask, 0.2, divisor, agg, weights=w)
+        return loss, torch.autograd.grad(loss, logp)[0]
+
+    plain, plain_grad = grad(weights)
+    masked, masked_grad = grad(kept if weights is None else weights * kept)
+    assert torch.equal(masked_grad[keep], plain_grad[keep])
+    assert torch.equal(masked_grad[~keep], torch.zeros_like(masked_grad[~keep]))
+    assert plain_grad[~keep].abs().sum() > 0  # they had a gradient to lose
+    # The loss: the kept rows' terms over the unchanged divisor, which still counts the masked
+    # rows' tokens. Both sides add the same <= 48 float64 terms (each below |A| e^0.3 x 2 < 15
+    # for these draws) in other groupings, within 47 u 48 x 15 = 3.8e-12 of each other, then
+    # divide by a divisor >= 8: 1e-12.
+    only_kept, _ = core.policy_loss(logp[keep], old[keep], adv[keep], mask[keep], 0.2, divisor,
+                                    agg, weights=None if weights is None else weights[keep])
+    torch.testing.assert_close(masked, only_kept, rtol=0, atol=1e-12)
+    assert masked.item() != plain.item()
+
+
 def test_policy_loss_with_weights_multiplies_each_token_s_term():
     # The hand case of test_policy_loss_clips_hand_values, terms -1.2, -0.5, +0.8, with weights
     # 0.5, 2, 1 (padding's weight 7 must not count): (-0.6 - 1.0 + 0.8) / 3. Unit weights give
