@@ -507,7 +507,10 @@ class RolloutConfig:
 
     ALIASES: ClassVar[dict[str, str]] = {  # ModelConfig.ALIASES
         "num_samples": "n", "num_generations": "n", "samples_per_prompt": "n",
-        "n_samples_per_prompt": "n", "backend": "engine", "name": "engine"}
+        "n_samples_per_prompt": "n", "backend": "engine", "name": "engine",
+        "rollout_rs": "mask", "sequence_mask_metric": "mask", "rollout_rs_threshold": "mask_high",
+        "rollout_rs_threshold_lower": "mask_low", "geo_mask_high": "mask_high",
+        "geo_mask_low": "mask_low"}
 
     # Responses sampled per prompt; they form a group on one rank (the group baseline of grpo,
     # dr_grpo and rloo needs at least 2).
@@ -520,6 +523,19 @@ class RolloutConfig:
     # Truncated importance sampling for the engine's mismatch: each token's policy-loss term is
     # weighted by min(exp(trainer's old log-prob - engine's), tis_cap); null: off.
     tis_cap: float | None = None
+    # A mask for the engine's mismatch (docs/design.md, "Rollout"): a sample whose ratio
+    # trainer / engine lies outside [mask_low, mask_high] is left out of the policy loss.
+    # sequence: the ratio of the sample's probabilities, the product of its action tokens'
+    # ratios; geometric: that product's geometric mean, per token; null: off. The names are
+    # the field's: veRL's rejection levels (rollout_rs=sequence, geometric), TRL's
+    # sequence_mask, SkyRL's geo_mask_low/high. The level is checked when the run is resolved
+    # (``algorithms.check``); with tis_cap the kept samples' tokens keep their TIS weights.
+    mask: str | None = None
+    # The band's bounds, ratios > 0: mask_high is needed with a mask; mask_low null is
+    # 1 / mask_high (veRL's rule, a band symmetric in log space). The geometric mean is a
+    # per-token ratio, near 1: a SkyRL example's band is [0.99, 1.01].
+    mask_low: float | None = None
+    mask_high: float | None = None
     # hf only: its key/value cache while decoding. dynamic grows with the sequence; static is
     # Hugging Face's cache of fixed size with its decoding step compiled (torch.compile, once a
     # run: the weights change in place); auto: static on CUDA where the model takes it, else
@@ -549,6 +565,14 @@ class RolloutConfig:
     # policy after update t - K (or the initial one), generated while step t - 1 trains; 0: the
     # synchronous order. K > 0 needs rollout.num_devices > 0.
     max_staleness: int = 0
+
+    @property
+    def mask_band(self) -> tuple[float, float]:
+        """The mask's band (``mask_low``, ``mask_high``), ``mask_low`` null read as
+        1 / ``mask_high``; only with a mask."""
+        assert self.mask_high is not None, "no band without rollout.mask"
+        low = 1.0 / self.mask_high if self.mask_low is None else self.mask_low
+        return low, self.mask_high
 
     def streams(self, by_default: bool) -> bool:
         """Whether episodes stream on an engine that takes requests (``streaming``); where
@@ -586,10 +610,35 @@ class RolloutConfig:
                                           f"rollout.engine=hf)")
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ConfigError("tis_cap", f"must be > 0 or null (off), got {self.tis_cap}")
+        self._check_mask_band()
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ConfigError("micro_batch_size", f"must be >= 1 or null (all of a "
                                                   f"rank's prompts at once), got "
                                                   f"{self.micro_batch_size}")
+
+    def _check_mask_band(self) -> None:
+        """A band that keeps no sample, or bounds that nothing reads, is one line."""
+        bounds = {k: getattr(self, k) for k in ("mask_low", "mask_high")
+                  if getattr(self, k) is not None}
+        if self.mask is None:
+            if bounds:  # a bound without its mask would silently change nothing
+                key, value = next(iter(bounds.items()))
+                raise ConfigError(key, f"{value} bounds no mask: rollout.mask is null (off); "
+                                       f"allowed: null, or with a rollout.mask")
+            return
+        if self.mask_high is None:
+            raise ConfigError("mask_high", f"rollout.mask={self.mask} needs the band's upper "
+                                           f"bound; allowed: a ratio > 0 (mask_low below it; "
+                                           f"null: 1 / mask_high)")
+        for key, value in bounds.items():
+            if not value > 0:
+                raise ConfigError(key, f"must be > 0 (a ratio of probabilities), got {value}")
+        low, high = self.mask_band
+        if low >= high:
+            key, low_is = (("mask_low", f"mask_low={low}") if self.mask_low is not None else
+                           ("mask_high", f"mask_low null, 1 / mask_high = {low:.6g}"))
+            raise ConfigError(key, f"the band [{low:.6g}, {high:.6g}] ({low_is}) keeps no "
+                                   f"sample; allowed: mask_low < mask_high")
 
 
 ENV_REWARDS = ("env", "reward")

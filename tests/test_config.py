@@ -171,6 +171,19 @@ def test_nodes_and_gpus_per_node_define_the_cluster():
                                                        "false"),
     (["rollout.tis_cap=0"], "rollout.tis_cap", "must be > 0 or null (off), got 0"),
     (["rollout.tis_cap=-2.5"], "rollout.tis_cap", "must be > 0 or null (off), got -2.5"),
+    (["rollout.mask=product", "rollout.mask_high=2"], "rollout.mask",
+     "got 'product'; allowed: null, sequence, geometric"),
+    (["rollout.mask=sequence"], "rollout.mask_high", "needs the band's upper bound"),
+    (["rollout.mask=sequence", "rollout.mask_high=0"], "rollout.mask_high", "must be > 0"),
+    (["rollout.mask=geometric", "rollout.mask_low=-0.5", "rollout.mask_high=1.01"],
+     "rollout.mask_low", "must be > 0 (a ratio of probabilities), got -0.5"),
+    # Empty bands: the bounds the wrong way round, or mask_high <= 1 with mask_low its inverse.
+    (["rollout.mask=geometric", "rollout.mask_low=1.01", "rollout.mask_high=0.99"],
+     "rollout.mask_low", "the band [1.01, 0.99] (mask_low=1.01) keeps no sample"),
+    (["rollout.mask=sequence", "rollout.mask_high=1"], "rollout.mask_high",
+     "the band [1, 1] (mask_low null, 1 / mask_high = 1) keeps no sample"),
+    (["rollout.mask_high=2"], "rollout.mask_high", "bounds no mask"),
+    (["rollout.geo_mask_high=1.01"], "rollout.geo_mask_high", "did you mean rollout.mask_high?"),
     (["trainer.save_every=-1"], "trainer.save_every", "must be >= 0"),
     (["trainer.max_skipped_steps=-2"], "trainer.max_skipped_steps", "must be >= 0"),
     (["trainer.resume=/no/such/step_3"], "trainer.resume", "auto, none or a checkpoint"),
@@ -235,6 +248,14 @@ def test_episodes_stream_on_vllm_by_default_and_on_hf_when_asked(engine, setting
     argv = [f"rollout.engine={engine}"] + ([f"rollout.streaming={setting}"] if setting else [])
     own = {"hf": HFRollout, "vllm": VLLMRollout}[engine].streams_by_default  # auto's answer
     assert load(argv).rollout.streams(own) is streams
+
+
+def test_the_mask_s_band_is_off_by_default_and_its_lower_bound_is_the_upper_s_inverse():
+    assert load([]).rollout.mask is None
+    assert load(["rollout.mask=geometric", "rollout.mask_high=1.25"]).rollout.mask_band == \
+        (0.8, 1.25)
+    assert load(["rollout.mask=sequence", "rollout.mask_low=0.25", "rollout.mask_high=2"]
+                ).rollout.mask_band == (0.25, 2.0)
 
 
 def test_the_engine_s_share_is_auto_by_default_or_a_number():

@@ -41,6 +41,8 @@ def _train(*args: str, cwd) -> subprocess.CompletedProcess:
     ([*INLINE, "actor.config.num_attention_heads=-0.5"], "actor.config.num_attention_heads"),
     (["task.model.num_hidden_layerz=2"], "task.model.num_hidden_layerz"),  # the demo's model
     (["actor.config.hidden_size=32"], "data.train_files"),  # the demo's files need a tokenizer
+    (["rollout.mask=product", "rollout.mask_high=2"], "rollout.mask"),  # the math's names
+    (["rollout.mask=sequence", "rollout.mask_high=1"], "rollout.mask_high"),  # an empty band
 ])
 def test_bad_input_exits_with_one_line_and_writes_nothing(tmp_path, args, names):
     out = tmp_path / "out"

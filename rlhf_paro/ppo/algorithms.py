@@ -127,6 +127,9 @@ def check(cfg: Config) -> None:
     if alg.loss_agg_mode is not None and alg.loss_agg_mode not in core.LOSS_AGG_MODES:
         raise ConfigError("algorithm.loss_agg_mode", f"got {alg.loss_agg_mode!r}; allowed: "
                                                      f"null, {', '.join(core.LOSS_AGG_MODES)}")
+    if cfg.rollout.mask is not None and cfg.rollout.mask not in core.MASK_LEVELS:
+        raise ConfigError("rollout.mask", f"got {cfg.rollout.mask!r}; allowed: null, "
+                                          f"{', '.join(core.MASK_LEVELS)}")
     if alg.kl_in_loss and alg.adaptive_kl:
         raise ConfigError("algorithm.adaptive_kl", "the adaptive controller steers the KL "
                                                    "penalty in the reward; allowed: false with "
