@@ -175,6 +175,26 @@ def logprob_diff(sums: Sums | None) -> dict[str, float]:
                                           if count else 0.0)}
 
 
+def engine_mask(sums: Sums) -> dict[str, float]:
+    """``rollout/masked_fraction``: of the step's samples (all ranks), the share
+    ``rollout.mask`` left out of the policy loss, and of them those above and below the band
+    (``_high``, ``_low``); ``rollout/mask_log_ratio_{mean,min,max}``: the log of the ratio the
+    band bounds (a sample's trainer / engine, or its geometric mean per token), whose mean
+    estimates minus the KL from the engine's distribution to the trainer's (per sample, or per
+    token). From the actor's ``mask_sums``; nothing without a mask. A fraction over ranks is
+    their counts' sum over their samples', not a mean of the ranks' fractions."""
+    total = sums.total
+    samples = total.get("mask_samples")
+    if not samples:
+        return {}
+    return {"rollout/masked_fraction": total["mask_masked"] / samples,
+            "rollout/masked_fraction_high": total["mask_masked_high"] / samples,
+            "rollout/masked_fraction_low": total["mask_masked_low"] / samples,
+            "rollout/mask_log_ratio_mean": total["mask_log_ratio_sum"] / samples,
+            "rollout/mask_log_ratio_min": sums.least["mask_log_ratio"],
+            "rollout/mask_log_ratio_max": sums.most["mask_log_ratio"]}
+
+
 @dataclass
 class Sums:
     """What ranks send the driver to add up, each kind folded over ranks its own way
@@ -294,6 +314,7 @@ def step_row(cfg: Any, gen: Sums, exp: Sums, scored: Sums, mismatch: Sums | None
     row.update(reward_extras(scored))
     row.update(env_metrics(gen.env))
     row.update(logprob_diff(mismatch))
+    row.update(engine_mask(exp))
     generated = gen.total
     row.update({
         "ppo/reward_mean": total["reward"] / total["count"],

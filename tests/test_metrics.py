@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 
 import pytest
 
 from rlhf_paro.metrics import (
-    LOOP_KEYS, TASK_SCORE_KEY, MetricsLogger, RankReport, Sums, has_task_score, logprob_diff,
-    missing_steps, model_metrics, padding_fraction, read_jsonl, required_keys, reward_extras,
+    LOOP_KEYS, TASK_SCORE_KEY, MetricsLogger, RankReport, Sums, engine_mask, has_task_score,
+    logprob_diff, missing_steps, model_metrics, padding_fraction, read_jsonl, required_keys,
+    reward_extras,
 )
 
 
@@ -138,6 +140,31 @@ def test_logprob_diff_is_the_largest_rank_s_max_and_the_token_weighted_mean():
     assert row["rollout/logprob_diff_mean"] == pytest.approx(9e-6 / 4)
     assert logprob_diff(None) == {}  # an engine that gives no log-probs: no keys
     assert logprob_diff(Sums.fold([])) == {}
+
+
+def test_the_masked_fraction_is_the_ranks_masked_samples_over_their_samples():
+    import torch
+
+    from rlhf_paro.actors.actor import mask_sums
+
+    # Eight samples' log ratios against the band [e^-1, e^0.5]: two above, one below, one at
+    # each edge (kept). Folded from any split over ranks, the row is the whole batch's: 3 of 8
+    # masked, 2 above and 1 below, the log ratios' mean, least and most.
+    log_ratio = torch.tensor([0.0, 0.9, -0.2, 0.5, -1.5, 0.1, 2.0, -1.0], dtype=torch.float64)
+    low, high = math.exp(-1.0), math.exp(0.5)
+    # (The sum of 8 log ratios below 2 in other groupings: within 7 u 8 x 2 = 1.2e-14.)
+    whole = {"rollout/masked_fraction": 3 / 8, "rollout/masked_fraction_high": 2 / 8,
+             "rollout/masked_fraction_low": 1 / 8,
+             "rollout/mask_log_ratio_mean": pytest.approx(0.8 / 8, rel=0, abs=2e-15),
+             "rollout/mask_log_ratio_min": -1.5, "rollout/mask_log_ratio_max": 2.0}
+    for split in ([8], [1, 7], [3, 3, 2], [2, 1, 4, 1]):
+        ranks = [mask_sums(part, low, high) for part in log_ratio.split(split)]
+        assert engine_mask(Sums.fold(ranks)) == whole, split
+    # The ranks' fractions averaged would be (1/1 + 2/7) / 2 for the first split, not 3/8.
+    ranks = [mask_sums(part, low, high) for part in log_ratio.split([1, 7])]
+    fractions = [engine_mask(r)["rollout/masked_fraction"] for r in ranks]
+    assert sum(fractions) / 2 != 3 / 8
+    assert engine_mask(Sums()) == {}  # no mask: no keys
 
 
 def test_sums_fold_each_kind_its_own_way_and_survive_a_checkpoint():

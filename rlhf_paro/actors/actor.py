@@ -215,8 +215,8 @@ class ActorWorker(TrainedWorker):
         Without old log-probs in ``experience`` (``algorithms.old_logprobs_from_update``), each
         micro-batch's forward gives its rows' before the only optimizer step; then it gives
         what ``old_logprobs`` would have: the engine's distance (``mismatch``) and, in
-        ``update_sums``, the KL sum (zero without a reference). Else ``update_sums`` is
-        empty."""
+        ``update_sums``, the KL sum (zero without a reference). ``update_sums`` holds the
+        sums of ``rollout.mask`` too (``mask_sums``); without either it is empty."""
         batch, ppo, alg = rollout, self.cfg.ppo, self.cfg.algorithm
         anchored = experience.old_logp is None
         if anchored and len(batch) > ppo.mini_batch_size // self.num_ranks:
@@ -224,6 +224,11 @@ class ActorWorker(TrainedWorker):
         anchor = torch.zeros(batch.action_mask.shape)
         covered = torch.zeros(len(batch), dtype=torch.bool)
         tis_cap = self.cfg.rollout.tis_cap  # every engine gives log-probs of a sampled rollout
+        level = self.cfg.rollout.mask
+        band = self.cfg.rollout.mask_band if level is not None else None
+        # Each row's mask statistic, kept by row (not per call) so that a filler micro-batch
+        # or a second epoch, which see a row again, count it once.
+        log_ratios = torch.zeros(len(batch), dtype=torch.float64)
         agg = algorithms.loss_agg_mode(self.cfg)
         # Dr. GRPO divides each sequence's token sum by the response budget, a constant.
         norm = (ppo.max_new_tokens if algorithms.spec(self.cfg).token_sum_norm
@@ -241,17 +246,26 @@ class ActorWorker(TrainedWorker):
                 old_logp = exp.old_logp.to(self.device)
             # The engine sampled, the trainer's old log-probs anchor the ratio: reweight to them.
             weights = None
-            if tis_cap is not None:
+            if tis_cap is not None or level is not None:
                 behaviour = rows.logprobs.to(self.device)
+            if tis_cap is not None:
                 weights = core.tis_weights(old_logp, behaviour, tis_cap)
                 # The share of action tokens whose weight the cap cut.
                 capped = ((old_logp - behaviour) >= math.log(tis_cap)).float()
                 clipped = float((capped * mask).sum() / mask.sum().clamp(min=1))
+            if level is not None:
+                # A sample outside the band weighs 0: its tokens still count in the divisor,
+                # fixed before the forward (TRL's choice; docs/design.md, "Rollout"), so a
+                # step that masks more moves the policy less.
+                log_ratio = core.mask_log_ratio(old_logp, behaviour, mask, level)
+                log_ratios[idx] = log_ratio.cpu()
+                keep = core.in_band(log_ratio, *band).to(old_logp.dtype)[:, None].expand_as(mask)
+                weights = keep if weights is None else weights * keep
             loss, stats = core.policy_loss(
                 logp, old_logp, exp.advantages.to(self.device), mask,
                 ppo.clip_eps, divisor, agg=agg, token_sum_norm=norm, weights=weights)
             metrics = {"actor/clipfrac": stats["clipfrac"], "approx_kl": stats["approx_kl"]}
-            if weights is not None:
+            if tis_cap is not None:
                 metrics["rollout/tis_clipfrac"] = clipped
             if exp.ref_logp is not None:
                 kl_loss, kl_stats = core.kl_loss(logp, exp.ref_logp.to(self.device), mask,
@@ -262,13 +276,30 @@ class ActorWorker(TrainedWorker):
 
         self.ppo_update(batch, micro_loss, step, agg, first_forward)
         self._engine_stale = True
+        masked = Sums() if band is None else mask_sums(log_ratios, *band)
         if not anchored:
-            return {"update_sums": Sums()}
+            return {"update_sums": masked}
         assert bool(covered.all()), "a row of the rollout had no training forward"
         ref_logp, mask = experience.ref_logp, batch.action_mask
         kl = (0.0 if ref_logp is None else
               float((core.kl_estimate(anchor, ref_logp, alg.kl_estimator) * mask).sum()))
-        return {"update_sums": Sums(total={"kl": kl}), "mismatch": mismatch(batch, anchor)}
+        return {"update_sums": Sums.fold([Sums(total={"kl": kl}), masked]),
+                "mismatch": mismatch(batch, anchor)}
+
+
+def mask_sums(log_ratio: torch.Tensor, low: float, high: float) -> Sums:
+    """What a rank's samples (``log_ratio``: each one's ``core.mask_log_ratio``) say of the
+    mask's band [``low``, ``high``]: how many it masked, above and below it, out of how many,
+    and the statistic's sum, least and most; folded over ranks into ``rollout/masked_fraction``
+    and the rest (``metrics.engine_mask``)."""
+    kept = core.in_band(log_ratio, low, high)
+    return Sums(total={"mask_samples": float(len(log_ratio)),
+                       "mask_masked": float((~kept).sum()),
+                       "mask_masked_high": float((log_ratio > math.log(high)).sum()),
+                       "mask_masked_low": float((log_ratio < math.log(low)).sum()),
+                       "mask_log_ratio_sum": float(log_ratio.sum())},
+                least={"mask_log_ratio": float(log_ratio.min())},
+                most={"mask_log_ratio": float(log_ratio.max())})
 
 
 def mismatch(rollout: RolloutBatch, old_logp: torch.Tensor) -> Sums | None:

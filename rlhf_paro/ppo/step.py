@@ -63,7 +63,7 @@ VALUES = {
     "targets": "the critic's regression targets (the returns)",
     "exp_sums": "the experience's sums: rewards, KL, advantages, returns",
     "update_sums": "what the update measured besides its report (the KL, when it gave the old "
-                   "log-probs)",
+                   "log-probs; what rollout.mask left out)",
     "trained": "the update of the critic is done",
     "row": "the step's metrics row",
 }
