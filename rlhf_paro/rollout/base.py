@@ -90,6 +90,17 @@ class Requests(Rollout, Protocol):
         """Drop requests no one will collect (a rollout that failed)."""
 
 
+class Interrupts(Requests, Protocol):
+    """An engine that also gives requests back before they end, with what they have decoded:
+    what partial rollouts need (``rollout/partial.py``), whose samples go on across weight
+    updates as new requests continuing the old. ``hf`` takes it; vLLM's requests report only
+    once they end (``RequestOutputKind.FINAL_ONLY``), so it does not yet."""
+
+    def interrupt(self, keys: list[Any]) -> dict[Any, tuple[list[int], list[float] | None]]:
+        """Take requests ``keys`` out of the engine (each one's tokens so far and their
+        log-probs, None when greedy); the engine keeps nothing of them."""
+
+
 def generation_seed(run_seed: int, step: int, shard: int) -> int:
     """The seed of the random stream that samples step ``step``'s rollout of prompt slice
     ``shard`` (an actor rank's, or a rollout replica's): a pure function of the three, so the

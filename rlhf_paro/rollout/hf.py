@@ -201,6 +201,9 @@ class HFRollout:
             finally:
                 self.kept = self._model = self._decoding = None
                 self._waiting.clear()
+                # Joins start afresh each time: when requests join (and so the rows each step
+                # decodes with) depends on the calls inside alone, as a resumed engine's does.
+                self._waited = 0
 
     def submit(self, context: list[int], sampling: Sampling, seed: int | None) -> int:
         """One response to ``context`` as a request of its own (inside ``turns``): it joins the
@@ -258,10 +261,19 @@ class HFRollout:
 
     def abort(self, keys: list[int]) -> None:
         """Requests no one will collect: dropped waiting, ended decoding."""
+        self.interrupt(keys)
+
+    def interrupt(self, keys: list[int]) -> dict[int, tuple[list[int], list[float] | None]]:
+        """Requests taken back before they end (``Interrupts``): each one's tokens so far and
+        their log-probs (None when greedy); a request still waiting to join has none."""
         gone = set(keys)
+        taken = {w[0]: ([], None if w[2].greedy else []) for w in self._waiting if w[0] in gone}
         self._waiting = [w for w in self._waiting if w[0] not in gone]
         if self._decoding is not None:
-            self._decoding.abort(gone)
+            # The rows' state was made under inference_mode (``step``): written there only.
+            with torch.inference_mode():
+                taken.update(self._decoding.abort(gone))
+        return taken
 
     # Generation reads the engine's own parameters, gathered at each call: there is no second copy
     # of the weights to update, and nothing held between calls to release.
@@ -646,12 +658,18 @@ class Decoding:
                       use_cache=True)
         self.logits = out.logits[:, -1].float()
 
-    def abort(self, keys: set[Any]) -> None:
-        """Rows ``keys`` end now, their responses dropped."""
+    def abort(self, keys: set[Any]) -> dict[Any, tuple[list[int], list[float] | None]]:
+        """Rows ``keys`` end now, out of the decoding; returns each one's response so far and
+        its log-probs (None when greedy)."""
+        taken = {}
         for j, key in enumerate(self.keys):
             if key in keys and bool(self.live[j]):
                 self.live[j] = False
                 self.running -= 1
+                n = int(self.count[j])
+                taken[key] = (self.tokens[j, :n].tolist(),
+                              None if self.sampling.greedy else self.logprobs[j, :n].tolist())
+        return taken
 
     def _drop_ended(self) -> Tensor:
         """The ended rows out of the batch and the cache; returns the rows kept (as they were
