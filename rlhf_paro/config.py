@@ -535,6 +535,7 @@ class RolloutConfig:
     # 1 / mask_high (veRL's rule, a band symmetric in log space). The geometric mean is a
     # per-token ratio, near 1: a SkyRL example's band is [0.99, 1.01].
     mask_low: float | None = None
+    # The band's upper bound, a ratio > 0 above mask_low; needed with a mask.
     mask_high: float | None = None
     # hf only: its key/value cache while decoding. dynamic grows with the sequence; static is
     # Hugging Face's cache of fixed size with its decoding step compiled (torch.compile, once a
