@@ -93,8 +93,8 @@ class Requests(Rollout, Protocol):
 class Interrupts(Requests, Protocol):
     """An engine that also gives requests back before they end, with what they have decoded:
     what partial rollouts need (``rollout/partial.py``), whose samples go on across weight
-    updates as new requests continuing the old. ``hf`` takes it; vLLM's requests report only
-    once they end (``RequestOutputKind.FINAL_ONLY``), so it does not yet."""
+    updates as new requests continuing the old. Both engines take it: ``hf`` gives its rows
+    back, ``vllm`` keeps what each request reported at each step."""
 
     def interrupt(self, keys: list[Any]) -> dict[Any, tuple[list[int], list[float] | None]]:
         """Take requests ``keys`` out of the engine (each one's tokens so far and their

@@ -244,6 +244,8 @@ class VLLMRollout:
         self.vocab_size = hf_config.vocab_size
         self.device = device
         self._keys = itertools.count()  # the keys of requests (``submit``)
+        # Each request in flight: its tokens and log-probs (None: greedy) reported so far.
+        self._so_far: dict[str, tuple[list[int], list[float] | None]] = {}
         # The actor's adapter, which every request generates with, once ``sync_adapters`` has
         # loaded it; None for whole weights.
         self._lora: Any = None
@@ -296,27 +298,44 @@ class VLLMRollout:
         key = str(next(self._keys))
         # (add_request returns the engine's internal id; the outputs carry ours)
         self.llm.llm_engine.add_request(key, TokensPrompt(prompt_token_ids=context),
-                                        self._params(sampling, seed, final_only=True),
+                                        self._params(sampling, seed, delta=True),
                                         lora_request=self._lora)
+        self._so_far[key] = ([], None if sampling.greedy else [])
         return key
 
     def step(self) -> list[tuple[str, list[int], list[float] | None]]:
-        """One engine step over the requests in flight; the responses that ended in it."""
+        """One engine step over the requests in flight; the responses that ended in it. Each
+        request reports its new tokens every step (``RequestOutputKind.DELTA``), gathered here
+        so that ``interrupt`` has them: an output object a request a step, which costs nothing
+        measurable beside the step itself, so every request reports so."""
         ended = []
         for out in self.llm.llm_engine.step():
+            tokens, logprobs = self._so_far[out.request_id]
+            new = out.outputs[0]
+            tokens += new.token_ids
+            if logprobs is not None:
+                logprobs += _logprobs(new)
             if out.finished:
-                first = out.outputs[0]
-                ended.append((out.request_id, list(first.token_ids),
-                              None if first.logprobs is None else _logprobs(first)))
+                del self._so_far[out.request_id]
+                ended.append((out.request_id, tokens, logprobs))
         return ended
 
     def abort(self, keys: list[str]) -> None:
         if keys:
             self.llm.llm_engine.abort_request(keys)
+        for key in keys:
+            self._so_far.pop(key, None)
 
-    def _params(self, sampling: Sampling, seed: int | None, final_only: bool = False) -> Any:
+    def interrupt(self, keys: list[str]) -> dict[str, tuple[list[int], list[float] | None]]:
+        """Take requests ``keys`` out of the engine, each with the tokens its steps reported and
+        their log-probs (``rollout.Interrupts``)."""
+        if keys:
+            self.llm.llm_engine.abort_request(keys)
+        return {key: self._so_far.pop(key) for key in keys}
+
+    def _params(self, sampling: Sampling, seed: int | None, delta: bool = False) -> Any:
         """vLLM's sampling parameters for ``sampling``; ``seed``: the request's own stream;
-        ``final_only``: a request's output once, when it ends (``step``)."""
+        ``delta``: a request's new tokens at each step (``step``)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -328,7 +347,7 @@ class VLLMRollout:
         return SamplingParams(
             max_tokens=sampling.max_new_tokens, detokenize=False, ignore_eos=True,
             stop_token_ids=stop, seed=seed,
-            **({"output_kind": RequestOutputKind.FINAL_ONLY} if final_only else {}),
+            **({"output_kind": RequestOutputKind.DELTA} if delta else {}),
             **({"temperature": 0.0} if sampling.greedy else
                {"temperature": sampling.temperature, "top_k": sampling.top_k,
                 "logprobs": 0}))

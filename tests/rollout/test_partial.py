@@ -1,8 +1,9 @@
 """Partial rollouts (``rollout/partial.py``) on the hf engine over a tiny random Llama, its
 weights changed in place between calls as a replica's sync changes them: the same seeds give
-the same rows, straight or resumed from ``state``; groups come complete, ordered by the
-decoding step they completed at; a sample spanning an update carries each policy's own
-log-probs; the staleness bound restarts samples; the engine stays full while samples queue."""
+the same rows, straight or resumed from ``state`` (on vLLM too, its weights synced before each
+call); groups come complete, ordered by the decoding step they completed at; a sample spanning
+an update carries each policy's own log-probs; the staleness bound restarts samples; the engine
+stays full while samples queue."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from rlhf_paro import models
 from rlhf_paro.config import ModelConfig
 from rlhf_paro.rollout import PromptBatch, Sampling
 from rlhf_paro.rollout import hf as hf_engine
+from rlhf_paro.rollout import vllm as vllm_engine
 from rlhf_paro.rollout.hf import HFRollout
 from rlhf_paro.rollout.partial import ENDED, PartialRollouts, assemble
 
@@ -27,6 +29,11 @@ TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
 # 24 tokens, so samples end at mixed steps.
 SAMPLING = Sampling(24, temperature=0.8)
 GROUPS, N, WANTED, CAPACITY, CALLS = 12, 2, 2, 6, 3
+# vLLM's CPU attention takes heads of 32 and up: the same model, twice as wide.
+WIDE = {**TINY, "hidden_size": 64, "intermediate_size": 128}
+ENGINES = ["hf", pytest.param("vllm", marks=[
+    pytest.mark.slow, pytest.mark.skipif(not vllm_engine.installed(),
+                                         reason='needs the vllm extra: pip install -e ".[vllm]"')])]
 
 
 class Gathered:
@@ -49,9 +56,9 @@ def _update(model, version: int) -> None:
             p.add_(0.02 * torch.randn(p.shape, generator=gen))
 
 
-def _model(version: int = 0):
+def _model(version: int = 0, config=TINY):
     """The policy after ``version`` updates."""
-    model = models.build_model("actor", ModelConfig(config=TINY), VOCAB, seed=3)
+    model = models.build_model("actor", ModelConfig(config=config), VOCAB, seed=3)
     for v in range(1, version + 1):
         _update(model, v)
     return model.eval()
@@ -68,15 +75,35 @@ def _scheduler(seed: int = 7) -> PartialRollouts:
     return scheduler
 
 
-def _calls(scheduler, model, first: int, last: int, oldest=lambda version: None):
+def _vllm(model):
+    """A vLLM engine in this process (``VLLMRollout``, as an actor rank builds it) serving
+    ``model``'s architecture, its weights not yet synced."""
+    from tests.confs import load
+
+    config = "{" + ", ".join(f"{k}: {v}" for k, v in WIDE.items()) + "}"
+    cfg = load([f"actor.config={config}", "reward.path=null", "data.train_files=null",
+                "data.max_prompt_length=8", "rollout.engine=vllm", "cluster.num_devices=1",
+                "cluster.group_size=1", "actor.strategy=NNN", f"rollout.n={N}",
+                f"ppo.rollout_batch_size={CAPACITY}", f"ppo.mini_batch_size={CAPACITY * N}",
+                f"ppo.max_new_tokens={SAMPLING.max_new_tokens}",
+                f"ppo.temperature={SAMPLING.temperature}"])
+    return vllm_engine.VLLMRollout(cfg, model.lm.config, EOS, PAD, torch.device("cpu"), seed=1)
+
+
+def _calls(scheduler, model, first: int, last: int, oldest=lambda version: None,
+           engine: str = "hf"):
     """Calls ``first`` to ``last - 1``: call k decodes under policy k, its weights updated in
-    place before it; each call's (groups, figures)."""
-    engine = HFRollout(Gathered(model), PAD, EOS, torch.device("cpu"))
+    place before it (and synced into a fresh engine of its own on vllm); each call's (groups,
+    figures)."""
+    rollout = (HFRollout(Gathered(model), PAD, EOS, torch.device("cpu")) if engine == "hf"
+               else _vllm(model))
     out = []
     for version in range(first, last):
         if version > first:
             _update(model, version)
-        out.append(scheduler.advance(engine, SAMPLING, version, WANTED, CAPACITY,
+        if engine == "vllm":
+            rollout.sync((models.hf_name(model, k), v) for k, v in model.state_dict().items())
+        out.append(scheduler.advance(rollout, SAMPLING, version, WANTED, CAPACITY,
                                      oldest(version)))
     return out
 
@@ -94,31 +121,50 @@ def straight():
     return _calls(_scheduler(), _model(0), 0, CALLS)
 
 
-def test_the_same_seeds_give_the_same_rows_tokens_logprobs_versions_and_order(straight):
+_STRAIGHT = {}  # the straight run on each engine, made once
+
+
+def _straight(request, engine: str):
+    if engine == "hf":
+        return request.getfixturevalue("straight")
+    if engine not in _STRAIGHT:
+        _STRAIGHT[engine] = _calls(_scheduler(), _model(0, WIDE), 0, CALLS, engine=engine)
+    return _STRAIGHT[engine]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_same_seeds_give_the_same_rows_tokens_logprobs_versions_and_order(request, engine):
     # A row's every draw is seeded by its group, member, restarts and tokens so far, and calls
-    # stop at a decoding step: nothing of the process's random streams or of the clock.
-    model = _model(0)
+    # stop at a decoding step: nothing of the process's random streams or of the clock. On
+    # vLLM the second run is a second engine, built with the same seeds.
+    straight = _straight(request, engine)
+    config = TINY if engine == "hf" else WIDE
+    model = _model(0, config)
     torch.rand(17)  # the process's stream moved on (building a model seeds it): not read
-    again = _calls(_scheduler(), model, 0, CALLS)
+    again = _calls(_scheduler(), model, 0, CALLS, engine=engine)
     assert _rows(again) == _rows(straight)
     # The run exercises what it should: samples spanning an update, responses of mixed lengths.
     samples = [s for groups, _ in straight for g in groups for s in g.samples]
     assert any(len(set(s.versions)) > 1 for s in samples)
     assert len({len(s.tokens) for s in samples}) > 2
     # Another base seed, other rows.
-    other = _calls(_scheduler(seed=8), _model(0), 0, CALLS)
+    other = _calls(_scheduler(seed=8), _model(0, config), 0, CALLS, engine=engine)
     assert _rows(other) != _rows(straight)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("saved_after", [1, 2])
-def test_a_resume_from_state_gives_the_straight_runs_rows(straight, saved_after):
+def test_a_resume_from_state_gives_the_straight_runs_rows(request, engine, saved_after):
     # A fresh engine and scheduler from the saved state, on the policy the checkpoint holds.
+    straight = _straight(request, engine)
+    config = TINY if engine == "hf" else WIDE
     scheduler = _scheduler()
-    _calls(scheduler, _model(0), 0, saved_after)
+    _calls(scheduler, _model(0, config), 0, saved_after, engine=engine)
     state = json.loads(json.dumps(scheduler.state()))  # plain data, as a checkpoint holds it
     held = [s for g in state["groups"] for s in g["samples"] if s["tokens"]]
     assert any(s["state"] != ENDED for s in held)  # saved while samples were decoding
-    resumed = _calls(PartialRollouts.from_state(state), _model(saved_after), saved_after, CALLS)
+    resumed = _calls(PartialRollouts.from_state(state), _model(saved_after, config),
+                     saved_after, CALLS, engine=engine)
     assert _rows(resumed) == _rows(straight[saved_after:])
 
 
@@ -140,29 +186,30 @@ def test_groups_come_complete_ordered_by_the_step_they_completed_at(straight):
     assert carried > 0
 
 
-def test_a_sample_spanning_an_update_carries_each_policys_logprobs(straight):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_sample_spanning_an_update_carries_each_policys_logprobs(request, engine):
     # Each recorded log-prob is the engine's, at the temperature, under the policy that sampled
     # the token: recomputed by the trainer's forward of that policy (models.CausalLM). Both are
     # fp32 of the same function and differ by summation order only (the key/value cache's
-    # steps against one pass): observed below 5e-7 on values near -3.5 (two units in the
-    # last place), bounded at 1e-5. The two policies' log-probs differ by more than 1e-3, so
-    # the bound tells them apart.
+    # steps, or vLLM's own kernels, against one pass): observed below 5e-7 on values near -3.5
+    # (two units in the last place) on both engines, bounded at 1e-5. The policies' log-probs
+    # differ by more than 1e-3, so the bound tells them apart. A sample may span more than one
+    # update (on vLLM one spans all three calls).
+    straight = _straight(request, engine)
+    config = TINY if engine == "hf" else WIDE
     spanning = [(g, s) for groups, _ in straight for g in groups for s in g.samples
                 if len(set(s.versions)) > 1]
     assert spanning
     for g, s in spanning:
-        old, new = s.versions[0], s.versions[-1]
-        assert new == old + 1
-        switch = s.versions.index(new)
-        assert s.versions == [old] * switch + [new] * (len(s.tokens) - switch)
+        assert s.versions == sorted(s.versions)  # a call's tokens follow the calls before
         ids = torch.tensor([g.prompt + s.tokens])
         with torch.no_grad():
-            under = {v: _model(v)(ids, torch.ones_like(ids), len(s.tokens),
-                                  SAMPLING.temperature)[0] for v in (old, new)}
-        recorded = torch.tensor(s.logprobs)
-        assert (recorded[:switch] - under[old][:switch]).abs().max() <= 1e-5
-        assert (recorded[switch:] - under[new][switch:]).abs().max() <= 1e-5
-        assert (under[old] - under[new]).abs().max() > 1e-3
+            under = {v: _model(v, config)(ids, torch.ones_like(ids), len(s.tokens),
+                                          SAMPLING.temperature)[0] for v in set(s.versions)}
+        recorded, versions = torch.tensor(s.logprobs), torch.tensor(s.versions)
+        for v, logprobs in under.items():
+            assert (recorded - logprobs)[versions == v].abs().max() <= 1e-5
+        assert (under[s.versions[0]] - under[s.versions[-1]]).abs().max() > 1e-3
 
 
 def test_the_staleness_bound_restarts_older_samples_from_their_prompts(straight):
