@@ -7,7 +7,6 @@ stays full while samples queue."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 
 import pytest
@@ -20,6 +19,7 @@ from rlhf_paro.rollout import hf as hf_engine
 from rlhf_paro.rollout import vllm as vllm_engine
 from rlhf_paro.rollout.hf import HFRollout
 from rlhf_paro.rollout.partial import ENDED, PartialRollouts, assemble
+from tests.rollout.test_hf import Gathered
 
 PAD, EOS, VOCAB = 0, 5, 32
 TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
@@ -34,17 +34,6 @@ WIDE = {**TINY, "hidden_size": 64, "intermediate_size": 128}
 ENGINES = ["hf", pytest.param("vllm", marks=[
     pytest.mark.slow, pytest.mark.skipif(not vllm_engine.installed(),
                                          reason='needs the vllm extra: pip install -e ".[vllm]"')])]
-
-
-class Gathered:
-    """The part of the engine contract generation reads: ``gathered`` yields the full model."""
-
-    def __init__(self, model):
-        self.model = model
-
-    @contextlib.contextmanager
-    def gathered(self, phase=None):
-        yield self.model
 
 
 def _update(model, version: int) -> None:
